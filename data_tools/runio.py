@@ -1,0 +1,197 @@
+"""Run directories, atomic file writes and run locks.
+
+Everything a run writes lives under its scratch directory (``OUTPUT_DIR``), never inside the repo.
+Files are written to a temporary name in the same directory and renamed, so a reader never takes
+a half-written parquet or JSON file as complete (``os.replace`` is atomic on POSIX filesystems).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Exit code of a run that finds another run holding its lock (BSD ``EX_TEMPFAIL``).
+EXIT_LOCKED = 75
+
+
+def cache_root() -> Path:
+    """``$OPD_CACHE`` or ``$XDG_CACHE_HOME/opd`` (default ``~/.cache/opd``): model cache and default runs."""
+    if os.environ.get("OPD_CACHE"):
+        return Path(os.environ["OPD_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "opd"
+
+
+def default_output_dir(experiment: str | None = None) -> Path:
+    """Scratch directory of a run: ``$OUTPUT_DIR``, else ``<cache_root>/runs/<EXPERIMENT_NAME or 'default'>``."""
+    if os.environ.get("OUTPUT_DIR"):
+        return Path(os.environ["OUTPUT_DIR"]).expanduser()
+    name = experiment or os.environ.get("EXPERIMENT_NAME") or "default"
+    return cache_root() / "runs" / name
+
+
+def check_outside_repo(path: Path, what: str = "OUTPUT_DIR") -> Path:
+    """Raise ``ValueError`` if ``path`` lies inside the repository: run outputs never land in the repo."""
+    p = Path(path).expanduser().resolve()
+    if p == REPO_ROOT or REPO_ROOT in p.parents:
+        raise ValueError(f"{what}={p} is inside the repository {REPO_ROOT}; point it to a scratch directory")
+    return p
+
+
+@contextmanager
+def _atomic_path(dest: Path) -> Iterator[Path]:
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_parquet(table: pa.Table | list[dict[str, Any]], dest: Path, schema: pa.Schema | None = None) -> Path:
+    """Write ``table`` (an Arrow table or a list of row dicts) to ``dest`` atomically; returns ``dest``."""
+    if not isinstance(table, pa.Table):
+        table = pa.Table.from_pylist(list(table), schema=schema)
+    with _atomic_path(dest) as tmp:
+        pq.write_table(table, tmp)
+    return Path(dest)
+
+
+def write_json(obj: Any, dest: Path) -> Path:
+    """Write ``obj`` as indented JSON to ``dest`` atomically; returns ``dest``."""
+    with _atomic_path(dest) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    return Path(dest)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LockHeld(RuntimeError):
+    """Another live process holds the run lock; ``holder`` is its lock record."""
+
+    def __init__(self, lock_path: Path, holder: dict):
+        self.lock_path, self.holder = lock_path, holder
+        super().__init__(
+            f"{lock_path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')} "
+            f"(command: {holder.get('cmd')}, since {holder.get('started')}); lock file {lock_path}"
+        )
+
+
+def acquire_lock(directory: Path, name: str = ".opd.lock", owner_pid: int | None = None) -> Path:
+    """Take the run lock of ``directory``: a file created with O_EXCL holding pid, host and command.
+
+    A lock whose pid is dead (same host) is stale and is taken over, so a crashed run never blocks
+    the next one. Raises :class:`LockHeld` if a live process holds it. ``owner_pid`` (default: this
+    process) is the pid recorded, so a shell script can lock on behalf of its own long-lived pid.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / name
+    pid = owner_pid or os.getpid()
+    record = {"pid": pid, "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "cmd": " ".join(os.sys.argv)[:200]}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text() or "{}")
+            except (OSError, json.JSONDecodeError):
+                holder = {}
+            same_host = holder.get("host") == socket.gethostname()
+            if holder.get("pid") == pid:
+                return lock  # re-entrant: the same owner (e.g. run.sh then its stage) already holds it
+            if holder and same_host and not _pid_alive(int(holder.get("pid", -1))):
+                lock.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            if not holder:  # being written right now, or garbage: give the writer a moment
+                time.sleep(0.2)
+                if lock.exists() and not lock.read_text().strip():
+                    lock.unlink(missing_ok=True)
+                continue
+            raise LockHeld(lock, holder)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        return lock
+    raise LockHeld(lock, {"pid": "?", "host": "?", "cmd": "unknown (lock file keeps reappearing)"})
+
+
+def release_lock(lock: Path, owner_pid: int | None = None) -> None:
+    """Remove ``lock`` if it is ours (its pid is ``owner_pid`` or this process)."""
+    try:
+        holder = json.loads(Path(lock).read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if holder.get("pid") == (owner_pid or os.getpid()):
+        Path(lock).unlink(missing_ok=True)
+
+
+@contextmanager
+def run_lock(*directories: Path) -> Iterator[None]:
+    """Hold the locks of several directories (e.g. OUTPUT_DIR and CKPT_DIR) for a block.
+
+    If ``OPD_LOCK_OWNER`` is set (``run.sh`` exports its own pid) the stage runs under its parent's
+    lock: the lock is taken with that pid, which is re-entrant, and left for the parent to release.
+    """
+    owner = int(os.environ["OPD_LOCK_OWNER"]) if os.environ.get("OPD_LOCK_OWNER") else None
+    taken: list[Path] = []
+    try:
+        for d in dict.fromkeys(Path(x).resolve() for x in directories):
+            taken.append(acquire_lock(d, owner_pid=owner))
+        yield
+    finally:
+        if owner is None:
+            for lock in taken:
+                release_lock(lock)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m data_tools.runio lock DIR... --pid PID`` / ``unlock DIR... --pid PID`` for shell scripts."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m data_tools.runio")
+    ap.add_argument("action", choices=["lock", "unlock"])
+    ap.add_argument("dirs", nargs="+", type=Path)
+    ap.add_argument("--pid", type=int, required=True, help="pid recorded as the lock's owner")
+    args = ap.parse_args(argv)
+    if args.action == "unlock":
+        for d in args.dirs:
+            release_lock(Path(d) / ".opd.lock", owner_pid=args.pid)
+        return 0
+    taken = []
+    try:
+        for d in dict.fromkeys(p.resolve() for p in args.dirs):
+            taken.append(acquire_lock(d, owner_pid=args.pid))
+    except LockHeld as e:
+        for lock in taken:
+            release_lock(lock, owner_pid=args.pid)
+        print(f"opd: {e}", file=os.sys.stderr)
+        return EXIT_LOCKED
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
