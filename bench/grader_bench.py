@@ -1,0 +1,125 @@
+"""Grader speed and fidelity: ours (data_tools.grader) vs plain math-verify, same answers, one run.
+
+Run: ``python bench/grader_bench.py [--reps N] [--gsm8k N]``
+
+Workloads
+- ``mixed``: the public answer-equivalence cases (../shared/grader_cases/public.jsonl, or
+  $OPD_SHARED_DIR/grader_cases/public.jsonl) replicated ``--reps`` times (default 6 -> 348).
+  Our grader caches worker verdicts by (gold, extracted answer), which replicated cases hit, as
+  do repeated samples of one problem in curation; ``mixed-cold`` is one pass over the unique
+  cases with the cache cleared, so both numbers are reported.
+- ``integers``: GSM8K-style plain integer answers, "... The answer is N." with right and wrong
+  N (gold from ../shared/data/gsm8k_test.jsonl when present, else synthetic).
+
+Plain math-verify is ``parse("$gold$")``, ``parse(pred)``, ``verify(gold, pred)`` with default
+config (signal timeouts on, main thread), which is what design.md section 8 timed (34.6/s).
+Timings are single-threaded (workers=1) for both, wall clock, answers per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data_tools import grader  # noqa: E402
+
+
+def shared_dir() -> Path:
+    env = os.environ.get("OPD_SHARED_DIR")
+    return Path(env) if env else REPO.parent / "shared"
+
+
+def load_public() -> list[dict]:
+    path = shared_dir() / "grader_cases" / "public.jsonl"
+    if not path.exists():
+        sys.exit(f"missing {path}: set OPD_SHARED_DIR to the shared folder")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def integer_cases(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    golds: list[str] = []
+    path = shared_dir() / "data" / "gsm8k_test.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines()[:n]:
+            g = grader.extract_gsm8k_answer(json.loads(line)["answer"])
+            if g:
+                golds.append(g)
+    while len(golds) < n:
+        golds.append(str(rng.randint(0, 100000)))
+    cases = []
+    for i, g in enumerate(golds):
+        right = i % 2 == 0
+        ans = g if right else str(int(float(g)) + rng.randint(1, 9))
+        pred = f"She sells 16 - 3 - 4 = 9 eggs and earns 9 * 2 = 18 dollars.\nThe answer is {ans}."
+        cases.append({"gold": g, "pred": pred, "expected": right})
+    return cases
+
+
+def run_plain(cases: list[dict]) -> tuple[float, float]:
+    from math_verify import parse, verify
+
+    t = time.perf_counter()
+    agree = 0
+    for c in cases:
+        try:
+            ok = verify(parse(f"${c['gold']}$"), parse(c["pred"]))
+        except Exception:  # noqa: BLE001
+            ok = False
+        agree += ok == c["expected"]
+    dt = time.perf_counter() - t
+    return len(cases) / dt, agree / len(cases)
+
+
+def run_ours(cases: list[dict], clear_cache: bool) -> tuple[float, float, dict]:
+    if clear_cache:
+        with grader._CACHE_LOCK:
+            grader._CACHE.clear()
+    paths: dict[str, int] = {}
+    t = time.perf_counter()
+    vs = grader.grade_batch([c["pred"] for c in cases], [c["gold"] for c in cases], workers=1)
+    dt = time.perf_counter() - t
+    agree = sum(v.correct == c["expected"] for v, c in zip(vs, cases))
+    for v in vs:
+        paths[v.path] = paths.get(v.path, 0) + 1
+    return len(cases) / dt, agree / len(cases), paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=6, help="replications of the public cases")
+    ap.add_argument("--gsm8k", type=int, default=300, help="number of integer-answer cases")
+    args = ap.parse_args()
+    logging.disable(logging.WARNING)
+
+    public = load_public()
+    workloads = {
+        "mixed-cold": (public, True),
+        "mixed": (public * args.reps, False),
+        "integers": (integer_cases(args.gsm8k), True),
+    }
+    # Start the worker and import math-verify before timing either side.
+    grader.grade("\\boxed{x^2}", "x^2")
+    import math_verify  # noqa: F401
+
+    print(f"{'workload':<11} {'n':>5} {'plain a/s':>10} {'ours a/s':>10} {'ratio':>7} "
+          f"{'plain agree':>11} {'ours agree':>10}  ours paths")
+    for name, (cases, cold) in workloads.items():
+        p_rate, p_agree = run_plain(cases)
+        o_rate, o_agree, paths = run_ours(cases, clear_cache=cold)
+        print(f"{name:<11} {len(cases):>5} {p_rate:>10.1f} {o_rate:>10.1f} {o_rate / p_rate:>6.1f}x "
+              f"{p_agree:>11.3f} {o_agree:>10.3f}  {json.dumps(paths)}")
+    grader._POOL.close()
+
+
+if __name__ == "__main__":
+    main()
