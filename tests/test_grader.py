@@ -1,0 +1,293 @@
+"""Tests for data_tools.grader: verdicts per answer family, guards, adversarial inputs, threads, CLI,
+and fidelity on the public answer-equivalence cases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("math_verify")
+
+from data_tools import grader  # noqa: E402
+from data_tools.grader import Verdict, extract_gsm8k_answer, grade, grade_batch, parse_gold  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path:
+    env = os.environ.get("OPD_SHARED_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+
+
+# (pred, gold, expected) per family; each family has true and false cases.
+FAMILIES = {
+    "boxed": [
+        ("So the answer is \\boxed{42}.", "42", True),
+        ("So the answer is \\boxed{41}.", "42", False),
+        ("First \\boxed{5}. That was wrong; the answer is \\boxed{7}.", "7", True),
+        ("First \\boxed{7}. That was wrong; the answer is \\boxed{5}.", "7", False),
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", True),
+        ("\\boxed{x^2 + 2x}", "(x+1)^2", False),
+    ],
+    "fractions": [
+        ("\\boxed{\\frac{2}{-3}}", "-\\frac{2}{3}", True),
+        ("\\boxed{\\dfrac{4}{6}}", "\\frac23", True),
+        ("\\boxed{2/3}", "\\frac{2}{3}", True),
+        ("\\boxed{0.0833333333333333}", "\\frac{1}{12}", True),
+        ("\\boxed{0.33}", "\\frac{1}{3}", False),
+        ("\\boxed{\\frac{3}{2}}", "\\frac{2}{3}", False),
+    ],
+    "intervals": [
+        ("\\boxed{[-2,7]}", "-2 \\le x \\le 7", True),
+        ("\\boxed{-2 \\le x \\le 7}", "[-2,7]", True),
+        ("\\boxed{(-\\infty, 3]}", "(-\\infty,3]", True),
+        ("\\boxed{[1,2)}", "(1,2]", False),
+        ("\\boxed{[0,9)}", "(0,9)", False),
+    ],
+    "sets": [
+        ("\\boxed{3}, \\boxed{5}, \\boxed{7}", "3, 5, 7", True),
+        ("\\boxed{7, 5, 3}", "3, 5, 7", True),
+        ("\\boxed{-2021, 2021}", "\\pm 2021", True),
+        ("\\boxed{1728}", "1331, 1728", False),  # a subset of a "find all" answer is wrong
+        ("\\boxed{3, 5}", "3, 5, 7", False),
+        ("\\boxed{2021}", "\\pm 2021", False),
+    ],
+    "e-notation": [
+        ("\\boxed{4.5 \\times 10^{33}}", "4.5e33", True),
+        ("\\boxed{4.5e33}", "4.5 \\times 10^{33}", True),
+        ("\\boxed{1 \\times 10^{-5}}", "1e-5", True),
+        ("\\boxed{4.5 \\times 10^{32}}", "4.5e33", False),
+        ("\\boxed{4.5e32}", "4.5e33", False),
+    ],
+    "tiny magnitudes": [
+        ("\\boxed{\\frac{1}{2^{99}}}", "\\frac{1}{2^{98}}", False),
+        ("\\boxed{2^{-99}}", "\\frac{1}{2^{99}}", True),
+        ("\\boxed{\\frac{1}{2006!}}", "\\frac{1}{2004!}", False),
+        ("\\boxed{\\frac{1}{2004!}}", "\\frac{1}{2004!}", True),
+        ("\\boxed{0.00000001}", "0.00000002", False),
+    ],
+    "gsm8k": [
+        ("She makes 9 * 2 = 18 dollars.\n#### 18", "#### 18", True),
+        ("He pays 1,000 + 234 = 1,234 dollars.\n#### 1,234", "#### 1234", True),
+        ("He pays 1,235 dollars.\n#### 1,235", "#### 1,234", False),
+        ("The answer is 19.", "19", True),
+        ("19", "19", True),
+        ("She sells 16 - 3 - 4 = 9 eggs and makes 9 * 2 = 18 dollars.\nI checked it twice.", "18", True),
+    ],
+    "no leniency": [
+        ("\\boxed{3.14}", "\\pi", False),  # no pi ~ 3.14
+        ("\\boxed{6.28}", "2\\pi", False),
+        ("\\boxed{0.28}", "28\\%", False),  # no x100 percent leniency
+        ("\\boxed{28}", "28\\%", True),
+        ("\\boxed{10000001}", "10000000", False),  # integers compare exactly
+    ],
+    "text and choice": [
+        ("so $\\boxed{\\text{Evelyn}}$ is our answer.", "\\text{Evelyn}", True),
+        ("so $\\boxed{\\text{Bob}}$ is our answer.", "\\text{Evelyn}", False),
+        ("option \\boxed{\\mathrm{(D)}\\ 1,008,016}", "D", True),
+        ("option \\boxed{\\mathrm{(C)}\\ 1,008,016}", "D", False),
+        ("\\boxed{12\\text{ ft}}", "12", True),
+        ("\\boxed{90^\\circ}", "90", True),
+    ],
+}
+FAMILY_CASES = [(fam, *c) for fam, cases in FAMILIES.items() for c in cases]
+
+
+@pytest.mark.parametrize("family,pred,gold,expected", FAMILY_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(FAMILY_CASES)])
+def test_family_verdicts(family, pred, gold, expected):
+    v = grade(pred, gold)
+    assert isinstance(v, Verdict)
+    assert v.correct is expected, v
+    assert v.extracted is not None
+
+
+def test_paths_recorded():
+    assert grade("\\boxed{42}", "42").path == "exact"
+    assert grade("\\boxed{0.5}", "\\frac{1}{2}").path == "numeric"
+    assert grade("\\boxed{41}", "42") == Verdict(False, "41", "numeric")
+    assert grade("\\boxed{\\sec^2(y)}", "\\tan^2(y)+1") == Verdict(True, "\\sec^2(y)", "math_verify")
+    assert grade("I have no idea", "42").path == "no_answer"
+
+
+def test_truncated_needs_marker():
+    out = "We have f(2) = 4 - 2 = 2, and then g(f(2)) = g(2) ="
+    assert grade(out, "2") == Verdict(False, None, "no_answer")  # unfinished trace
+    assert grade("Hence the perimeter is \\boxed{1", "1") == Verdict(False, None, "no_answer")
+    # A short finished output may end in a bare number, but not when it hit the length cap ...
+    assert grade("Adding them, we get 19.", "19").correct is True
+    assert grade("Adding them, we get 19.", "19", truncated=True) == Verdict(False, None, "no_answer")
+    # ... while a marked answer is graded as produced either way.
+    assert grade("so the answer is 19", "19", truncated=True).correct is True
+    # A long output needs a marker even when finished.
+    long_trace = "We compute 3 + 4 = 7 and carry on. " * 100 + "Thus 19"
+    assert grade(long_trace, "19").path == "no_answer"
+    assert grade(long_trace + ". The answer is 19.", "19").correct is True
+
+
+ADVERSARIAL = {
+    "power tower": "\\boxed{9^9^9^9}",
+    "power tower unboxed": "The answer is 9^{9^{9^{9}}}",
+    "huge exponent": "\\boxed{2^{100000000}}",
+    "10k nested braces": "\\boxed{" + "{" * 10000 + "1" + "}" * 10000 + "}",
+    "1k nested braces in tail": "\\boxed{" + "{" * 1000 + "1" + "}" * 1000 + "}",
+    "unclosed boxes": "\\boxed{" * 5000,
+    "dollar storm": "$" * 100000,
+    "truncated": "Let x = 3. Then \\boxed{\\frac{1}{",
+    "megabyte no answer": "x = 1 + " * 150000,
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_bounded(name):
+    t = time.monotonic()
+    v = grade(ADVERSARIAL[name], "1", timeout_s=2.0)
+    assert time.monotonic() - t < 10.0
+    assert v.correct is False
+    assert v.path in {"fallback", "no_answer", "timeout"}
+
+
+def test_megabyte_output_with_answer():
+    out = "blah " * 200_000 + "\nSo the final answer is \\boxed{7}."
+    assert len(out) > 1_000_000
+    t = time.monotonic()
+    assert grade(out, "7") == Verdict(True, "7", "exact")
+    assert time.monotonic() - t < 1.0
+
+
+def test_timeout_kills_and_recovers():
+    # Passes the cheap pre-screen but makes sympy compute (2^999)!: only the deadline stops it.
+    t = time.monotonic()
+    v = grade("\\boxed{(2^{999})!}", "1", timeout_s=1.0)
+    elapsed = time.monotonic() - t
+    assert v == Verdict(False, "(2^{999})!", "timeout")
+    assert elapsed < 1.0 + grader.WORKER_START_TIMEOUT_S
+    assert elapsed >= 1.0
+    # the killed worker was replaced: the sympy path works afterwards
+    assert grade("\\boxed{\\frac{x}{7}+\\frac{2}{7}}", "\\frac{x+2}{7}") == Verdict(
+        True, "\\frac{x}{7}+\\frac{2}{7}", "math_verify"
+    )
+
+
+def test_grade_from_thread():
+    results: list[Verdict] = []
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            results.append(grade("\\boxed{\\sqrt 2+\\sqrt 5}", "\\sqrt{2}+\\sqrt{5}"))
+            results.append(grade("\\boxed{\\frac{1+\\sqrt{5}}{2}}", "2"))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(60)
+    assert not errors
+    assert [r.correct for r in results] == [True, False]
+
+
+def test_grade_batch_order_and_threads():
+    preds = ["\\boxed{%d}" % i for i in range(20)] + ["\\boxed{x+1}", "\\boxed{x-1}"]
+    golds = [str(i if i % 3 else i + 1) for i in range(20)] + ["1+x", "1+x"]
+    out = grade_batch(preds, golds, workers=2)
+    assert [v.correct for v in out] == [i % 3 != 0 for i in range(20)] + [True, False]
+    assert grade_batch(["19"], ["19"], truncated=[True]) == [Verdict(False, None, "no_answer")]
+    with pytest.raises(ValueError):
+        grade_batch(["1"], ["1", "2"])
+
+
+def test_verifier_hook():
+    calls = []
+
+    def judge(ans, gold):
+        calls.append((ans, gold))
+        return ans.strip().lower() == "blue" and gold == "\\text{the color blue}"
+
+    grader.set_verifier(judge)
+    try:
+        v = grade("The answer is blue.", "\\text{the color blue}")
+        assert v == Verdict(True, "blue", "fallback")
+        assert calls
+        # certain numeric verdicts never reach the judge
+        calls.clear()
+        assert grade("\\boxed{3}", "4").path == "numeric"
+        assert not calls
+    finally:
+        grader.set_verifier(None)
+    assert grade("The answer is blue.", "\\text{the color blue}").correct is False
+
+
+def test_parse_gold_and_gsm8k():
+    assert extract_gsm8k_answer("She pays 2 * 617 = 1,234.\n#### 1,234") == "1234"
+    assert extract_gsm8k_answer("#### -5") == "-5"
+    assert extract_gsm8k_answer("no marker") is None
+    assert parse_gold("#### 1,234") == "1234"
+    assert parse_gold("004") == "4"
+    assert parse_gold("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert parse_gold("$(1,2]$") == "(1,2]"
+    assert parse_gold("\\text{Evelyn}") == "\\text{Evelyn}"
+    assert parse_gold("x^2+1") == "x^2+1"
+    for bad in ["", "   ", "\\frac{", "}{", "@@@", "x" * 5000]:
+        assert parse_gold(bad) is None, bad
+
+
+def test_no_eval_of_model_text(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = f"__import__('os').system('touch {marker}')"
+    for out in (f"The answer is {payload}", f"\\boxed{{{payload}}}", f"Thus {payload}"):
+        assert grade(out, "1").correct is False
+    assert not marker.exists()
+
+
+def test_cli(tmp_path):
+    f = tmp_path / "in.jsonl"
+    lines = [
+        json.dumps({"gold": "42", "pred": "so \\boxed{42}", "id": 1}),
+        "not json {",
+        json.dumps({"gold": "7"}),
+        json.dumps({"gold": "\\frac{1}{2}", "pred": "The answer is 0.4."}),
+    ]
+    f.write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "data_tools.grader", str(f)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+    assert r.returncode == 1
+    out = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(out) == 4
+    assert out[0]["correct"] is True and out[0]["extracted"] == "42" and out[0]["id"] == 1
+    assert out[0]["grader_path"] == "exact"
+    assert out[1]["correct"] is False and "error" in out[1]
+    assert out[2]["correct"] is False and "pred" in out[2]["error"]
+    assert out[3]["correct"] is False and out[3]["extracted"] == "0.4" and "error" not in out[3]
+    assert ":2:" in r.stderr and ":3:" in r.stderr
+
+    r = subprocess.run(
+        [sys.executable, "-m", "data_tools.grader", "-"],
+        input=lines[0] + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["correct"] is True
+
+
+def test_public_fidelity():
+    path = shared_dir() / "grader_cases" / "public.jsonl"
+    if not path.exists():
+        pytest.skip(f"public grader cases not found at {path} (set OPD_SHARED_DIR to the shared folder)")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    verdicts = grade_batch([r["pred"] for r in rows], [r["gold"] for r in rows], workers=2)
+    wrong = [(r["kind"], r["gold"], v) for r, v in zip(rows, verdicts) if v.correct != r["expected"]]
+    rate = 1 - len(wrong) / len(rows)
+    assert rate >= 0.95, wrong
