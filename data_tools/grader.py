@@ -33,6 +33,7 @@ CLI: ``python -m data_tools.grader FILE.jsonl`` (``-`` for stdin); see ``main``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -99,7 +100,7 @@ _BOX_SPACE_RE = re.compile(r"\\boxed[ \t]+(-?[0-9][0-9.,/]*)")
 # What may sit between two boxes for them to form one answer ("\boxed{3}, \boxed{5} and \boxed{7}").
 _BOX_JOIN_RE = re.compile(r"^[\s$,;]*(?:(?:and|or|\\text\{\s*and\s*\})[\s$,]*)?$")
 # "####" is GSM8K's answer marker, which models fine-tuned on GSM8K reproduce.
-_MARKER_RE = re.compile(r"(?i)(?:final\s+answer|\banswer)(?:\s*\*\*)?\s*(?:is|:|=)?|####")
+_MARKER_RE = re.compile(r"(?i)(?:final\s+answer|\banswer)\b(?:\s*\*\*)?\s*(?:is|:|=)?|####")
 _IS_RE = re.compile(r"(?i)\b(?:is|are|equals|be)\b:?")
 _NUM_TOKEN = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
 _FINAL_NUM_RE = re.compile(rf"(?:^|[\s=:(*])({_NUM_TOKEN})\s*(?:\*\*)?\s*[.!]?\s*$")
@@ -323,6 +324,7 @@ _NUM_PATTERNS = [
 class _Num:
     value: Fraction
     sig_digits: int | None  # significant digits of a decimal literal; None for exact forms
+    places: int = 0  # decimal places as written (value is a multiple of 10^-places)
 
 
 def _as_number(s: str) -> _Num | None:
@@ -353,7 +355,7 @@ def _as_number(s: str) -> _Num | None:
                 if len(fp) > 1:
                     digits = (ip + fp[1:]).lstrip("0")
                     sig = len(digits)
-                return _Num(val, sig)
+                return _Num(val, sig, max(len(fp) - 1, 0))
             if kind == "frac":
                 num, den = int(m.group(2)), int(m.group(3))
                 if den == 0:
@@ -368,7 +370,7 @@ def _as_number(s: str) -> _Num | None:
                 mnum = _as_number(mant)
                 if mnum is None:
                     return None
-                return _Num(mnum.value * Fraction(10) ** e, mnum.sig_digits)
+                return _Num(mnum.value * Fraction(10) ** e, mnum.sig_digits, mnum.places - e)
             if kind == "pow10":
                 e = int(m.group(1))
                 if abs(e) > MAX_EXP10:
@@ -384,11 +386,10 @@ def _approx_equal(approx: _Num, exact: Fraction) -> bool:
     decimal's own precision (so 0.0833333333333333 == 1/12, 0.33 != 1/3, 1000000.5 != 10^6)."""
     if approx.sig_digits is None or approx.sig_digits < APPROX_SIG_DIGITS:
         return False
-    den = approx.value.denominator  # 10^k for a decimal literal with k places (after reduction)
-    # round(exact * den) / den, halves rounded either way
-    scaled = exact * den
-    lo, hi = scaled.__floor__(), scaled.__ceil__()
-    return approx.value * den in (lo, hi) and abs(approx.value - exact) * den <= Fraction(1, 2) + Fraction(1, 10**6)
+    # The decimal must be `exact` rounded (either way at a tie) to the places it was written with:
+    # |approx - exact| <= half a unit in its last place.
+    unit = Fraction(10) ** (-approx.places)
+    return abs(approx.value - exact) <= unit / 2
 
 
 def _numbers_equal(a: _Num, b: _Num) -> bool:
@@ -674,6 +675,7 @@ class _Pool:
 
 
 _POOL = _Pool()
+atexit.register(_POOL.close)
 _CACHE: OrderedDict[tuple[str, str], dict] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 

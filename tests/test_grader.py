@@ -42,6 +42,9 @@ FAMILIES = {
         ("\\boxed{2/3}", "\\frac{2}{3}", True),
         ("\\boxed{0.0833333333333333}", "\\frac{1}{12}", True),
         ("\\boxed{0.33}", "\\frac{1}{3}", False),
+        ("\\boxed{0.666667}", "\\frac{2}{3}", True),  # correctly rounded, 6 significant digits
+        ("\\boxed{0.666666}", "\\frac{2}{3}", False),  # truncated, not rounded
+        ("\\boxed{0.500000}", "\\frac{2}{3}", False),
         ("\\boxed{\\frac{3}{2}}", "\\frac{2}{3}", False),
     ],
     "intervals": [
