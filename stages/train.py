@@ -1,0 +1,135 @@
+"""Stage two: on-policy distillation with a verifier reward, bounded by a wall clock.
+
+    python -m stages.train --config configs/demo_cpu.yaml [--field value ...]
+
+Precedence: OPDConfig defaults < YAML < run-contract environment (STUDENT_MODEL, TEACHER_MODEL,
+TRAIN_DATA, MAX_WALL_TIME_SECONDS, DEADLINE_RESERVE_SECONDS, OUTPUT_DIR, CKPT_DIR, EXPERIMENT_NAME)
+< command-line flags. Writes, under OUTPUT_DIR:
+
+    metrics/train.jsonl              one JSON line per optimizer step
+    rollouts/step-XXXXXX.parquet     every sampled completion of that step
+    resume/checkpoint-<step>/        transformers' resumable state (newest kept); a restart resumes
+    train_summary.json               how and why the run ended
+and CKPT_DIR/checkpoint-<step>/ (default OUTPUT_DIR/checkpoints): complete HF exports, 3 newest.
+
+Exit codes: 0 done (deadline reached), 75 another run holds OUTPUT_DIR or CKPT_DIR,
+3 too many non-finite steps, 2 bad configuration or data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+# No hub at run time (design.md section 8): never try the network for models, datasets or telemetry.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from transformers import TrainerCallback  # noqa: E402 - after the offline switches above
+
+log = logging.getLogger("stages.train")
+
+EXIT_BAD_CONFIG = 2
+EXIT_NONFINITE = 3
+
+
+def run(args) -> dict:
+    """Train with a parsed ``OPDConfig``; returns the summary written to ``train_summary.json``."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    from data_tools.runio import write_json
+    from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback,
+                                    find_resume_checkpoint, process_start_time)
+    from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
+
+    start = process_start_time()
+    table = load_curriculum(args.train_data)
+    student, teacher, tok, t_tok = load_models(args)
+    dataset = build_train_dataset(table, tok, prompt_style=args.prompt_style)
+    deadline = DeadlineCallback(args.horizon_seconds, start, max_steps=args.debug_max_steps)
+    trainer = OPDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
+                         processing_class=tok, teacher_processing_class=t_tok)
+    metrics = MetricsJsonlCallback(args.metrics_path, start,
+                                   static={"engine": trainer.engine, "experiment": args.experiment_name,
+                                           "kl_mode": args.kl_mode})
+    for cb in (deadline, SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes), metrics, _Console()):
+        trainer.add_callback(cb)
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)  # _Console prints one short line per step instead
+
+    resume = find_resume_checkpoint(args.resume_dir) if args.resume else None
+    print(f"[train] engine={trainer.engine} rows={len(dataset)} G={args.num_generations} "
+          f"completions/step={trainer.generation_batch_size} kl_mode={args.kl_mode} "
+          f"teacher={'self(frozen initial student)' if teacher is None else args.teacher_model} "
+          f"context={args.teacher_context} horizon={args.horizon_seconds:.0f}s "
+          f"(already {time.time() - start:.0f}s in) resume={resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
+    summary = {
+        "global_step": trainer.state.global_step,
+        "stop_reason": deadline.stop_reason,
+        "wall_s": round(time.time() - start, 1),
+        "horizon_s": args.horizon_seconds,
+        "resumed_from": resume,
+        "engine": trainer.engine,
+        "skipped_nonfinite_steps": trainer._skipped_steps,
+        "checkpoints": sorted(str(p) for p in _exports(args.ckpt_dir)),
+    }
+    if trainer.accelerator.is_main_process:
+        write_json(summary, os.path.join(args.output_dir, "train_summary.json"))
+    print(f"[train] done: {summary}", flush=True)
+    return summary
+
+
+def _exports(ckpt_dir):
+    from trainers.callbacks import checkpoint_steps
+
+    return [p for _, p in checkpoint_steps(ckpt_dir)]
+
+
+class _Console(TrainerCallback):
+    """One short console line per step (the full record is in metrics/train.jsonl)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "loss" not in logs:
+            return
+        g = lambda k: logs.get(k) if logs.get(k) is not None else float("nan")  # noqa: E731
+        print(f"[step {state.global_step}] loss={g('loss'):.4f} kl={g('kl/sampled_mean'):.4f} "
+              f"reward={g('reward/mean'):.3f} len={g('completions/mean_length'):.1f} "
+              f"step={g('time/step'):.1f}s gen={g('time/generation'):.1f}s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (see the module docstring)."""
+    logging.basicConfig(level=os.environ.get("OPD_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from data_tools.config import parse_config
+    from data_tools.runio import EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
+    from trainers.opd_trainer import NonFiniteError, OPDConfig
+
+    try:
+        (args,) = parse_config([OPDConfig], argv)
+        check_outside_repo(args.output_dir, "OUTPUT_DIR")
+        check_outside_repo(args.ckpt_dir, "CKPT_DIR")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"opd train: configuration error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        with run_lock(args.output_dir, args.ckpt_dir):
+            run(args)
+    except LockHeld as e:
+        print(f"opd train: {e}", file=sys.stderr)
+        return EXIT_LOCKED
+    except NonFiniteError as e:
+        print(f"opd train: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except (FileNotFoundError, ValueError) as e:
+        print(f"opd train: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

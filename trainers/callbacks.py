@@ -1,0 +1,239 @@
+"""Run-contract callbacks and checkpoint helpers (design.md section 6).
+
+- ``DeadlineCallback``: the horizon is the wall clock. Training stops before a step that would end
+  past ``max_wall_time_seconds - deadline_reserve_seconds`` counted from *process start*, and the
+  stop always saves (the reserve pays for that final checkpoint). SIGTERM and a debug step cap stop
+  the same way.
+- ``SaveCadenceCallback``: checkpoint every N steps and/or every M minutes (transformers'
+  ``SaveStrategy`` has no time-based option, transformers#29984).
+- ``MetricsJsonlCallback``: one JSON line per optimizer step in ``metrics/train.jsonl``.
+- ``export_checkpoint`` / ``rotate_exports`` / ``find_resume_checkpoint``: HF exports written to a
+  temp dir then renamed, the three highest steps kept; resume state found by its completeness marker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def process_start_time() -> float:
+    """Unix time at which this process started (the run contract counts the horizon from it)."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - psutil missing: fall back to this module's import time
+        return _IMPORT_TIME
+
+
+_IMPORT_TIME = time.time()
+
+
+def checkpoint_steps(directory: Path) -> list[tuple[int, Path]]:
+    """``[(step, path)]`` of ``checkpoint-<step>`` directories in ``directory``, ascending by step."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in directory.iterdir() if p.is_dir() and (m := _CKPT_RE.match(p.name))]
+    return sorted(out)
+
+
+def find_resume_checkpoint(resume_dir: Path) -> str | None:
+    """Highest ``checkpoint-<step>`` in ``resume_dir`` that is complete, or None.
+
+    transformers writes ``trainer_state.json`` last in ``Trainer._save_checkpoint`` (after weights,
+    optimizer, scheduler and RNG state), so its presence marks a checkpoint that was not cut short
+    by a kill; an incomplete newer one is skipped.
+    """
+    for step, path in reversed(checkpoint_steps(resume_dir)):
+        if (path / "trainer_state.json").exists():
+            return str(path)
+        log.warning("skipping incomplete resume checkpoint %s", path)
+    return None
+
+
+def rotate_exports(ckpt_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` highest-step exports in ``ckpt_dir`` (and stale temp dirs); returns the removed."""
+    removed = []
+    for _, path in checkpoint_steps(ckpt_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    for tmp in Path(ckpt_dir).glob(".tmp-checkpoint-*"):
+        # left by a process killed while exporting; ours is renamed before we get here
+        if tmp.is_dir() and time.time() - tmp.stat().st_mtime > 60:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return removed
+
+
+def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict: dict | None = None,
+                      dtype: Any = None, keep: int = 3, extra: dict | None = None) -> Path:
+    """Write a complete HF export ``ckpt_dir/checkpoint-<step>/`` atomically and rotate to ``keep``.
+
+    Contents: safetensors weights, ``config.json``, ``generation_config.json``, tokenizer files and
+    ``opd_checkpoint.json`` (step, time, ``extra``). Written into ``.tmp-checkpoint-<step>-*`` in the
+    same directory, then renamed, so a reader (vLLM, evaluation) never sees a partial export.
+    An existing export of the same step is replaced.
+
+    Args:
+        model: an unwrapped ``PreTrainedModel``.
+        state_dict: full state dict to save (pass ``accelerator.get_state_dict(model)`` under FSDP / ZeRO-3).
+        dtype: cast floating weights to this torch dtype (e.g. bfloat16 exports of an fp32 run).
+    """
+    import torch
+
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    dest = ckpt_dir / f"checkpoint-{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-checkpoint-{step}-", dir=ckpt_dir))
+    old_dtype = getattr(model.config, "dtype", None)
+    try:
+        if dtype is not None:
+            sd = state_dict if state_dict is not None else model.state_dict()
+            state_dict = {k: (v.to(dtype) if torch.is_floating_point(v) else v) for k, v in sd.items()}
+            model.config.dtype = dtype
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {})}
+        (tmp / "opd_checkpoint.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if dtype is not None:
+            model.config.dtype = old_dtype
+    rotate_exports(ckpt_dir, keep)
+    return dest
+
+
+class DeadlineCallback(TrainerCallback):
+    """Stop (and save) before the next step would cross the wall-clock horizon.
+
+    Args:
+        horizon_s: seconds after ``start_time`` by which training must have stopped
+            (``max_wall_time_seconds - deadline_reserve_seconds``).
+        start_time: Unix time the clock counts from (process start).
+        max_steps: debug cap on ``global_step`` (0 = none); formal runs never stop on steps.
+        clock: injectable for tests.
+
+    The next step's duration is estimated as the larger of the last step and the running mean, so
+    one fast step does not lure the run past the deadline. ``stop_reason`` says why it stopped.
+    """
+
+    def __init__(self, horizon_s: float, start_time: float, *, max_steps: int = 0,
+                 clock: Callable[[], float] = time.time, handle_sigterm: bool = True):
+        self.horizon_s, self.start_time, self.max_steps, self.clock = horizon_s, start_time, max_steps, clock
+        self.stop_reason: str | None = None
+        self._sigterm = False
+        self._step_began: float | None = None
+        self._durations: list[float] = []
+        if handle_sigterm:
+            try:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+            except ValueError:  # not the main thread (e.g. some test runners): no handler
+                pass
+
+    def _on_sigterm(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        log.warning("SIGTERM: saving and stopping after the current step")
+        self._sigterm = True
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start_time
+
+    def remaining(self) -> float:
+        return self.horizon_s - self.elapsed()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_began = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_began is not None:
+            self._durations.append(self.clock() - self._step_began)
+        est = max(self._durations[-1], sum(self._durations) / len(self._durations)) if self._durations else 0.0
+        reason = None
+        if self._sigterm:
+            reason = "sigterm"
+        elif self.max_steps and state.global_step >= self.max_steps:
+            reason = f"debug_max_steps={self.max_steps}"
+        elif self.elapsed() + est > self.horizon_s:
+            reason = f"deadline (elapsed {self.elapsed():.0f}s + next step ~{est:.0f}s > horizon {self.horizon_s:.0f}s)"
+        if reason:
+            self.stop_reason = reason
+            control.should_save = True
+            control.should_training_stop = True
+            log.info("stopping at step %d: %s", state.global_step, reason)
+        return control
+
+
+class SaveCadenceCallback(TrainerCallback):
+    """Request a checkpoint every ``every_steps`` optimizer steps and/or every ``every_minutes`` (0 = off)."""
+
+    def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, clock: Callable[[], float] = time.time):
+        self.every_steps, self.every_minutes, self.clock = every_steps, every_minutes, clock
+        self._last_save = clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.every_steps and state.global_step % self.every_steps == 0:
+            control.should_save = True
+        if self.every_minutes and self.clock() - self._last_save >= 60.0 * self.every_minutes:
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self._last_save = self.clock()
+        return control
+
+
+#: TRL's own metric names mapped to the names this project documents (both are written).
+ALIASES = {"completions/clipped_ratio": "completions/clip_rate", "step_time": "time/step_trl"}
+
+
+class MetricsJsonlCallback(TrainerCallback):
+    """Append one JSON object per logged optimizer step to ``path`` (main process only).
+
+    Keys: everything the trainer logs (``loss``, ``grad_norm``, ``learning_rate``, TRL's and
+    OPDTrainer's slash-named metrics), plus ``step``, ``wall_s`` (seconds since ``start_time``),
+    ``time`` (Unix) and the static fields in ``static`` (e.g. ``engine``). NaN/inf become null so every line is
+    strict JSON. End-of-training summaries (``train_runtime`` ...) are not per-step and are skipped.
+    """
+
+    def __init__(self, path: Path, start_time: float, static: dict[str, Any] | None = None):
+        self.path, self.start_time, self.static = Path(path), start_time, dict(static or {})
+        self._last_step = -1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "loss" not in logs:
+            return control
+        if state.global_step == self._last_step:
+            return control
+        self._last_step = state.global_step
+        row: dict[str, Any] = {"step": state.global_step, "wall_s": round(time.time() - self.start_time, 3),
+                               "time": round(time.time(), 3), **self.static}
+        for k, v in logs.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                v = None
+            row[k] = v
+            if k in ALIASES:
+                row[ALIASES[k]] = v
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+        return control
