@@ -431,7 +431,12 @@ def _context_limit(model_dir: str) -> int | None:
 
 
 def _shutdown(engine) -> None:
-    """Release an engine before the next one starts (best effort: vLLM frees on garbage collection)."""
+    """Release an engine before the next one starts: ``Engine.close()`` where it exists, else best
+    effort (drop the LLM, collect garbage, empty the CUDA cache)."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
+        return
     try:
         del engine.llm
     except AttributeError:
@@ -447,7 +452,8 @@ def _shutdown(engine) -> None:
 
 
 def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig, *, label: str,
-                   out_dir: Path, declared_def: dict[str, Any], declared: bool, deviations: list[str], n_loaded: int, n_rejected: int) -> dict:
+                   out_dir: Path, declared_def: dict[str, Any], declared: bool, deviations: list[str],
+                   n_loaded: int, n_rejected: int) -> dict:
     """Generate, grade and write one model's results; returns its summary dict."""
     from transformers import AutoTokenizer
 
