@@ -80,6 +80,27 @@ class Engine:
         self.name = "vllm-cuda" if gpu else "vllm-cpu"
         log.info("%s engine for %s ready in %.1fs", self.name, model, self.startup_s)
 
+    def close(self) -> None:
+        """Shut the engine's worker processes down and free its memory (before starting another)."""
+        import gc
+
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001 - best effort: the process exit reaps the workers anyway
+            log.warning("engine shutdown: %s", e)
+        self.llm = None
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            pass
+
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate") -> Iterator[list[Sample]]:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.

