@@ -47,7 +47,7 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -122,8 +122,9 @@ class EvalConfig:
     # ---- engine and runtime: no effect on the measurement
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
-    chunk_size: int = field(default=128, metadata={
-        "help": "Prompts per vLLM generate call (progress is printed per chunk; larger = fewer tail stalls)."})
+    chunk_size: int = field(default=512, metadata={
+        "help": "Prompts per vLLM generate call. Progress is printed and samples graded per chunk; each chunk "
+                "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
     grader_timeout_s: float = field(default=5.0, metadata={"help": "Per-answer bound on the sympy grading step."})
@@ -453,7 +454,7 @@ def _shutdown(engine) -> None:
 
 def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig, *, label: str,
                    out_dir: Path, declared_def: dict[str, Any], declared: bool, deviations: list[str],
-                   n_loaded: int, n_rejected: int) -> dict:
+                   n_loaded: int, n_rejected: int, n_duplicate: int | None = None) -> dict:
     """Generate, grade and write one model's results; returns its summary dict."""
     from transformers import AutoTokenizer
 
@@ -528,6 +529,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
         "question_set_sha256": question_set_hash(rows),
         "problems_loaded": n_loaded,
         "rows_rejected": n_rejected,
+        "rows_duplicate": n_duplicate,
         **stats,
         "grader_paths": dict(Counter(s["grader_path"] for s in samples).most_common()),
         "tokens_generated": tokens,
@@ -621,7 +623,9 @@ def run(cfg: EvalConfig) -> list[dict]:
     suffix = label_suffix(eff, declared, cfg.limit, len(all_rows), len(rows))
 
     print(format_header(eff, deviations), flush=True)
-    print(f"questions loaded: {len(all_rows)} usable, {len(loaded.rejects or [])} rejected; scoring {len(rows)}; "
+    reasons = dict(Counter(r.get("reason") for r in (loaded.rejects or [])))
+    print(f"questions: {len(all_rows)} usable, {len(loaded.rejects or [])} rejected {reasons or ''}, "
+          f"{getattr(loaded, 'duplicates', 0) or 0} duplicates; scoring {len(rows)}; "
           f"columns used: {getattr(loaded, 'columns', None)}", flush=True)
     for path, why in skipped:
         print(f"skipping {path}: {why} (not scored)", flush=True)
@@ -636,7 +640,8 @@ def run(cfg: EvalConfig) -> list[dict]:
         try:
             s = evaluate_model(t, rows, eff, cfg, label=label, out_dir=out_dir, declared_def=declared,
                                declared=is_declared,
-                               deviations=deviations, n_loaded=len(all_rows), n_rejected=len(loaded.rejects or []))
+                               deviations=deviations, n_loaded=len(all_rows), n_rejected=len(loaded.rejects or []),
+                               n_duplicate=getattr(loaded, "duplicates", None))
         except EvalError as e:
             if len(targets) == 1:
                 raise
@@ -662,8 +667,13 @@ def main(argv: list[str] | None = None) -> int:
         (cfg,) = parse_config([EvalConfig], args=argv)
         run(cfg)
     except (EvalError, ValueError, FileNotFoundError) as e:
-        msg = " ".join(str(e).split())
-        print(f"evaluate: error: {msg}", file=sys.stderr, flush=True)
+        print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:  # noqa: BLE001 - unexpected (engine crash, ...): traceback, then the one-line reason
+        import traceback
+
+        traceback.print_exc()
+        print(f"evaluate: error: {type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr, flush=True)
         return 1
     return 0
 
