@@ -328,3 +328,16 @@ def test_cpu_checkpoint_root(tmp_path):
     assert labels == ["ckpts-checkpoint-20__synth_heldout__limit2-n2", "ckpts-checkpoint-5__synth_heldout__limit2-n2"]
     steps = [json.loads((out / "eval" / lab / "summary.json").read_text())["checkpoint_step"] for lab in labels]
     assert sorted(steps) == [5, 20]
+
+
+MATH500 = REPO_ROOT.parent / "shared" / "data" / "math500_test.jsonl"
+
+
+@pytest.mark.skipif(not MATH500.exists(), reason="../shared/data/math500_test.jsonl not present")
+def test_math500_file_is_the_declared_question_set():
+    loaded = ev._load_problems(str(MATH500))
+    n = len(loaded.rows)
+    assert n == 500 and not loaded.rejects
+    assert ev.question_set_deviations(n, n, None, 500) == []
+    assert ev.question_set_deviations(n, 5, 5, 500)[0] == "question set: first 5 of 500 problems (--limit 5)"
+    assert len(ev.question_set_hash(loaded.rows)) == 64
