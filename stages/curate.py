@@ -62,6 +62,7 @@ class CurateConfig:
     student_model: str = field(default="smollm2-135m", metadata={"help": "Local HF dir of the student, or smollm2-135m (env STUDENT_MODEL)."})
     teacher_model: str = field(default="", metadata={"help": "Local HF dir of the teacher; empty with teacher_context=privileged (env TEACHER_MODEL)."})
     teacher_context: str = field(default="privileged", metadata={"help": "teacher: a separate model sees the plain prompt; privileged: the student sees the reference in its prompt."})
+    privileged_reference: str = field(default="solution", metadata={"help": "What the privileged teacher sees: solution (the reference solution when the row has one, else the answer) or answer (only 'The correct answer is X.')."})
     prompt_style: str = field(default="reasoning", metadata={"help": f"Instruction appended to problems: {sorted(P.STYLES)}."})
     teacher_samples: int = field(default=4, metadata={"help": "Teacher solutions per problem (n)."})
     student_samples: int = field(default=8, metadata={"help": "Student samples per problem (k) for the pass rate."})
@@ -86,6 +87,8 @@ class CurateConfig:
             raise ValueError(f"teacher_context must be 'teacher' or 'privileged', got {self.teacher_context!r}")
         if self.teacher_context == "teacher" and not self.teacher_model:
             raise ValueError("teacher_context=teacher needs teacher_model (or env TEACHER_MODEL)")
+        if self.privileged_reference not in ("solution", "answer"):
+            raise ValueError(f"privileged_reference must be 'solution' or 'answer', got {self.privileged_reference!r}")
         if self.prompt_style not in P.STYLES:
             raise ValueError(f"prompt_style must be one of {sorted(P.STYLES)}, got {self.prompt_style!r}")
         for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len"):
@@ -104,9 +107,12 @@ class CurateConfig:
         self.output_dir = str(check_outside_repo(Path(self.output_dir) if self.output_dir else default_output_dir(self.experiment_name)))
 
 
-def reference_text(row: dict) -> str:
-    """The privileged context for a problem: its reference solution, else its answer."""
-    return row.get("solution") or f"The answer is \\boxed{{{row['answer']}}}."
+def reference_text(row: dict, mode: str = "solution") -> str:
+    """The privileged context for a problem: its reference solution (``mode="solution"``, when it
+    has one), else a one-line statement of its answer."""
+    if mode == "solution" and row.get("solution"):
+        return row["solution"]
+    return f"The correct answer is {row['answer']}."
 
 
 def _model_fingerprint(path: str) -> dict:
@@ -129,7 +135,7 @@ def _versions() -> dict:
 
 def _fingerprint(cfg: CurateConfig, models: dict) -> str:
     """What makes finished chunks reusable: data, models, prompts and sampling (not filter settings)."""
-    keys = ("train_data", "limit", "teacher_context", "prompt_style", "teacher_samples", "student_samples",
+    keys = ("train_data", "limit", "teacher_context", "privileged_reference", "prompt_style", "teacher_samples", "student_samples",
             "max_tokens", "temperature", "top_p", "seed", "chunk_size")
     blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -216,7 +222,7 @@ def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig
     for i, r in enumerate(kept):
         sol = best_solution.get(r["problem_id"])
         out.append({"problem_id": r["problem_id"], "problem": r["problem"], "answer": r["answer"],
-                    "reference": sol[1] if sol and cfg.teacher_context == "teacher" else reference_text(r),
+                    "reference": sol[1] if sol and cfg.teacher_context == "teacher" else reference_text(r, cfg.privileged_reference),
                     "teacher_solution": sol[1] if sol else None, "solution": r.get("solution"),
                     "source": r.get("source"), "level": r.get("level"), "pass_rate": r["pass_rate"],
                     "teacher_pass_rate": r["teacher_pass_rate"],
@@ -269,7 +275,7 @@ def curate(cfg: CurateConfig) -> dict:
     if need("teacher"):
         engine = Engine(teacher, **engine_kw)
         if cfg.teacher_context == "privileged":
-            tprompts = [P.render(engine.tokenizer, P.privileged_messages(r["problem"], reference_text(r), cfg.prompt_style)) for r in rows]
+            tprompts = [P.render(engine.tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference), cfg.prompt_style)) for r in rows]
         else:
             tprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
         run_role(engine, "teacher", tprompts, cfg.teacher_samples, teacher)

