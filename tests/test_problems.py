@@ -1,0 +1,90 @@
+"""Problem loading: column detection, GSM8K answers, rejects with reasons, duplicates, synthetic splits."""
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_tools.problems import load_problems
+from data_tools.synth import generate
+
+SHARED = Path(os.environ.get("OPD_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_columns_rejects_and_duplicates(tmp_path):
+    f = _jsonl(tmp_path / "d.jsonl", [
+        {"question": "What is 2+2?", "final_answer": "4", "id": "a"},
+        {"question": "  ", "final_answer": "1", "id": "b"},                 # empty problem
+        {"question": "What is 3+3?", "id": "c"},                            # no answer
+        {"question": "What is 2+2?", "final_answer": "4", "id": "d"},      # duplicate of a
+        "not json at all",
+        {"question": "Name it.", "final_answer": "\\frac{", "id": "e"},    # answer that does not parse
+        {"question": "What is 5+5?", "final_answer": "10", "id": "a"},     # reused id
+    ])
+    res = load_problems(f)
+    assert res.columns["problem"] == "question" and res.columns["answer"] == "final_answer"
+    assert [r["problem_id"] for r in res.rows] == ["a"]
+    reasons = {r["problem_id"]: r["reason"] for r in res.rejects}
+    assert "empty problem" in reasons["b"]
+    assert "no answer" in reasons["c"]
+    assert "duplicate problem (first seen as a)" in reasons["d"]
+    assert "does not parse" in reasons["e"]
+    assert any("line 5 is not valid JSON" in r["reason"] for r in res.rejects)
+    assert any("duplicate problem_id" in r["reason"] for r in res.rejects)
+    assert res.duplicates == 1 and len(res.rejects) == 6 and res.n_read == 7
+
+
+def test_gsm8k_answers_and_parquet(tmp_path):
+    rows = [{"question": "Tom has 3 apples and buys 1,200 more. How many?",
+             "answer": "He has 3 + 1200 = <<3+1200=1203>>1203 apples.\n#### 1,203"},
+            {"question": "Broken row", "answer": "no number here ####  "}]
+    f = tmp_path / "g.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), f)
+    res = load_problems(f)
+    assert len(res.rows) == 1 and res.rows[0]["answer"] == "1203"
+    assert "<<" not in res.rows[0]["solution"] and "1203 apples" in res.rows[0]["solution"]
+    assert "GSM8K" in res.columns["answer"]
+    assert len(res.rejects) == 1
+
+
+def test_missing_columns_is_a_clear_error(tmp_path):
+    f = _jsonl(tmp_path / "x.jsonl", [{"text": "hi", "label": 1}])
+    with pytest.raises(ValueError, match="need a problem column"):
+        load_problems(f)
+    with pytest.raises(FileNotFoundError):
+        load_problems(tmp_path / "nope.jsonl")
+
+
+def test_synthetic_splits_are_disjoint_and_deterministic():
+    train, test = generate("train", 300), generate("test", 100)
+    assert len(train) == 300 and len(test) == 100
+    assert not {r["problem"] for r in train} & {r["problem"] for r in test}
+    assert generate("train", 10) == train[:10]
+    assert {r["level"] for r in train} == {"1", "2", "3", "4", "5"}
+    r = load_problems("synth:test:20")
+    assert len(r.rows) == 20 and not r.rejects
+
+
+@pytest.mark.skipif(not (SHARED / "data" / "gsm8k_train.jsonl").exists(), reason="../shared/data not available")
+def test_real_gsm8k_rows():
+    res = load_problems(SHARED / "data" / "gsm8k_train.jsonl", limit=200)
+    assert res.n_read == 200
+    assert len(res.rows) + len(res.rejects) == 200
+    assert len(res.rows) >= 198
+    assert all(r["answer"].lstrip("-").replace(".", "").isdigit() for r in res.rows)
+
+
+@pytest.mark.skipif(not (SHARED / "data" / "math500_test.jsonl").exists(), reason="../shared/data not available")
+def test_real_math500_rows():
+    res = load_problems(SHARED / "data" / "math500_test.jsonl")
+    assert len(res.rows) + len(res.rejects) == 500
+    assert res.columns["id"] == "unique_id" and res.columns["solution"] == "solution"
+    assert len(res.rows) >= 495
