@@ -87,6 +87,8 @@ class CurateConfig:
             raise ValueError(f"teacher_context must be 'teacher' or 'privileged', got {self.teacher_context!r}")
         if self.teacher_context == "teacher" and not self.teacher_model:
             raise ValueError("teacher_context=teacher needs teacher_model (or env TEACHER_MODEL)")
+        if not self.train_data:
+            raise ValueError("train_data is empty: set it in the config or with env TRAIN_DATA")
         if self.privileged_reference not in ("solution", "answer"):
             raise ValueError(f"privileged_reference must be 'solution' or 'answer', got {self.privileged_reference!r}")
         if self.prompt_style not in P.STYLES:
