@@ -41,22 +41,17 @@ def run(args) -> dict:
     from transformers import PrinterCallback, ProgressCallback
 
     from data_tools.runio import write_json
-    from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback,
-                                    find_resume_checkpoint, process_start_time)
+    from trainers.callbacks import find_resume_checkpoint, process_start_time
     from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
 
     start = process_start_time()
     table = load_curriculum(args.train_data)
     student, teacher, tok, t_tok = load_models(args)
     dataset = build_train_dataset(table, tok, prompt_style=args.prompt_style)
-    deadline = DeadlineCallback(args.horizon_seconds, start, max_steps=args.debug_max_steps)
     trainer = OPDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
-                         processing_class=tok, teacher_processing_class=t_tok)
-    metrics = MetricsJsonlCallback(args.metrics_path, start,
-                                   static={"engine": trainer.engine, "experiment": args.experiment_name,
-                                           "kl_mode": args.kl_mode})
-    for cb in (deadline, SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes), metrics, _Console()):
-        trainer.add_callback(cb)
+                         processing_class=tok, teacher_processing_class=t_tok, start_time=start)
+    deadline = trainer.deadline
+    trainer.add_callback(_Console())
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)  # _Console prints one short line per step instead
 

@@ -40,8 +40,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bo
         group_size: G.
         scale_by_std: divide by the group's (unbiased) standard deviation + ``eps``; off gives the
             Dr. GRPO form ``r - mean``.
-        eps: added to the std; a zero-variance group has ``r - mean = 0`` exactly, so its advantage is 0
-            whatever ``eps`` is.
+        eps: added to the std. A zero-variance group (all correct or all wrong) gets advantage 0.
 
     Returns:
         ``(N,)`` float32 advantages.
@@ -55,7 +54,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bo
     grouped = rewards.view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std and group_size > 1:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+        std = grouped.std(dim=1, keepdim=True)
+        # a zero-variance group carries no signal: 0 exactly (also when eps = 0, where 0/0 would be NaN)
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
     return centred.reshape(-1)
 
 

@@ -42,7 +42,8 @@ from trl import DistillationConfig, DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from trainers import losses
-from trainers.callbacks import export_checkpoint
+from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
+                                process_start_time)
 from trainers.sampler import MODES as CURRICULUM_MODES
 from trainers.sampler import CurriculumSampler
 
@@ -155,6 +156,8 @@ class OPDConfig(DistillationConfig):
         "help": "bf16 autocast. Off by default: design.md section 8 saw bf16 autocast break SmolLM2 GRPO on GPU."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Activation checkpointing (on for long completions)."})
     disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: log-probs must be deterministic for k1 and the PPO ratio."})
+    disable_tqdm: bool | None = field(default=True, metadata={
+        "help": "No progress bar: its total would be the unbounded max_steps; metrics/train.jsonl has the progress."})
     max_steps: int = field(default=UNBOUNDED_STEPS, metadata={
         "help": "Set by OPDConfig to an unbounded value; the wall clock ends training (use debug_max_steps in tests)."})
 
@@ -348,6 +351,22 @@ def vllm_usable() -> bool:
     return torch.cuda.is_available() and is_vllm_available()
 
 
+def _rollout_schema():
+    import pyarrow as pa
+
+    return pa.schema([("step", pa.int64()), ("problem_id", pa.string()), ("sample_index", pa.int64()),
+                      ("bucket", pa.int64()), ("prompt", pa.string()), ("completion", pa.string()),
+                      ("reward", pa.float64()), ("correct", pa.bool_()), ("extracted", pa.string()),
+                      ("n_tokens", pa.int64()), ("finish_reason", pa.string()), ("advantage", pa.float64()),
+                      ("seq_kl", pa.float64())])
+
+
+#: One row per sampled completion (``rollouts/step-XXXXXX.parquet``); ``seq_kl`` = sum over the
+#: completion's tokens of k1 = log pi_student - log pi_teacher (sampled reverse-KL estimate, nats);
+#: ``step`` = the optimizer step that first trained on it.
+ROLLOUT_SCHEMA = _rollout_schema()
+
+
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
@@ -385,6 +404,10 @@ class OPDTrainer(DistillationTrainer):
         processing_class: the student's tokenizer (left padding).
         teacher_processing_class: the teacher's tokenizer, compared with the student's when the
             teacher is a separate model (None: loaded from a path teacher, else not checked).
+        start_time: Unix time the wall clock counts from (default: process start).
+
+    The run-contract callbacks are installed here: ``DeadlineCallback`` (``self.deadline``),
+    ``SaveCadenceCallback`` and ``MetricsJsonlCallback``.
 
     Raises:
         ValueError: tokenizers differ; the tokenizer has ids beyond the shared vocabulary; batch
@@ -395,7 +418,8 @@ class OPDTrainer(DistillationTrainer):
     _name = "OPD"
 
     def __init__(self, model, teacher_model=None, args: OPDConfig | None = None, train_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), teacher_processing_class=None):
+                 processing_class=None, callbacks=None, optimizers=(None, None), teacher_processing_class=None,
+                 start_time: float | None = None):
         from trl.trainer.utils import create_model_from_path
 
         args = args or OPDConfig()
@@ -452,6 +476,15 @@ class OPDTrainer(DistillationTrainer):
         self._skipped_steps = 0
         self._nonfinite_streak = 0
         self.add_callback(_StepHooks(self))
+        # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
+        # save cadence, per-step metrics file.
+        self.start_time = process_start_time() if start_time is None else start_time
+        self.deadline = DeadlineCallback(args.horizon_seconds, self.start_time, max_steps=args.debug_max_steps)
+        self.add_callback(self.deadline)
+        self.add_callback(SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes))
+        self.add_callback(MetricsJsonlCallback(args.metrics_path, self.start_time,
+                                               static={"engine": self.engine, "experiment": args.experiment_name,
+                                                       "kl_mode": args.kl_mode}))
 
     # ---- data order ----
     def _get_train_sampler(self, dataset=None):
@@ -725,7 +758,7 @@ class OPDTrainer(DistillationTrainer):
 
         rows = gather_object(pend["rows"]) if self.accelerator.num_processes > 1 else pend["rows"]
         if self.accelerator.is_main_process:
-            write_parquet(rows, self.args.rollouts_dir / f"step-{pend['step']:06d}.parquet")
+            write_parquet(rows, self.args.rollouts_dir / f"step-{pend['step']:06d}.parquet", schema=ROLLOUT_SCHEMA)
 
     # ---- checkpoints ----
     def _get_output_dir(self, trial=None) -> str:

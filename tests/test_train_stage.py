@@ -1,0 +1,132 @@
+"""``python -m stages.train``: configs, run contract (deadline, checkpoints, resume, lock)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_trainer import curriculum_path, tiny_model_dir, tokenizer  # noqa: F401 - pytest fixtures
+
+REPO = Path(__file__).resolve().parents[1]
+#: The stage-two recipes in configs/ (other stages' configs are tested with their stages).
+TRAIN_CONFIGS = ["demo_cpu.yaml", "opd_r1_distill_1p5b.yaml"]
+
+
+@pytest.mark.parametrize("name", TRAIN_CONFIGS)
+def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
+    import transformers.training_args as ta
+
+    from data_tools.config import parse_config
+    from trainers.opd_trainer import OPDConfig
+
+    path = REPO / "configs" / name
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# run: "), "every config states its command on its first line"
+    # the GPU recipe asks for bf16, which TrainingArguments refuses on a CPU machine: validate as on a GPU
+    monkeypatch.setattr(ta, "is_torch_bf16_gpu_available", lambda: True)
+    env = {"OUTPUT_DIR": str(tmp_path / "out"), "STUDENT_MODEL": "/models/student", "MAX_WALL_TIME_SECONDS": "3600"}
+    (args,) = parse_config([OPDConfig], ["--config", str(path)], env=env)
+    assert args.output_dir == str(tmp_path / "out") and args.student_model == "/models/student"
+    assert args.max_wall_time_seconds == 3600.0  # the environment wins over the YAML
+    assert args.max_steps >= 10**9  # never bounded by steps
+    if name == "opd_r1_distill_1p5b.yaml":
+        assert args.max_completion_length >= 8192 and args.use_vllm and args.vllm_mode == "colocate"
+        assert args.kl_mode == "sampled" and args.w_reward > 0 and args.ckpt_every_minutes == 30
+        (full,) = parse_config([OPDConfig], ["--config", str(path)], env={"OUTPUT_DIR": str(tmp_path / "o2")})
+        assert full.max_wall_time_seconds == 12 * 3600
+    if name == "demo_cpu.yaml":
+        assert not args.bf16 and args.model_dtype == "float32" and args.teacher_context == "privileged"
+
+
+def _env(tmp_path, model_dir, data, **extra):
+    env = dict(os.environ, OUTPUT_DIR=str(tmp_path / "run"), STUDENT_MODEL=model_dir, TRAIN_DATA=data,
+               PYTHONPATH=str(REPO), OPD_LOG_LEVEL="WARNING")
+    env.pop("TEACHER_MODEL", None)
+    env.pop("CKPT_DIR", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+TINY_FLAGS = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_generations", "4",
+              "--max_completion_length", "6", "--learning_rate", "1e-3", "--prompt_style", "short"]
+
+
+def test_deadline_stops_in_time_with_loadable_final_checkpoint(tmp_path, tiny_model_dir, curriculum_path):  # noqa: F811
+    env = _env(tmp_path, tiny_model_dir, curriculum_path, MAX_WALL_TIME_SECONDS=90, DEADLINE_RESERVE_SECONDS=30)
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "stages.train", *TINY_FLAGS, "--ckpt_every_steps", "3",
+                           "--ckpt_every_minutes", "0"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=200)
+    wall = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert wall < 90, f"run took {wall:.0f}s, past MAX_WALL_TIME_SECONDS=90"
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["stop_reason"].startswith("deadline") and summary["wall_s"] <= 60 + 5
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("checkpoint-*"))
+    assert 1 <= len(ckpts) <= 3
+    final = tmp_path / "run" / "checkpoints" / f"checkpoint-{summary['global_step']}"
+    assert final in ckpts
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(final)
+    AutoTokenizer.from_pretrained(final)
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (final / f).exists(), f
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def test_killed_run_resumes_from_last_state(tmp_path, tiny_model_dir, curriculum_path, monkeypatch):  # noqa: F811
+    """Run until killed (SIGKILL right after a saved step), restart: global_step continues from the save."""
+    env = _env(tmp_path, tiny_model_dir, curriculum_path, MAX_WALL_TIME_SECONDS=600, DEADLINE_RESERVE_SECONDS=10)
+    cmd = [sys.executable, "-m", "stages.train", *TINY_FLAGS, "--ckpt_every_steps", "2", "--ckpt_every_minutes", "0"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    resume = tmp_path / "run" / "resume"
+    deadline = time.time() + 150
+    try:
+        while time.time() < deadline:
+            done = [p for p in resume.glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+            if any(int(p.name.split("-")[1]) >= 2 for p in done):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("no resume state appeared")
+    finally:
+        proc.kill()  # SIGKILL: no clean shutdown, no final checkpoint
+        proc.wait()
+    saved = max(int(p.name.split("-")[1]) for p in resume.glob("checkpoint-*") if (p / "trainer_state.json").exists())
+    from stages.train import main
+
+    for k in ("OUTPUT_DIR", "STUDENT_MODEL", "TRAIN_DATA"):
+        monkeypatch.setenv(k, env[k])
+    # in-process restart (saves the interpreter start-up); the deadline is far away here
+    rc = main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, "--debug_max_steps", str(saved + 2),
+               "--ckpt_every_steps", "0", "--ckpt_every_minutes", "0", "--max_wall_time_seconds", "100000",
+               "--deadline_reserve_seconds", "10"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["resumed_from"].endswith(f"checkpoint-{saved}")
+    assert summary["global_step"] == saved + 2
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [saved + 1, saved + 2]  # continued, not restarted from 1
+
+
+def test_second_run_on_same_dirs_exits_75(tmp_path, tiny_model_dir, curriculum_path):  # noqa: F811
+    from data_tools.runio import EXIT_LOCKED, run_lock
+    from stages.train import main
+
+    out = tmp_path / "run"
+    # a live foreign holder: our parent process (pytest's parent is alive and not us)
+    with run_lock(out):
+        lock = out / ".opd.lock"
+        rec = json.loads(lock.read_text())
+        rec["pid"] = os.getppid()
+        lock.write_text(json.dumps(rec))
+        rc = main(["--output_dir", str(out), "--student_model", tiny_model_dir, "--train_data", curriculum_path])
+        lock.unlink()
+    assert rc == EXIT_LOCKED

@@ -1,0 +1,239 @@
+"""OPDTrainer on tiny random models (CPU): privileged context, vocab mismatch, parameter updates, guards.
+
+The tiny models share SmolLM2's tokenizer (the embedded default, converted once and cached) so the
+chat template and special tokens are real; their bodies are 2-layer, 16-wide Llamas, so a step
+takes about a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+REFERENCE = "REFSOLUTION-7731 so the answer is 5."
+
+
+# ---------------------------------------------------------------- fixtures shared with test_train_stage.py
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from data_tools.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(None), padding_side="left")
+
+
+def tiny_model(tokenizer, vocab_size=None, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(cfg)
+    m.generation_config.eos_token_id = tokenizer.eos_token_id
+    return m
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_student")
+    tiny_model(tokenizer).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return str(d)
+
+
+def curriculum_rows(n=8):
+    """Rows of stage one's curriculum schema (design: curate writes these columns)."""
+    return [dict(problem_id=f"p{i}", problem=f"What is {i} + {i + 1}?", answer=str(2 * i + 1),
+                 reference=f"{REFERENCE} ({i})", source="synth", level=str(1 + i % 3), pass_rate=0.5,
+                 teacher_pass_rate=0.75, bucket=i % 2, curriculum_index=i, prompt_style="short") for i in range(n)]
+
+
+@pytest.fixture()
+def curriculum_path(tmp_path):
+    from data_tools.runio import write_parquet
+
+    return str(write_parquet(curriculum_rows(), tmp_path / "curate" / "curriculum.parquet"))
+
+
+def make_args(tmp_path, **kw):
+    from trainers.opd_trainer import OPDConfig
+
+    base = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                num_generations=4, max_completion_length=6, learning_rate=1e-2, debug_max_steps=2,
+                max_wall_time_seconds=10_000, deadline_reserve_seconds=10, ckpt_every_minutes=0, use_cpu=True,
+                save_rollouts=True, dataloader_num_workers=0)
+    base.update(kw)
+    return OPDConfig(**base)
+
+
+def make_trainer(tmp_path, tokenizer, curriculum_path, *, model=None, teacher=None, **kw):
+    from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum
+
+    args = make_args(tmp_path, **kw)
+    ds = build_train_dataset(load_curriculum(curriculum_path), tokenizer, prompt_style=args.prompt_style)
+    return OPDTrainer(model=model if model is not None else tiny_model(tokenizer), teacher_model=teacher, args=args,
+                      train_dataset=ds, processing_class=tokenizer)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_privileged_context_teacher_sees_reference(tmp_path, tokenizer, curriculum_path):
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path)
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    out = tr._generate_and_score_completions(rows)
+    for i in range(len(rows)):
+        student = tokenizer.decode(out["prompt_ids"][i][out["prompt_mask"][i].bool()])
+        teacher = tokenizer.decode(out["teacher_prompt_ids"][i][out["teacher_prompt_mask"][i].bool()])
+        assert "REFSOLUTION-7731" in teacher and "REFSOLUTION-7731" not in student
+        assert rows[i]["prompt"].split("<|im_start|>user")[1][:20] in student  # same problem in both
+    assert out["advantages"].shape == (8,)
+
+    tr2 = make_trainer(tmp_path / "b", tokenizer, curriculum_path, teacher_context="teacher")
+    out2 = tr2._generate_and_score_completions(rows)
+    assert torch.equal(out2["teacher_prompt_ids"], out2["prompt_ids"])
+
+
+def test_advantages_from_grader(tmp_path, tokenizer, curriculum_path, monkeypatch):
+    """Rewards from the grader -> group-normalised advantages, zero-variance groups 0; metrics logged."""
+    import data_tools.grader as grader
+    from trainers.losses import group_advantages
+
+    pattern = [True, False, False, False, True, True, True, True]
+
+    def fake_grade_batch(preds, golds, **kw):
+        return [grader.Verdict(correct=c, extracted="x", path="test") for c in pattern[: len(preds)]]
+
+    monkeypatch.setattr(grader, "grade_batch", fake_grade_batch)
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path)
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    out = tr._generate_and_score_completions(rows)
+    expect = group_advantages(torch.tensor(pattern, dtype=torch.float32), 4)
+    assert torch.allclose(out["advantages"], expect)
+    assert torch.equal(out["advantages"][4:], torch.zeros(4))
+    m = tr._metrics["train"]
+    assert m["reward/mean"][-1] == pytest.approx(5 / 8)
+    assert m["reward/zero_std_frac"][-1] == pytest.approx(0.5)
+    assert m["reward/group_pass_rate"][-1] == pytest.approx(1.0)
+
+
+def test_two_steps_change_every_trainable_parameter(tmp_path, tokenizer, curriculum_path):
+    model = tiny_model(tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, model=model)
+    teacher_before = {n: p.detach().clone() for n, p in tr.teacher_model.named_parameters()}
+    tr.train()
+    assert tr.state.global_step == 2
+    for n, p in tr.model.named_parameters():
+        if p.requires_grad:
+            assert not torch.equal(p.detach(), before[n]), f"{n} did not change"
+    for n, p in tr.teacher_model.named_parameters():  # the frozen initial student stays frozen
+        assert torch.equal(p, teacher_before[n]), f"teacher {n} changed"
+    run = Path(tr.args.output_dir)
+    lines = (run / "metrics" / "train.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    import json
+
+    rec = json.loads(lines[-1])
+    for k in ("loss", "loss/kl", "loss/reward", "kl/sampled_mean", "reward/mean", "reward/group_pass_rate",
+              "reward/zero_std_frac", "completions/clip_rate", "completions/mean_length", "entropy", "grad_norm",
+              "learning_rate", "time/generation", "time/teacher", "time/update", "throughput/tokens_per_s",
+              "memory/peak_gib", "engine", "step", "wall_s"):
+        assert k in rec, k
+    assert rec["engine"] == "hf-generate" and rec["step"] == 2
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(run / "rollouts" / "step-000002.parquet").to_pylist()
+    assert len(t) == 8 and sorted(r["sample_index"] for r in t) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(r["seq_kl"] == r["seq_kl"] for r in t)  # filled (not NaN)
+    assert (Path(tr.args.ckpt_dir) / "checkpoint-2" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("kw", [dict(kl_mode="full"), dict(kl_mode="full", full_topk=8),
+                                dict(num_iterations=2, gradient_accumulation_steps=1, per_device_train_batch_size=8)])
+def test_other_modes_train(tmp_path, tokenizer, curriculum_path, kw):
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, debug_max_steps=2, **kw)
+    tr.train()
+    assert tr.state.global_step == 2
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    if kw.get("kl_mode") == "full":
+        assert "kl/full_mean" in logs[-1]
+    if kw.get("num_iterations") == 2:  # second pass over the same batch: the ratio moved off 1
+        assert logs[-1]["ppo/ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+
+
+def test_vocab_mismatch_teacher_matches_sliced(tmp_path, tokenizer, curriculum_path):
+    """A teacher with 2 extra embedding rows gives the same loss as the same teacher without them."""
+    student = tiny_model(tokenizer, seed=1)
+    teacher_small = tiny_model(tokenizer, seed=2)
+    V = teacher_small.get_output_embeddings().weight.shape[0]
+    teacher_big = copy.deepcopy(teacher_small)
+    teacher_big.resize_token_embeddings(V + 2)
+    with torch.no_grad():
+        teacher_big.get_output_embeddings().weight[V:] = 3.0  # rows that would matter if not sliced
+    assert teacher_big.get_output_embeddings().weight.shape[0] == V + 2
+
+    losses_ = []
+    for name, teacher in (("small", teacher_small), ("big", teacher_big)):
+        tr = make_trainer(tmp_path / name, tokenizer, curriculum_path, model=copy.deepcopy(student),
+                          teacher=teacher, teacher_context="teacher")
+        assert tr.shared_vocab == V
+        torch.manual_seed(0)
+        rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+        out = tr._generate_and_score_completions(rows)
+        out["advantages"] = torch.linspace(-1, 1, 8)
+        loss, _, _ = tr._compute_loss(tr.model, out, out["num_items_in_batch"])
+        losses_.append(loss)
+    assert torch.allclose(losses_[0], losses_[1])
+
+
+def test_different_tokenizers_fail_at_start(tokenizer):
+    from trainers.opd_trainer import check_same_tokenizer
+
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<brand_new_token>"])
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        check_same_tokenizer(tokenizer, other)
+    check_same_tokenizer(tokenizer, copy.deepcopy(tokenizer))
+
+
+def test_nonfinite_steps_are_skipped_then_stop(tmp_path, tokenizer, curriculum_path):
+    from trainers.opd_trainer import NonFiniteError
+
+    model = tiny_model(tokenizer)
+    teacher = tiny_model(tokenizer, seed=3)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.fill_(float("nan"))  # teacher log-probs -> NaN -> loss NaN
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, model=model, teacher=teacher, teacher_context="teacher",
+                      max_consecutive_nonfinite=2, debug_max_steps=5)
+    with pytest.raises(NonFiniteError, match="2 optimizer steps in a row"):
+        tr.train()
+    for n, p in tr.model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), f"{n} was updated from a non-finite step"
+
+
+def test_config_range_checks(tmp_path):
+    for bad in (dict(kl_mode="forward"), dict(teacher_context="x"), dict(num_generations=3),
+                dict(curriculum_mix=2.0), dict(deadline_reserve_seconds=20_000),
+                dict(lr_scheduler_type="cosine"), dict(w_kl=0.0, w_reward=0.0), dict(teacher_logprob_min=1.0)):
+        with pytest.raises(ValueError):
+            make_args(tmp_path, **bad)
+    a = make_args(tmp_path, debug_max_steps=0)
+    assert a.max_steps >= 10**9 and a.horizon_seconds == 9990
+    assert a.ckpt_dir == str(tmp_path / "run" / "checkpoints")
+    assert a.train_data == str(tmp_path / "run" / "curate" / "curriculum.parquet")
