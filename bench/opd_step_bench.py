@@ -408,6 +408,8 @@ def run_bench(opts):
             res["trl"] = results["modes"]["sampled"]["trl"]  # TRL has one (full-vocab) mode
             res["trl_rows"] = results["modes"]["sampled"]["trl_rows"]
         results["modes"][mode] = res
+        if opts.json:  # partial results survive a later failure or a time limit
+            Path(opts.json).write_text(json.dumps(results, indent=1, default=str))
     g = getattr(opd_tr.model, "_opd_fast_generator", None)
     results["fast_generator_stats"] = dict(g.stats) if g else None
     table = report(results, tflops, n_params, tokens_proc)
