@@ -237,3 +237,26 @@ def test_config_range_checks(tmp_path):
     assert a.max_steps >= 10**9 and a.horizon_seconds == 9990
     assert a.ckpt_dir == str(tmp_path / "run" / "checkpoints")
     assert a.train_data == str(tmp_path / "run" / "curate" / "curriculum.parquet")
+
+
+def test_export_checkpoint_bf16_rotation_and_atomicity(tmp_path, tokenizer):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from trainers.callbacks import checkpoint_steps, export_checkpoint, find_resume_checkpoint
+
+    model = tiny_model(tokenizer)
+    for step in (1, 2, 3, 4):
+        export_checkpoint(model, tokenizer, tmp_path / "ck", step, dtype=torch.bfloat16, keep=3)
+    assert [s for s, _ in checkpoint_steps(tmp_path / "ck")] == [2, 3, 4]
+    d = tmp_path / "ck" / "checkpoint-4"
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
+    m2 = AutoModelForCausalLM.from_pretrained(d)
+    assert torch.equal(m2.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
+    assert not list((tmp_path / "ck").glob(".tmp-*"))
+    # resume state: the newest checkpoint without trainer_state.json (killed mid-save) is skipped
+    (tmp_path / "rs" / "checkpoint-5").mkdir(parents=True)
+    (tmp_path / "rs" / "checkpoint-3").mkdir()
+    (tmp_path / "rs" / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    assert find_resume_checkpoint(tmp_path / "rs").endswith("checkpoint-3")

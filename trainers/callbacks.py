@@ -101,13 +101,19 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     dest = ckpt_dir / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-checkpoint-{step}-", dir=ckpt_dir))
-    old_dtype = getattr(model.config, "dtype", None)
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would survive the rename and lock out other readers
     try:
         if dtype is not None:
             sd = state_dict if state_dict is not None else model.state_dict()
             state_dict = {k: (v.to(dtype) if torch.is_floating_point(v) else v) for k, v in sd.items()}
-            model.config.dtype = dtype
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if dtype is not None:
+            # save_pretrained records the live parameters' dtype; the file holds ``dtype`` weights, and
+            # loaders (vLLM dtype="auto") read config.json to choose theirs
+            cfg_path = tmp / "config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["dtype"] = str(dtype).replace("torch.", "")
+            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {})}
         (tmp / "opd_checkpoint.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
@@ -117,9 +123,6 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        if dtype is not None:
-            model.config.dtype = old_dtype
     rotate_exports(ckpt_dir, keep)
     return dest
 
