@@ -142,8 +142,12 @@ class DeadlineCallback(TrainerCallback):
     """
 
     def __init__(self, horizon_s: float, start_time: float, *, max_steps: int = 0,
-                 clock: Callable[[], float] = time.time, handle_sigterm: bool = True):
+                 clock: Callable[[], float] = time.time, handle_sigterm: bool = True,
+                 sync: Callable[[bool], bool] | None = None):
         self.horizon_s, self.start_time, self.max_steps, self.clock = horizon_s, start_time, max_steps, clock
+        # ranks read their own clocks; ``sync`` (an any-reduce across processes) makes them stop together,
+        # else one rank would leave the loop while the others wait in a collective
+        self.sync = sync
         self.stop_reason: str | None = None
         self._sigterm = False
         self._step_began: float | None = None
@@ -178,6 +182,8 @@ class DeadlineCallback(TrainerCallback):
             reason = f"debug_max_steps={self.max_steps}"
         elif self.elapsed() + est > self.horizon_s:
             reason = f"deadline (elapsed {self.elapsed():.0f}s + next step ~{est:.0f}s > horizon {self.horizon_s:.0f}s)"
+        if self.sync is not None and self.sync(reason is not None) and reason is None:
+            reason = "another process reached its stop condition"
         if reason:
             self.stop_reason = reason
             control.should_save = True
@@ -189,14 +195,16 @@ class DeadlineCallback(TrainerCallback):
 class SaveCadenceCallback(TrainerCallback):
     """Request a checkpoint every ``every_steps`` optimizer steps and/or every ``every_minutes`` (0 = off)."""
 
-    def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, clock: Callable[[], float] = time.time):
-        self.every_steps, self.every_minutes, self.clock = every_steps, every_minutes, clock
+    def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, clock: Callable[[], float] = time.time,
+                 sync: Callable[[bool], bool] | None = None):
+        self.every_steps, self.every_minutes, self.clock, self.sync = every_steps, every_minutes, clock, sync
         self._last_save = clock()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.every_steps and state.global_step % self.every_steps == 0:
-            control.should_save = True
-        if self.every_minutes and self.clock() - self._last_save >= 60.0 * self.every_minutes:
+        due = bool(self.every_minutes) and self.clock() - self._last_save >= 60.0 * self.every_minutes
+        if self.sync is not None:
+            due = self.sync(due)  # saving has collectives: all ranks must agree (see DeadlineCallback)
+        if due or (self.every_steps and state.global_step % self.every_steps == 0):
             control.should_save = True
         return control
 

@@ -479,12 +479,19 @@ class OPDTrainer(DistillationTrainer):
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
         self.start_time = process_start_time() if start_time is None else start_time
-        self.deadline = DeadlineCallback(args.horizon_seconds, self.start_time, max_steps=args.debug_max_steps)
+        sync = self._any_process if self.accelerator.num_processes > 1 else None
+        self.deadline = DeadlineCallback(args.horizon_seconds, self.start_time, max_steps=args.debug_max_steps,
+                                         sync=sync)
         self.add_callback(self.deadline)
-        self.add_callback(SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes))
+        self.add_callback(SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes, sync=sync))
         self.add_callback(MetricsJsonlCallback(args.metrics_path, self.start_time,
                                                static={"engine": self.engine, "experiment": args.experiment_name,
                                                        "kl_mode": args.kl_mode}))
+
+    def _any_process(self, flag: bool) -> bool:
+        """True on every process if ``flag`` is True on any (a max-reduce)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(t, reduction="max").item())
 
     # ---- data order ----
     def _get_train_sampler(self, dataset=None):
