@@ -18,6 +18,7 @@ Exit codes: 0 done (deadline reached), 75 another run holds OUTPUT_DIR or CKPT_D
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -111,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"opd train: configuration error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    # Under torchrun / accelerate every rank runs this; rank 0 holds the directories' lock for all.
+    rank = int(os.environ.get("RANK", "0"))
+    lock = run_lock(args.output_dir, args.ckpt_dir) if rank == 0 else contextlib.nullcontext()
     try:
-        with run_lock(args.output_dir, args.ckpt_dir):
+        with lock:
             run(args)
     except LockHeld as e:
         print(f"opd train: {e}", file=sys.stderr)
