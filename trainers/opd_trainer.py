@@ -431,6 +431,9 @@ class OPDTrainer(DistillationTrainer):
         self._self_teacher = teacher_model is None
         if teacher_model is None:
             teacher_model = copy.deepcopy(model)  # the frozen *initial* student
+            if args.teacher_context == "teacher" and args.w_kl > 0:
+                log.warning("self-teacher reading the student's own prompt: the KL term is only a penalty toward "
+                            "the initial policy (use teacher_context=privileged or set teacher_model)")
         elif isinstance(teacher_model, str):
             from transformers import AutoTokenizer
 
