@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback
 from trl import DistillationConfig, DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
@@ -822,4 +822,4 @@ def load_models(args: OPDConfig):
 
 
 __all__ = ["OPDConfig", "OPDTrainer", "build_train_dataset", "load_curriculum", "check_same_tokenizer",
-           "load_models", "NonFiniteError", "PreTrainedModel"]
+           "load_models", "NonFiniteError"]
