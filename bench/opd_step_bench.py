@@ -267,6 +267,26 @@ def matmul_tflops(device) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def compile_layers(model, only_with_grad: bool) -> None:
+    """Regional torch.compile of the decoder layers (one compiled function shared by all layers).
+
+    ``only_with_grad``: eager under no_grad (the student's generation keeps its CUDA-graph path), compiled
+    when gradients are on (training forward and the checkpoint recompute).
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    layers = model.model.layers
+    fn = type(layers[0]).forward
+    comp = torch.compile(fn, dynamic=False)
+    for layer in layers:
+        def fwd(*a, _layer=layer, **k):
+            if only_with_grad and not torch.is_grad_enabled():
+                return fn(_layer, *a, **k)
+            return comp(_layer, *a, **k)
+        layer.forward = fwd
+
+
 def opd_subclass():
     """OPDTrainer routed through trainers.generation (unless the trainer already has a fast-path flag)."""
     from trainers import generation
@@ -320,7 +340,14 @@ def build_trainers(opts, tok, student, teacher, prompts, out_dir):
         rows["curriculum_index"].append(i)
     opd_tr = cls(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=opd_args,
                  train_dataset=Dataset.from_dict(rows), processing_class=tok, teacher_processing_class=tok)
-    return trl_tr, opd_tr, cls.__name__ + (" (trainer flag)" if native else " (bench subclass)")
+    variants = {"ours": opd_tr}
+    if opts.compiled_variant:
+        opd_c = cls(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=copy.deepcopy(opd_args),
+                    train_dataset=Dataset.from_dict(rows), processing_class=tok, teacher_processing_class=tok)
+        compile_layers(opd_c.model, only_with_grad=True)
+        compile_layers(opd_c.teacher_model, only_with_grad=False)
+        variants["ours+compiled"] = opd_c
+    return trl_tr, variants, cls.__name__ + (" (trainer flag)" if native else " (bench subclass)")
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -330,9 +357,9 @@ def median_row(rows: list[dict]) -> dict:
 
 def report(results: dict, tflops: float, n_params: int, tokens_proc: int) -> str:
     lines = []
-    for mode, res in results["modes"].items():
-        ours, trl = res["ours"], res.get("trl")
-        lines.append(f"\n### kl_mode={mode}  (median of {len(res['ours_rows'])} steps; TRL: "
+    for (mode, res), var in ((mr, v) for mr in results["modes"].items() for v in results["variants"]):
+        ours, trl = res[var], res.get("trl")
+        lines.append(f"\n### {var}, kl_mode={mode}  (median of {len(res[var + '_rows'])} steps; TRL: "
                      f"{len(res.get('trl_rows', []))} steps)\n")
         lines.append("| phase | ours s | TRL s | ours tok/s | TRL tok/s | tok/s ours/TRL |")
         lines.append("|---|---|---|---|---|---|")
@@ -346,7 +373,7 @@ def report(results: dict, tflops: float, n_params: int, tokens_proc: int) -> str
         tp = trl["peak_gib"] if trl else float("nan")
         pr = ours["peak_gib"] / tp if tp else float("nan")
         lines.append(f"| peak GiB (own tensors) | {ours['peak_gib']:.2f} | {tp:.2f} | | | ratio {pr:.2f} |")
-        for who, r in (("ours", ours), ("TRL", trl)):
+        for who, r in ((var, ours), ("TRL", trl)):
             if not r:
                 continue
             if not tflops == tflops:
@@ -373,21 +400,25 @@ def run_bench(opts):
     prompts = make_prompts(opts.prompts, opts.prompt_len, shape["vocab_size"], 0)
     out_dir = Path(tempfile.mkdtemp(prefix="opd_bench_"))
     _patch_grader()
-    trl_tr, opd_tr, opd_name = build_trainers(opts, tok, student, teacher, prompts, out_dir)
+    trl_tr, variants, opd_name = build_trainers(opts, tok, student, teacher, prompts, out_dir)
+    opd_tr = variants["ours"]
     del student, teacher
-    drivers = {"ours": Driver("ours", opd_tr, opd_tr.teacher_model)}
+    drivers = {}
     if trl_tr is not None:
         drivers["trl"] = Driver("trl", trl_tr, trl_tr.teacher_model)
+    for name, tr in variants.items():
+        drivers[name] = Driver(name, tr, tr.teacher_model)
     tokens = opts.prompts * opts.new_tokens
     tokens_proc = opts.prompts * (opts.prompt_len + opts.new_tokens)
     results = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "trl": __import__("trl").__version__, "opd_trainer": opd_name, "matmul_tflops": tflops,
-               "student_params": n_params, "argv": sys.argv[1:], "modes": {}}
+               "student_params": n_params, "argv": sys.argv[1:], "variants": list(variants), "modes": {}}
     for mi, mode in enumerate(opts.modes):
-        opd_tr.args.kl_mode = mode
-        res = {"ours_rows": [], "trl_rows": []}
+        for tr in variants.values():
+            tr.args.kl_mode = mode
+        res = {f"{w}_rows": [] for w in drivers}
         trl_steps = opts.steps if (mi == 0 or opts.trl_each_mode) else 0
         warm_trl = opts.warmup if mi == 0 else 0
         n = opts.warmup + opts.steps
@@ -401,8 +432,9 @@ def run_bench(opts):
                     f"{k}={v:.3f}" for k, v in r.items() if isinstance(v, float)), flush=True)
                 if i >= opts.warmup:
                     res[f"{who}_rows"].append(r)
-        res["ours"] = median_row(res["ours_rows"])
-        if res["trl_rows"]:
+        for w in variants:
+            res[w] = median_row(res[f"{w}_rows"])
+        if res.get("trl_rows"):
             res["trl"] = median_row(res["trl_rows"])
         elif "sampled" in results["modes"] and results["modes"]["sampled"].get("trl"):
             res["trl"] = results["modes"]["sampled"]["trl"]  # TRL has one (full-vocab) mode
@@ -480,6 +512,8 @@ def main(argv=None):
     ap.add_argument("--modes", default="sampled,full")
     ap.add_argument("--trl-each-mode", action="store_true", help="re-time TRL for every mode (it has only one)")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--compiled-variant", action="store_true",
+                    help="also time OPDTrainer with torch.compile'd decoder layers (student: training only; teacher)")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--train-steps", type=int, default=0, help=">0: also run OPDTrainer.train() for this many steps")
     ap.add_argument("--grader-workers", type=int, default=None)

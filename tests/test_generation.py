@@ -77,7 +77,7 @@ def test_sampling_shapes_and_reuse():
     model = tiny_model()
     ps = [p for p in prompts(n=3) for _ in range(4)]  # G = 4 samples of each prompt in a row
     assert group_runs(ps) == [4, 4, 4]
-    gen = FastGenerator(0, [1], len_bucket=32)
+    gen = FastGenerator(0, [1], len_bucket=32, keep_cache=True)
     sp = SamplingParams(max_new_tokens=10, min_new_tokens=10, do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
     torch.manual_seed(0)
     a = gen.generate(model, ps, sp)
@@ -87,6 +87,8 @@ def test_sampling_shapes_and_reuse():
     assert all(0 <= t < 97 for c in a for t in c)
     assert a != b  # fresh randomness per call
     assert model.training is False
+    free = FastGenerator(0, [1], len_bucket=32)  # default: cache and graph freed after each call
+    assert len(free.generate(model, ps, sp)) == len(ps) and free._state is None
 
 
 def test_sample_next_respects_filters():

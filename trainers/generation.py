@@ -208,16 +208,21 @@ class FastGenerator:
         use_cuda_graph: None = on CUDA devices.
         gqa_attention: decode with ``gqa_decode_attention`` (True) or the model's own attention.
         check_every: decode steps between "all sequences finished?" checks (the only host syncs).
+        keep_cache: keep the static KV cache and captured graph between calls (no re-capture, but the
+            cache, ~1.1 GiB for 32 x 1,280 tokens of a Qwen2.5-1.5B, stays allocated through the
+            update phase). False (default): free them after each call and capture again next call
+            (one eager step + a capture, tens of milliseconds), so training peaks no higher than TRL's.
     """
 
     def __init__(self, pad_token_id: int, eos_token_ids, *, len_bucket: int = 256, use_cuda_graph: bool | None = None,
-                 gqa_attention: bool = True, check_every: int = 128):
+                 gqa_attention: bool = True, check_every: int = 128, keep_cache: bool = False):
         self.pad_id = int(pad_token_id)
         self.eos_ids = [int(e) for e in ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or [])]
         self.len_bucket = max(1, int(len_bucket))
         self.use_cuda_graph = use_cuda_graph
         self.gqa_attention = gqa_attention and _register_attention()
         self.check_every = max(1, int(check_every))
+        self.keep_cache = keep_cache
         self._state: _DecodeState | None = None
         self.stats: dict[str, float] = {}
 
@@ -284,6 +289,9 @@ class FastGenerator:
             toks = st.out.cpu()
         finally:
             model.train(was_training)
+            if not self.keep_cache:
+                self._state = None  # frees the cache, buffers and the graph's memory pool
+                del st
         res = []
         eos_set = set(self.eos_ids)
         for row in toks.tolist():
