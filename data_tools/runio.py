@@ -79,6 +79,14 @@ def write_json(obj: Any, dest: Path) -> Path:
     return Path(dest)
 
 
+def _cmdline(pid: int) -> str:
+    """The command line of ``pid`` (from /proc where there is one), for the lock holder's message."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return " ".join(os.sys.argv)[:200] if pid == os.getpid() else "?"
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -112,7 +120,7 @@ def acquire_lock(directory: Path, name: str = ".opd.lock", owner_pid: int | None
     lock = directory / name
     pid = owner_pid or os.getpid()
     record = {"pid": pid, "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "cmd": " ".join(os.sys.argv)[:200]}
+              "cmd": _cmdline(pid)}
     for _ in range(3):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
