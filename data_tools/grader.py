@@ -41,7 +41,6 @@ import select
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -525,7 +524,7 @@ def _scalar_value(x):
         return None
     try:
         v = sympy.N(x, 30)
-        c = complex(v)
+        complex(v)  # raises for values sympy cannot evaluate to a number
     except Exception:  # noqa: BLE001
         return None
     return v

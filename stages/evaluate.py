@@ -38,7 +38,6 @@ otherwise (missing model, no problems, bad protocol, ...), 2 for bad command-lin
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
@@ -431,27 +430,6 @@ def _context_limit(model_dir: str) -> int | None:
     return cfg.get("max_position_embeddings")
 
 
-def _shutdown(engine) -> None:
-    """Release an engine before the next one starts: ``Engine.close()`` where it exists, else best
-    effort (drop the LLM, collect garbage, empty the CUDA cache)."""
-    close = getattr(engine, "close", None)
-    if callable(close):
-        close()
-        return
-    try:
-        del engine.llm
-    except AttributeError:
-        pass
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig, *, label: str,
                    out_dir: Path, declared_def: dict[str, Any], declared: bool, deviations: list[str],
                    n_loaded: int, n_rejected: int, n_duplicate: int | None = None) -> dict:
@@ -507,7 +485,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
                     "level": None if r.get("level") is None else str(r["level"])})
             t_gen = time.time()
     finally:
-        _shutdown(engine)
+        engine.close()
         del engine
 
     samples.sort(key=lambda s: (s["problem_index"], s["sample_index"]))
