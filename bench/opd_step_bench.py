@@ -473,7 +473,7 @@ def run_trainer(opts):
     rows = {"prompt": prompts * 20, "teacher_prompt": prompts * 20, "answer": ["42"] * (20 * len(prompts)),
             "problem_id": [f"p{i}" for i in range(20 * len(prompts))], "bucket": [0] * (20 * len(prompts)),
             "curriculum_index": list(range(20 * len(prompts)))}
-    out = Path(tempfile.mkdtemp(prefix="opd_train_"))
+    out = Path(opts.train_json).parent / "opd_train" if opts.train_json else Path(tempfile.mkdtemp(prefix="opd_train_"))
     cls, native = opd_subclass()
     extra = {"fast_generation": True} if native else {}
     args = OPDConfig(output_dir=str(out), num_generations=opts.G, kl_mode=opts.modes[0], teacher_context="teacher",
@@ -523,10 +523,12 @@ def main(argv=None):
     opts.modes = [m for m in opts.modes.split(",") if m]
     if opts.tiny and opts.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
+    res = None
     if not opts.skip_bench:
-        run_bench(opts)
+        res = run_bench(opts)
     if opts.train_steps:
-        run_trainer(opts)
+        res = run_trainer(opts)
+    return res
 
 
 if __name__ == "__main__":

@@ -126,3 +126,21 @@ def test_sampling_params_from_generation_config():
                                                min_new_tokens=2))
     assert sp == SamplingParams(max_new_tokens=7, min_new_tokens=2, do_sample=True, temperature=0.5, top_p=0.9)
     assert sampling_params_from(GenerationConfig(max_new_tokens=7, repetition_penalty=1.2)) is None
+
+
+def test_opd_trainer_routes_through_fast_path(tmp_path):
+    """OPDTrainer(fast_generation=True) on a tiny random model: the bench's trainer run, 1 step, on CPU."""
+    pytest.importorskip("trl")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import opd_step_bench as b
+
+    out = tmp_path / "train.json"
+    summary = b.main(["--device", "cpu", "--tiny", "--skip-bench", "--train-steps", "1", "--prompts", "4", "--G", "2",
+                      "--prompt-len", "8", "--new-tokens", "6", "--train-json", str(out), "--grader-workers", "1"])
+    assert summary["trainer"].startswith("OPDTrainer")
+    (step,) = summary["steps"]
+    assert step["engine"] == "hf-generate-fast"
+    assert step["loss"] is not None

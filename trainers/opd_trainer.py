@@ -140,6 +140,9 @@ class OPDConfig(DistillationConfig):
     save_rollouts: bool = field(default=True, metadata={"help": "Write every rollout to <output_dir>/rollouts/step-*.parquet."})
     max_consecutive_nonfinite: int = field(default=5, metadata={
         "help": "Non-finite loss/gradient steps are skipped; this many in a row stop the run with an error."})
+    fast_generation: bool | None = field(default=None, metadata={
+        "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
+                "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used."})
     debug_max_steps: int = field(default=0, metadata={
         "help": "Tests/debugging only: stop (with a final checkpoint) after this many optimizer steps; 0 = never. "
                 "Formal runs are bounded by the wall clock alone."})
@@ -469,7 +472,10 @@ class OPDTrainer(DistillationTrainer):
         if self.generation_batch_size % args.num_generations:
             raise ValueError(f"generation batch of {self.generation_batch_size} completions is not a multiple of "
                              f"num_generations={args.num_generations}")
-        self.engine = ("vllm-" + args.vllm_mode) if self.use_vllm else "hf-generate"
+        fast = torch.cuda.is_available() if args.fast_generation is None else args.fast_generation
+        self._fast_generation = bool(fast) and not self.use_vllm
+        self.engine = ("vllm-" + args.vllm_mode) if self.use_vllm else (
+            "hf-generate-fast" if self._fast_generation else "hf-generate")
         self._acc: dict[str, float] = defaultdict(float)
         self._timers: dict[str, float] = defaultdict(float)
         self._step_t0 = time.perf_counter()
@@ -495,6 +501,18 @@ class OPDTrainer(DistillationTrainer):
         """True on every process if ``flag`` is True on any (a max-reduce)."""
         t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
         return bool(self.accelerator.reduce(t, reduction="max").item())
+
+    # ---- generation ----
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        # Fast HF path (trainers.generation): same contract as TRL's HF branch; falls back to it for
+        # multimodal inputs or generation settings the fast path lacks (e.g. repetition_penalty).
+        if self._fast_generation and images is None and not multimodal_fields:
+            from trainers.generation import fast_generate_single_turn
+
+            out = fast_generate_single_turn(self, prompt_ids)
+            if out is not None:
+                return out
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
 
     # ---- data order ----
     def _get_train_sampler(self, dataset=None):
