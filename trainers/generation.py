@@ -343,12 +343,18 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
     """Drop-in for ``DistillationTrainer._generate_single_turn``'s HF branch (text-only prompts).
 
     Returns None when the fast path does not apply (then call TRL's path): a generation config
-    feature ``FastGenerator`` lacks.
+    feature ``FastGenerator`` lacks, or sharded weights (FSDP, DeepSpeed ZeRO-3). With FSDP2 the
+    forward all-gathers each layer's shards in its hooks, which must not end up inside a captured
+    CUDA graph, and gathered weights change address every call; DDP and ZeRO-1/2 keep whole weights
+    at fixed addresses and take the fast path.
     """
     from trl.models.utils import unwrap_model_for_generation
 
     sp = sampling_params_from(trainer.generation_config)
     if sp is None:
+        return None
+    ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
         return None
     with (
         unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
