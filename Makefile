@@ -53,8 +53,10 @@ train: $(STAMP)
 eval: $(STAMP)
 	$(PY) -m stages.evaluate --protocol $(PROTOCOL) $(if $(MODEL),--model $(MODEL)) $(if $(EVAL_DATA),--eval_data $(EVAL_DATA)) $(if $(LIMIT),--limit $(LIMIT)) $(ARGS)
 
+# SQL reaches the recipe through the environment (make exports command-line variables), so quotes
+# inside it (metric names like "kl/sampled_mean" need them) survive untouched.
 query: $(STAMP)
-	$(PY) -m data_tools.query $(if $(SQL),"$(SQL)") $(ARGS)
+	$(PY) -m data_tools.query $${SQL:+"$$SQL"} $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

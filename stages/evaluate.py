@@ -316,7 +316,8 @@ def discover_models(model: str | None) -> tuple[list[Target], list[tuple[str, st
         why = weights_problem(p)
         if why:
             raise EvalError(f"model directory {p} is incomplete: {why}")
-        return [Target(str(p.resolve()), None, _safe(p.resolve().name))], []
+        m = CKPT_RE.match(p.resolve().name)  # a single checkpoint-<step>/ export keeps its step
+        return [Target(str(p.resolve()), int(m.group(1)) if m else None, _safe(p.resolve().name))], []
     ckpts = sorted(((int(m.group(1)), d) for d in p.iterdir()
                     if d.is_dir() and (m := CKPT_RE.match(d.name))), key=lambda t: t[0])
     if not ckpts:
