@@ -141,7 +141,7 @@ def test_overrides_are_labelled_deviations():
     assert ev.question_set_deviations(7, 7, None, 60) == ["question set: 7 problems scored, protocol declares 60"]
     # a protocol that declares its question set: another one is a deviation
     eff, declared, dev = ev.resolve_protocol(_cfg("--protocol", "synth_heldout", "--eval_data", "synth:test:8"))
-    assert dev == ["eval_data synth:test:8 (declared synth:test:64)"]
+    assert dev == [f"eval_data synth:test:8 (declared {ev.load_protocol('synth_heldout')['eval_data']})"]
     assert ev.label_suffix(eff, declared, None, 8, 8).startswith("data")
 
 
