@@ -136,6 +136,7 @@ def build(opts):
                 row = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
                 row["step"] = state.global_step
                 result["steps"].append(row)
+                result["summary"] = summarise(result, opts.warmup)  # partial results survive a time limit
                 if rank == 0:
                     print("[step] " + json.dumps(row), flush=True)
                     if opts.json:
