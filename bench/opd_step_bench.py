@@ -267,26 +267,6 @@ def matmul_tflops(device) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def compile_layers(model, only_with_grad: bool) -> None:
-    """Regional torch.compile of the decoder layers (one compiled function shared by all layers).
-
-    ``only_with_grad``: eager under no_grad (the student's generation keeps its CUDA-graph path), compiled
-    when gradients are on (training forward and the checkpoint recompute).
-    """
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-    layers = model.model.layers
-    fn = type(layers[0]).forward
-    comp = torch.compile(fn, dynamic=False)
-    for layer in layers:
-        def fwd(*a, _layer=layer, **k):
-            if only_with_grad and not torch.is_grad_enabled():
-                return fn(_layer, *a, **k)
-            return comp(_layer, *a, **k)
-        layer.forward = fwd
-
-
 def opd_subclass():
     """OPDTrainer routed through trainers.generation (unless the trainer already has a fast-path flag)."""
     from trainers import generation
@@ -325,6 +305,8 @@ def build_trainers(opts, tok, student, teacher, prompts, out_dir):
                                      args=trl_args, train_dataset=trl_ds, processing_class=tok)
     cls, native = opd_subclass()
     extra = {"fast_generation": True} if native else {}
+    if "compile_layers" in OPDConfig.__dataclass_fields__:
+        extra["compile_layers"] = False  # "ours" = eager layers; "ours+compiled" turns the trainer's flag on
     opd_args = OPDConfig(output_dir=str(out_dir / "opd"), num_generations=G, kl_mode=opts.modes[0],
                          teacher_context="teacher", w_kl=1.0, w_reward=1.0, model_dtype="bfloat16",
                          save_rollouts=False, ckpt_every_minutes=0, resume=False, max_wall_time_seconds=10**7,
@@ -342,10 +324,10 @@ def build_trainers(opts, tok, student, teacher, prompts, out_dir):
                  train_dataset=Dataset.from_dict(rows), processing_class=tok, teacher_processing_class=tok)
     variants = {"ours": opd_tr}
     if opts.compiled_variant:
-        opd_c = cls(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=copy.deepcopy(opd_args),
+        c_args = copy.deepcopy(opd_args)
+        c_args.compile_layers = True
+        opd_c = cls(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=c_args,
                     train_dataset=Dataset.from_dict(rows), processing_class=tok, teacher_processing_class=tok)
-        compile_layers(opd_c.model, only_with_grad=True)
-        compile_layers(opd_c.teacher_model, only_with_grad=False)
         variants["ours+compiled"] = opd_c
     return trl_tr, variants, cls.__name__ + (" (trainer flag)" if native else " (bench subclass)")
 
@@ -476,6 +458,8 @@ def run_trainer(opts):
     out = Path(opts.train_json).parent / "opd_train" if opts.train_json else Path(tempfile.mkdtemp(prefix="opd_train_"))
     cls, native = opd_subclass()
     extra = {"fast_generation": True} if native else {}
+    if "compile_layers" in OPDConfig.__dataclass_fields__:
+        extra["compile_layers"] = False  # "ours" = eager layers; "ours+compiled" turns the trainer's flag on
     args = OPDConfig(output_dir=str(out), num_generations=opts.G, kl_mode=opts.modes[0], teacher_context="teacher",
                      model_dtype="bfloat16", per_device_train_batch_size=opts.prompts, gradient_accumulation_steps=1,
                      max_completion_length=opts.new_tokens, generation_kwargs={"min_new_tokens": opts.new_tokens},

@@ -143,6 +143,9 @@ class OPDConfig(DistillationConfig):
     fast_generation: bool | None = field(default=None, metadata={
         "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
                 "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used."})
+    compile_layers: bool | None = field(default=None, metadata={
+        "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
+                "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
     debug_max_steps: int = field(default=0, metadata={
         "help": "Tests/debugging only: stop (with a final checkpoint) after this many optimizer steps; 0 = never. "
                 "Formal runs are bounded by the wall clock alone."})
@@ -476,6 +479,18 @@ class OPDTrainer(DistillationTrainer):
         self._fast_generation = bool(fast) and not self.use_vllm
         self.engine = ("vllm-" + args.vllm_mode) if self.use_vllm else (
             "hf-generate-fast" if self._fast_generation else "hf-generate")
+        compile_on = args.compile_layers
+        if compile_on is None:  # sharded weights (FSDP / ZeRO) are gathered inside the layers: leave them eager
+            compile_on = torch.cuda.is_available() and not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
+        self.compiled_layers = False
+        if compile_on:
+            from trainers.generation import compile_decoder_layers
+
+            student_ok = compile_decoder_layers(self.accelerator.unwrap_model(self.model), only_with_grad=True)
+            teacher_ok = compile_decoder_layers(self.accelerator.unwrap_model(self.teacher_model), only_with_grad=False)
+            self.compiled_layers = student_ok and teacher_ok
+            if not self.compiled_layers:
+                log.warning("compile_layers: model has no model.layers to compile; running eagerly")
         self._acc: dict[str, float] = defaultdict(float)
         self._timers: dict[str, float] = defaultdict(float)
         self._step_t0 = time.perf_counter()

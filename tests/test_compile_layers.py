@@ -1,0 +1,33 @@
+"""compile_layers: the flag wraps both models' decoder layers, and compiled layers compute what eager ones do."""
+
+import copy
+
+import torch
+
+from tests.test_trainer import curriculum_path, make_trainer, tiny_model, tokenizer  # noqa: F401 (fixtures)
+from trainers.generation import compile_decoder_layers
+
+
+def test_flag_off_by_default_on_cpu_and_honoured_when_set(tmp_path, tokenizer, curriculum_path):  # noqa: F811
+    tr = make_trainer(tmp_path / "a", tokenizer, curriculum_path)
+    assert tr.compiled_layers is False  # default: on only with CUDA
+    tr = make_trainer(tmp_path / "b", tokenizer, curriculum_path, compile_layers=True)
+    assert tr.compiled_layers is True
+    assert all("fwd" in layer.forward.__name__ for layer in tr.model.model.layers)
+    assert all("fwd" in layer.forward.__name__ for layer in tr.teacher_model.model.layers)
+
+
+def test_compiled_layers_match_eager(tokenizer):  # noqa: F811
+    eager = tiny_model(tokenizer, seed=3)
+    compiled = copy.deepcopy(eager)
+    assert compile_decoder_layers(compiled, only_with_grad=True)
+    ids = torch.randint(0, 500, (2, 12))
+    with torch.no_grad():  # only_with_grad: no_grad runs the eager path
+        assert torch.equal(compiled(ids).logits, eager(ids).logits)
+    out_c, out_e = compiled(ids).logits, eager(ids).logits  # grad on: the compiled path
+    torch.testing.assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
+    out_c.sum().backward()
+    out_e.sum().backward()
+    for (n, pc), (_, pe) in zip(compiled.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-5, msg=n)
+    assert not compile_decoder_layers(torch.nn.Linear(2, 2), only_with_grad=False)
