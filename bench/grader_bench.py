@@ -8,6 +8,9 @@ Workloads
   Our grader caches worker verdicts by (gold, extracted answer), which replicated cases hit, as
   do repeated samples of one problem in curation; ``mixed-cold`` is one pass over the unique
   cases with the cache cleared, so both numbers are reported.
+- ``math500``: MATH-500 reference solutions (full worked text ending in ``\\boxed{}``) graded
+  against their own answers, problems 200-499 (disjoint from the warm-up), each once, cache
+  cleared: unique competition-math answers of every kind (expressions, intervals, matrices...).
 - ``integers``: GSM8K-style plain integer answers, "... The answer is N." with right and wrong
   N (gold from ../shared/data/gsm8k_test.jsonl when present, else synthetic).
 
@@ -63,6 +66,14 @@ def integer_cases(n: int, seed: int = 0) -> list[dict]:
         pred = f"She sells 16 - 3 - 4 = 9 eggs and earns 9 * 2 = 18 dollars.\nThe answer is {ans}."
         cases.append({"gold": g, "pred": pred, "expected": right})
     return cases
+
+
+def math500_cases(start: int = 200) -> list[dict]:
+    path = shared_dir() / "data" / "math500_test.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines()[start:]]
+    return [{"gold": r["answer"], "pred": r["solution"], "expected": True} for r in rows]
 
 
 def warmup_answers(n: int) -> list[str]:
@@ -125,6 +136,8 @@ def main() -> None:
         "mixed": (public * args.reps, False),
         "integers": (integer_cases(args.gsm8k), True),
     }
+    if math500_cases():
+        workloads["math500"] = (math500_cases(args.warmup), True)
     # Warm both sides on answers disjoint from the timed ones (MATH-500 references): ANTLR,
     # which latex2sympy parses with, builds its prediction tables lazily, so the first parses
     # of each construct are several times slower than steady state in a long curation run.
