@@ -16,7 +16,7 @@ recipe="${1:-demo_cpu}"
 case "$recipe" in
   demo_cpu)
     : "${CURATE_CONFIG:=configs/curate_demo_cpu.yaml}" "${TRAIN_CONFIG:=configs/demo_cpu.yaml}"
-    : "${EVAL_PROTOCOLS:=synth_heldout}" "${EXPERIMENT_NAME:=demo_cpu}" ;;
+    : "${EVAL_PROTOCOLS:=synth_heldout}" "${EXPERIMENT_NAME:=default}" ;;  # = make's default run dir
   r1_distill_1p5b)
     : "${CURATE_CONFIG:=configs/curate_r1_distill_1p5b.yaml}" "${TRAIN_CONFIG:=configs/opd_r1_distill_1p5b.yaml}"
     : "${EVAL_PROTOCOLS:=math500_pass_at_1 aime24_25_at32}" "${EXPERIMENT_NAME:=opd_r1_distill_1p5b}" ;;
@@ -42,11 +42,23 @@ rm -f /tmp/opd-setup.$$.log
 $PY -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
 export OPD_LOCK_OWNER=$$
 trap '$PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
+# On SIGTERM / SIGINT: pass the signal to the running stage and wait until it has stopped (training
+# saves a checkpoint first), so the lock is released only once nothing writes to the run any more.
+child=""
+on_signal() {
+  echo "run.sh: got $1; stopping the current stage (pid ${child:-none}) and waiting for it" >&2
+  [ -n "$child" ] && kill -"$1" "$child" 2>/dev/null && wait "$child"
+  exit $(( 128 + $2 ))
+}
+trap 'on_signal TERM 15' TERM
+trap 'on_signal INT 2' INT
 
 stage() {  # stage NAME CMD...: run it; on failure stop with its exit code and a one-line reason
   local name=$1; shift
   say "$name: $*"
-  "$@"; local rc=$?
+  "$@" & child=$!
+  wait "$child"; local rc=$?
+  child=""
   if [ $rc -ne 0 ]; then
     echo "run.sh: stage '$name' failed with exit code $rc; outputs so far are kept in $OUTPUT_DIR" >&2
     exit $rc

@@ -61,7 +61,13 @@ def connect(run_dir: str | Path) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
             src = f"read_parquet('{lit}', union_by_name=true, filename=true)"
         else:
             src = f"read_json_auto('{lit}', format='auto', union_by_name=true, filename=true)"
-        con.execute(f"CREATE VIEW {name} AS SELECT * FROM {src}")
+        try:
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM {src}")
+            con.execute(f"SELECT * FROM {name} LIMIT 0")
+        except duckdb.Error as e:  # one unreadable table must not hide the others
+            con.execute(f"DROP VIEW IF EXISTS {name}")
+            print(f"query: view {name} skipped ({path}): {str(e).splitlines()[0]}", file=sys.stderr)
+            continue
         made.append(name)
     return con, made
 

@@ -189,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         for d in args.dirs:
             release_lock(Path(d) / ".opd.lock", owner_pid=args.pid)
         return 0
+    try:
+        for d in args.dirs:
+            check_outside_repo(d, "run directory")
+    except ValueError as e:
+        print(f"opd: {e}", file=os.sys.stderr)
+        return 2
     taken = []
     try:
         for d in dict.fromkeys(p.resolve() for p in args.dirs):

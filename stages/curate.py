@@ -49,6 +49,12 @@ ROLLOUT_SCHEMA = pa.schema([
     ("correct", pa.bool_()), ("grader_path", pa.string()), ("model", pa.string()),
     ("chunk", pa.int32()), ("started_at", pa.string()), ("finished_at", pa.string()),
 ])
+CURRICULUM_SCHEMA = pa.schema([
+    ("problem_id", pa.string()), ("problem", pa.string()), ("answer", pa.string()), ("reference", pa.string()),
+    ("teacher_solution", pa.string()), ("solution", pa.string()), ("source", pa.string()), ("level", pa.string()),
+    ("pass_rate", pa.float64()), ("teacher_pass_rate", pa.float64()), ("bucket", pa.int64()),
+    ("curriculum_index", pa.int64()), ("prompt_style", pa.string()),
+])
 REJECT_SCHEMA = pa.schema([("problem_id", pa.string()), ("stage", pa.string()), ("reason", pa.string()),
                            ("row_index", pa.int64()), ("raw", pa.string())])
 
@@ -74,8 +80,8 @@ class CurateConfig:
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
-    band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low ..."})
-    band_high: float = field(default=1.0, metadata={"help": "... and p < band_high."})
+    band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
+    band_high: float = field(default=1.0, metadata={"help": "... and p < band_high (exclusive: the default drops problems the student always solves)."})
     zero_pass_share: float = field(default=0.25, metadata={"help": "Share of teacher-solved p = 0 problems to keep anyway (0..1)."})
     n_buckets: int = field(default=4, metadata={"help": "Difficulty buckets of the curriculum."})
     order: str = field(default="easy_to_hard", metadata={"help": "Curriculum order: easy_to_hard, hard_to_easy or mixed."})
@@ -296,7 +302,7 @@ def curate(cfg: CurateConfig) -> dict:
     rollouts = pa.concat_tables([pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in part_files])
     write_parquet(rollouts, out / "rollouts.parquet")
     curriculum, filter_rejects = build_curriculum(rows, rollouts, cfg)
-    write_parquet(curriculum, out / "curriculum.parquet")
+    write_parquet(pa.Table.from_pylist(curriculum, schema=CURRICULUM_SCHEMA), out / "curriculum.parquet")
     load_rejects = [{**r, "stage": "load"} for r in loaded.rejects]
     write_parquet(pa.Table.from_pylist(load_rejects + filter_rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
 
@@ -320,14 +326,18 @@ def curate(cfg: CurateConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 bad configuration / data / model path (one-line reason), 75 run locked."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
-    (cfg,) = parse_config([CurateConfig], argv)
     try:
+        (cfg,) = parse_config([CurateConfig], argv)
         with run_lock(Path(cfg.output_dir)):
             curate(cfg)
     except LockHeld as e:
         print(f"opd curate: {e}", file=sys.stderr)
         return EXIT_LOCKED
+    except (ValueError, FileNotFoundError) as e:
+        print(f"opd curate: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -3,7 +3,7 @@
     python -m stages.train --config configs/demo_cpu.yaml [--field value ...]
 
 Precedence: OPDConfig defaults < YAML < run-contract environment (STUDENT_MODEL, TEACHER_MODEL,
-TRAIN_DATA, MAX_WALL_TIME_SECONDS, DEADLINE_RESERVE_SECONDS, OUTPUT_DIR, CKPT_DIR, EXPERIMENT_NAME)
+MAX_WALL_TIME_SECONDS, DEADLINE_RESERVE_SECONDS, OUTPUT_DIR, CKPT_DIR, EXPERIMENT_NAME)
 < command-line flags. Writes, under OUTPUT_DIR:
 
     metrics/train.jsonl              one JSON line per optimizer step
@@ -46,7 +46,7 @@ def run(args) -> dict:
     from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
 
     start = process_start_time()
-    table = load_curriculum(args.train_data)
+    table = load_curriculum(args.curriculum_path)
     student, teacher, tok, t_tok = load_models(args)
     dataset = build_train_dataset(table, tok, prompt_style=args.prompt_style)
     trainer = OPDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,7 +46,11 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
 
 
 def _env(tmp_path, model_dir, data, **extra):
-    env = dict(os.environ, OUTPUT_DIR=str(tmp_path / "run"), STUDENT_MODEL=model_dir, TRAIN_DATA=data,
+    # the curriculum where stage one leaves it (TRAIN_DATA names stage one's raw problems, not this)
+    dest = tmp_path / "run" / "curate" / "curriculum.parquet"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(data, dest)
+    env = dict(os.environ, OUTPUT_DIR=str(tmp_path / "run"), STUDENT_MODEL=model_dir, TRAIN_DATA="synth:train:8",
                PYTHONPATH=str(REPO), OPD_LOG_LEVEL="WARNING")
     env.pop("TEACHER_MODEL", None)
     env.pop("CKPT_DIR", None)
@@ -127,6 +132,6 @@ def test_second_run_on_same_dirs_exits_75(tmp_path, tiny_model_dir, curriculum_p
         rec = json.loads(lock.read_text())
         rec["pid"] = os.getppid()
         lock.write_text(json.dumps(rec))
-        rc = main(["--output_dir", str(out), "--student_model", tiny_model_dir, "--train_data", curriculum_path])
+        rc = main(["--output_dir", str(out), "--student_model", tiny_model_dir, "--curriculum_path", curriculum_path])
         lock.unlink()
     assert rc == EXIT_LOCKED

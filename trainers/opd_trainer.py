@@ -75,8 +75,9 @@ class OPDConfig(DistillationConfig):
     teacher_model: str | None = field(default=None, metadata={
         "help": "Contract TEACHER_MODEL: local HF directory of a separate teacher sharing the student's tokenizer; "
                 "empty = a frozen copy of the initial student (self-teacher)."})
-    train_data: str | None = field(default=None, metadata={
-        "help": "Contract TRAIN_DATA: stage one's curriculum parquet; default <output_dir>/curate/curriculum.parquet."})
+    curriculum_path: str | None = field(default=None, metadata={
+        "help": "Stage one's curriculum parquet; default <output_dir>/curate/curriculum.parquet. (TRAIN_DATA names the "
+                "raw problems that stage one reads, so it does not set this.)"})
     max_wall_time_seconds: float = field(default=43200.0, metadata={
         "help": "Contract MAX_WALL_TIME_SECONDS: wall-clock budget of the whole process, counted from its start."})
     deadline_reserve_seconds: float = field(default=600.0, metadata={
@@ -175,8 +176,8 @@ class OPDConfig(DistillationConfig):
         self.output_dir = str(Path(self.output_dir).expanduser())
         if not self.ckpt_dir:
             self.ckpt_dir = str(Path(self.output_dir) / "checkpoints")
-        if not self.train_data:
-            self.train_data = str(Path(self.output_dir) / "curate" / "curriculum.parquet")
+        if not self.curriculum_path:
+            self.curriculum_path = str(Path(self.output_dir) / "curate" / "curriculum.parquet")
         for name in ("student_model", "teacher_model", "teacher_dtype", "prompt_style", "teacher_logprob_min"):
             if getattr(self, name) in ("", "none", "None", "null"):
                 setattr(self, name, None)
@@ -262,14 +263,14 @@ def load_curriculum(path: str | os.PathLike):
     curriculum_index (default file order), prompt_style, source, level, pass_rate, teacher_pass_rate.
 
     Raises:
-        FileNotFoundError: no such file (run stage one first, or set TRAIN_DATA).
+        FileNotFoundError: no such file (run stage one first, or pass --curriculum_path).
         ValueError: a required column is missing, or the table is empty.
     """
     import pyarrow.parquet as pq
 
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"training data {p} not found: run `make curate` first or set TRAIN_DATA")
+        raise FileNotFoundError(f"curriculum {p} not found: run `make curate` first (same OUTPUT_DIR) or pass --curriculum_path")
     table = pq.read_table(p)
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
