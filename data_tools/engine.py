@@ -42,6 +42,15 @@ class Sample:
     finish_reason: str
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit(143)`` so ``finally`` blocks and atexit hooks run: otherwise the
+    process dies at once and leaves vLLM's engine-core and worker processes running as orphans."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 class Engine:
     """A vLLM engine over a local model directory.
 

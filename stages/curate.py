@@ -280,23 +280,26 @@ def curate(cfg: CurateConfig) -> dict:
     engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len,
                      gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
     engine = None
-    if need("teacher"):
-        engine = Engine(teacher, **engine_kw)
-        if cfg.teacher_context == "privileged":
-            tprompts = [P.render(engine.tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference), cfg.prompt_style)) for r in rows]
-        else:
-            tprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
-        run_role(engine, "teacher", tprompts, cfg.teacher_samples, teacher)
-    if need("student"):
-        if engine is None or teacher != student:
-            if engine is not None:
-                engine.close()
-            engine = Engine(student, **engine_kw)
-        sprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
-        run_role(engine, "student", sprompts, cfg.student_samples, student)
-    if engine is not None:
-        timings["engine_startup_s"] = round(engine.startup_s, 1)
-        engine.close()
+    try:  # the engine's worker processes must go down on errors and SIGTERM too (see exit_on_sigterm)
+        if need("teacher"):
+            engine = Engine(teacher, **engine_kw)
+            if cfg.teacher_context == "privileged":
+                tprompts = [P.render(engine.tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference), cfg.prompt_style)) for r in rows]
+            else:
+                tprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
+            run_role(engine, "teacher", tprompts, cfg.teacher_samples, teacher)
+        if need("student"):
+            if engine is None or teacher != student:
+                if engine is not None:
+                    engine.close()
+                engine = Engine(student, **engine_kw)
+            sprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
+            run_role(engine, "student", sprompts, cfg.student_samples, student)
+        if engine is not None:
+            timings["engine_startup_s"] = round(engine.startup_s, 1)
+    finally:
+        if engine is not None:
+            engine.close()
 
     part_files = sorted(parts.glob("*.parquet"))
     rollouts = pa.concat_tables([pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in part_files])
@@ -328,6 +331,9 @@ def curate(cfg: CurateConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad configuration / data / model path (one-line reason), 75 run locked."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
+    from data_tools.engine import exit_on_sigterm
+
+    exit_on_sigterm()
     try:
         (cfg,) = parse_config([CurateConfig], argv)
         with run_lock(Path(cfg.output_dir)):

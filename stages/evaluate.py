@@ -642,6 +642,9 @@ def run(cfg: EvalConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from data_tools.engine import exit_on_sigterm
+
+    exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
     try:
         (cfg,) = parse_config([EvalConfig], args=argv)
         run(cfg)
