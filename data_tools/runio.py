@@ -55,6 +55,9 @@ def _atomic_path(dest: Path) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would survive the rename and hide the file from other readers
     try:
         yield Path(tmp)
         os.replace(tmp, dest)
