@@ -594,18 +594,17 @@ def run(cfg: EvalConfig) -> list[dict]:
     all_rows = list(loaded.rows)
     rows = all_rows[: cfg.limit] if cfg.limit else all_rows
     if not rows:
-        reasons = Counter(r.get("reason") for r in (loaded.rejects or []))
-        raise EvalError(f"no usable problems in {eff['eval_data']} ({len(loaded.rejects or [])} rows rejected"
+        reasons = Counter(r["reason"] for r in loaded.rejects)
+        raise EvalError(f"no usable problems in {eff['eval_data']} ({len(loaded.rejects)} rows rejected"
                         + (f": {dict(reasons)}" if reasons else "") + ")")
     deviations = deviations + question_set_deviations(len(all_rows), len(rows), cfg.limit, declared["n_problems"])
     is_declared = not deviations
     suffix = label_suffix(eff, declared, cfg.limit, len(all_rows), len(rows))
 
     print(format_header(eff, deviations), flush=True)
-    reasons = dict(Counter(r.get("reason") for r in (loaded.rejects or [])))
-    print(f"questions: {len(all_rows)} usable, {len(loaded.rejects or [])} rejected {reasons or ''}, "
-          f"{getattr(loaded, 'duplicates', 0) or 0} duplicates; scoring {len(rows)}; "
-          f"columns used: {getattr(loaded, 'columns', None)}", flush=True)
+    reasons = dict(Counter(r["reason"] for r in loaded.rejects))
+    print(f"questions: {len(all_rows)} usable, {len(loaded.rejects)} rejected{f' {reasons}' if reasons else ''}, "
+          f"{loaded.duplicates} duplicates; scoring {len(rows)}; columns used: {loaded.columns}", flush=True)
     for path, why in skipped:
         print(f"skipping {path}: {why} (not scored)", flush=True)
 
@@ -619,8 +618,8 @@ def run(cfg: EvalConfig) -> list[dict]:
         try:
             s = evaluate_model(t, rows, eff, cfg, label=label, out_dir=out_dir, declared_def=declared,
                                declared=is_declared,
-                               deviations=deviations, n_loaded=len(all_rows), n_rejected=len(loaded.rejects or []),
-                               n_duplicate=getattr(loaded, "duplicates", None))
+                               deviations=deviations, n_loaded=len(all_rows), n_rejected=len(loaded.rejects),
+                               n_duplicate=loaded.duplicates)
         except EvalError as e:
             if len(targets) == 1:
                 raise
