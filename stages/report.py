@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def plot_training(metrics: list[dict], dest: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stages.report")
     ap.add_argument("--run", default=None, help="run directory (default: $OUTPUT_DIR or the default run)")
+    ap.add_argument("--ckpt_dir", default=None, help="checkpoint root (default: $CKPT_DIR or <run>/checkpoints)")
     args = ap.parse_args(argv)
     run = Path(args.run) if args.run else default_output_dir()
     if not run.exists():
@@ -91,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         evals.append({k: s.get(k) for k in ("label", "protocol", "declared_protocol", "model", "checkpoint_step",
                                             "pass_at_1", "pass_at_1_stderr", "clip_rate", "n_problems", "n_samples")})
     last = metrics[-1] if metrics else {}
-    ckpts = sorted((Path(p) for p in (run / "checkpoints").glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1])) \
-        if (run / "checkpoints").exists() else []
+    ckpt_root = Path(args.ckpt_dir or os.environ.get("CKPT_DIR") or run / "checkpoints")
+    ckpts = sorted((p for p in ckpt_root.glob("checkpoint-*") if p.name.split("-")[1].isdigit()),
+                   key=lambda p: int(p.name.split("-")[1]))
     report = {"run": str(run), "steps": len(metrics), "train_wall_s": last.get("wall_s"),
               "final_metrics": {k: last.get(k) for k, _ in PANELS if k in last}, "eval": evals,
               "plots": [str(png)] if png else [], "checkpoints": [str(c) for c in ckpts]}
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "where things are:",
               f"- tables (duckdb views: `make query` with no SQL lists them): {run}/curate, {run}/rollouts, {run}/eval",
               f"- metrics: {run}/metrics/train.jsonl",
-              f"- checkpoints: {', '.join(c.name for c in ckpts) or 'none'} in {run / 'checkpoints'}",
+              f"- checkpoints: {', '.join(c.name for c in ckpts) or 'none'} in {ckpt_root}",
               f"- plots: {png or 'none (no metrics)'}",
               "", "try:",
               f'  OUTPUT_DIR={run} make query SQL="SELECT level, role, round(avg(correct::INT),3) AS acc, count(*) AS n FROM rollouts JOIN problems USING (problem_id) GROUP BY ALL ORDER BY ALL"',

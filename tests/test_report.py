@@ -1,0 +1,29 @@
+"""Run report: plots from metrics, eval table with the before/after change, checkpoint listing."""
+
+import json
+
+from stages.report import main
+
+
+def test_report_from_metrics_and_evals(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CKPT_DIR", raising=False)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "train.jsonl").write_text(
+        "".join(json.dumps({"step": s, "wall_s": 10.0 * s, "loss": 1.0 / s, "kl/sampled_mean": 0.1 * s,
+                            "reward/mean": 0.2}) + "\n" for s in (1, 2, 3)) + "not json\n")
+    for label, p, se in (("start__synth", 0.10, 0.03), ("final__synth", 0.16, 0.04)):
+        d = tmp_path / "eval" / label
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({
+            "label": label, "protocol": "synth", "declared_protocol": True, "model": "m", "checkpoint_step": None,
+            "pass_at_1": p, "pass_at_1_stderr": se, "clip_rate": 0.1, "n_problems": 10, "n_samples": 40}))
+    for step in (2, 10):
+        (tmp_path / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)
+    assert main(["--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "change in pass@1: +0.0600 (+1.2 combined standard errors)" in out
+    assert "checkpoint-2, checkpoint-10" in out
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["steps"] == 3 and report["final_metrics"]["loss"] == 1.0 / 3
+    png = tmp_path / "report" / "training.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
