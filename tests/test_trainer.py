@@ -236,7 +236,7 @@ def test_config_range_checks(tmp_path):
     a = make_args(tmp_path, debug_max_steps=0)
     assert a.max_steps >= 10**9 and a.horizon_seconds == 9990
     assert a.ckpt_dir == str(tmp_path / "run" / "checkpoints")
-    assert a.train_data == str(tmp_path / "run" / "curate" / "curriculum.parquet")
+    assert a.curriculum_path == str(tmp_path / "run" / "curate" / "curriculum.parquet")
 
 
 def test_export_checkpoint_bf16_rotation_and_atomicity(tmp_path, tokenizer):
