@@ -88,7 +88,8 @@ def _text(v: Any) -> str:
 
 
 def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0) -> LoadResult:
-    """Read problems from ``source``: a file / ``datasets`` dir, or ``synth:<split>:<n>`` (e.g. ``synth:train:200``).
+    """Read problems from ``source``: a file / ``datasets`` dir, or ``synth:<split>:<n>`` (e.g. ``synth:train:200``;
+    ``synth-hard:<split>:<n>`` for the hard ladder, ``data_tools.synth``).
 
     ``limit`` keeps the first N input rows (before rejects). Answers are validated with the grader's
     :func:`data_tools.grader.parse_gold`; GSM8K answers (rationale then ``#### N``) are split into
@@ -102,14 +103,14 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
     from data_tools.grader import extract_gsm8k_answer, parse_gold
 
     src = str(source)
-    if src.startswith("synth:"):
+    if src.startswith(("synth:", "synth-hard:")):
         from data_tools.synth import generate
 
         parts = src.split(":")
         if len(parts) != 3 or not parts[2].isdigit():
-            raise ValueError(f"synthetic source must look like synth:<train|test>:<n>, got {src!r}")
+            raise ValueError(f"synthetic source must look like {parts[0]}:<train|test>:<n>, got {src!r}")
         n = int(parts[2]) if limit is None else min(int(parts[2]), limit)
-        rows = generate(parts[1], n, seed=seed)
+        rows = generate(parts[1], n, seed=seed, ladder="hard" if parts[0] == "synth-hard" else "easy")
         return LoadResult(src, rows=rows, n_read=len(rows),
                           columns={"problem": "synth", "answer": "synth", "solution": "synth"})
 

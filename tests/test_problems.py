@@ -1,13 +1,16 @@
 """Problem loading: column detection, GSM8K answers, rejects with reasons, duplicates, synthetic splits."""
 
 import json
+import re
 import os
+from fractions import Fraction
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from data_tools.grader import grade_batch
 from data_tools.problems import load_problems
 from data_tools.synth import generate
 
@@ -71,6 +74,51 @@ def test_synthetic_splits_are_disjoint_and_deterministic():
     assert {r["level"] for r in train} == {"1", "2", "3", "4", "5"}
     r = load_problems("synth:test:20")
     assert len(r.rows) == 20 and not r.rejects
+
+
+def _independent_answer(problem: str) -> Fraction:
+    """Recompute a hard-ladder answer from the problem text alone (not from the generator's code)."""
+    m = re.fullmatch(r"What is ([\d/ x+\-]+)\?(?: Give the answer.*)?", problem)
+    if m:  # arithmetic: evaluate with Python's precedence, '/' as exact division
+        expr = re.sub(r"(\d+)/(\d+)", r"Fraction(\1, \2)", m.group(1).replace(" x ", " * "))
+        return Fraction(eval(expr, {"Fraction": Fraction}))  # noqa: S307 - generated digits and operators only
+    nums = [int(x) for x in re.findall(r"\d+", problem)]
+    if "pencils" in problem:
+        a, b, c = nums
+        return Fraction(a * b - c)
+    if "change" in problem:
+        a, b, m = nums
+        return Fraction(m - a * b)
+    if "cookies" in problem:
+        n, k, e = nums
+        return Fraction(n // k - e)
+    if "train" in problem:
+        v, t, d = nums
+        return Fraction(v * t + d)
+    a, b, p = nums
+    return Fraction(p * (a + b))
+
+
+def test_hard_ladder_answers_are_right_and_graded_correct():
+    rows = generate("test", 120, ladder="hard")
+    assert {r["level"] for r in rows} == {"1", "2", "3", "4", "5", "6"}
+    assert all(r["problem_id"].startswith("synth-hard-test-") and r["source"] == "synth-hard" for r in rows)
+    for r in rows:
+        want = _independent_answer(r["problem"])
+        assert want > 0, r
+        got = Fraction(*map(int, re.findall(r"-?\d+", r["answer"]))) if "frac" in r["answer"] else Fraction(r["answer"])
+        assert got == want, (r["problem"], r["answer"], want)
+    # the worked solutions end in the answer, and the grader accepts them (what the teacher is trained on)
+    verdicts = grade_batch([r["solution"] for r in rows], [r["answer"] for r in rows])
+    assert all(v.correct for v in verdicts)
+    wrong = grade_batch(["The answer is \\boxed{7}."] * 5, [r["answer"] for r in rows[:5]])
+    assert not any(v.correct for v in wrong)
+    # splits are disjoint, the easy ladder's draws are unchanged by the second ladder, loader spec works
+    train = generate("train", 600, ladder="hard")
+    assert not {r["problem"] for r in train} & {r["problem"] for r in generate("test", 300, ladder="hard")}
+    assert load_problems("synth-hard:train:30").rows == train[:30]
+    with pytest.raises(ValueError, match="ladder"):
+        generate("train", 3, ladder="medium")
 
 
 @pytest.mark.skipif(not (SHARED / "data" / "gsm8k_train.jsonl").exists(), reason="../shared/data not available")
