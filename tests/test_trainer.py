@@ -176,6 +176,37 @@ def test_other_modes_train(tmp_path, tokenizer, curriculum_path, kw):
         assert logs[-1]["ppo/ratio_mean"] != pytest.approx(1.0, abs=1e-7)
 
 
+def test_reward_only_never_runs_the_teacher(tmp_path, tokenizer, curriculum_path):
+    """w_kl = 0 (sampled mode): no teacher forward, and the gradient is the plain policy gradient."""
+    teacher = tiny_model(tokenizer, seed=3)
+    calls = []
+    teacher.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():  # a poisoned teacher: any read of it would make the loss NaN
+        for p in teacher.parameters():
+            p.fill_(float("nan"))
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, teacher=teacher, w_kl=0.0, teacher_context="teacher")
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    inputs = tr._generate_and_score_completions(rows)
+    inputs["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 2.0, -2.0, 0.3])
+    model = tr.accelerator.unwrap_model(tr.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    N = int(inputs["completion_mask"].sum())
+    loss, _, _ = tr._compute_loss(model, inputs, N)
+    assert calls == [] and torch.isfinite(loss)
+    got = torch.autograd.grad(loss, params)
+    # reference: gradient of -sum_i A_i sum_t log pi(y_it) / N over completion tokens, from a plain forward
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    K = inputs["completion_ids"].size(1)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -K - 1:-1].float() / tr.temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    ref = -(inputs["advantages"].unsqueeze(1) * lp * inputs["completion_mask"]).sum() / N
+    want = torch.autograd.grad(ref, params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+    assert any(float(w.abs().max()) > 0 for w in want)
+
+
 def test_vocab_mismatch_teacher_matches_sliced(tmp_path, tokenizer, curriculum_path):
     """A teacher with 2 extra embedding rows gives the same loss as the same teacher without them."""
     student = tiny_model(tokenizer, seed=1)

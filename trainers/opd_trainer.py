@@ -667,27 +667,33 @@ class OPDTrainer(DistillationTrainer):
         h_s = self._get_last_hidden_state(unwrapped_student, s_ids, s_mask, K)  # (B, K, H_s)
 
         t0 = time.perf_counter()
-        self.teacher_model.eval()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
-        t_ids = torch.cat([inputs["teacher_prompt_ids"], cids], dim=1)
-        t_mask = torch.cat([inputs["teacher_prompt_mask"], cmask], dim=1)
-        with torch.no_grad():
-            h_t = self._forward_redirection(self.teacher_model, unwrapped_teacher, self._get_last_hidden_state,
-                                            unwrapped_teacher, t_ids, t_mask, K)  # (B, K, H_t)
         (ws, bs), (wt, bt) = self._heads(unwrapped_student, unwrapped_teacher)
         s_scale, s_cap = logit_transform(unwrapped_student.config)
         t_scale, t_cap = logit_transform(unwrapped_teacher.config)
         valid = cmask.bool().to(ws.device)
         targets = cids.to(ws.device)[valid]
-        hs, ht = h_s.to(ws.device)[valid], h_t.to(wt.device)[valid]
-        with torch.no_grad():
-            t_logp, _ = losses.token_logprobs(ht, wt, bt, targets.to(wt.device), temperature=self.temperature,
-                                              logit_scale=t_scale, softcap=t_cap)
-        t_logp = t_logp.to(ws.device)
+        hs = h_s.to(ws.device)[valid]
+        # Reward-only training (sampled mode, w_kl = 0) never reads the teacher: skip its forward, so
+        # that arm pays no teacher compute (bench/learning.py compares arms at equal GPU time).
+        score_teacher = a.w_kl > 0 or a.kl_mode == "full"
+        if score_teacher:
+            self.teacher_model.eval()
+            t_ids = torch.cat([inputs["teacher_prompt_ids"], cids], dim=1)
+            t_mask = torch.cat([inputs["teacher_prompt_mask"], cmask], dim=1)
+            with torch.no_grad():
+                h_t = self._forward_redirection(self.teacher_model, unwrapped_teacher, self._get_last_hidden_state,
+                                                unwrapped_teacher, t_ids, t_mask, K)  # (B, K, H_t)
+                ht = h_t.to(wt.device)[valid]
+                t_logp, _ = losses.token_logprobs(ht, wt, bt, targets.to(wt.device), temperature=self.temperature,
+                                                  logit_scale=t_scale, softcap=t_cap)
+            t_logp = t_logp.to(ws.device)
         self._timers["time/teacher"] += time.perf_counter() - t0
 
         s_logp, entropy = losses.token_logprobs(hs, ws, bs, targets, temperature=self.temperature,
                                                 logit_scale=s_scale, softcap=s_cap, with_entropy=True)
+        if not score_teacher:
+            t_logp = s_logp.detach()  # k1 = 0: the KL metrics read 0 (not measured) in reward-only runs
         adv_tok = inputs["advantages"].to(ws.device).unsqueeze(1).expand_as(cids)[valid]
         N = num_items_in_batch if num_items_in_batch is not None else valid.sum().clamp(min=1)
         k1 = (s_logp.detach() - t_logp)  # for metrics and rollouts, unclamped
