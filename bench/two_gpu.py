@@ -25,9 +25,12 @@ What it does, on the Qwen2.5-1.5B-shaped random student and teacher of ``bench/o
    generating ``--prompts`` completions (``--new-tokens`` new tokens, ``min_new_tokens`` = max so every step
    has the same token count), i.e. the global batch grows with the GPU count (weak scaling). Reported per
    step from the trainer's own metrics: ``time/step`` (rank 0, whole optimizer step), ``time/generation``,
-   global completion tokens / step seconds. Under FSDP the fast generation path is off
-   (``trainers.generation`` falls back to TRL's HF generate with sharded weights), so both runs use TRL's
-   generation.
+   global completion tokens / step seconds. Generation takes the trainer's fast path on a GPU (engine
+   ``hf-generate-fast`` in the JSON): under FSDP2 ``trainers.generation.fsdp2_full_weights`` all-gathers the
+   student once per generation call and decodes with a static KV cache and a CUDA-graph step on the whole
+   weights, with FSDP's per-layer hooks detached for the call. ``--fast-generation false`` measures TRL's HF
+   generate on the sharded student instead (bench/RESULTS.md run 4: every layer all-gathered at every
+   decode token).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ def build(opts):
                 row = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
                 row["step"] = state.global_step
                 result["steps"].append(row)
+                result["fast_generator_stats"] = fast_generator_stats(tr)
                 result["summary"] = summarise(result, opts.warmup)  # partial results survive a time limit
                 if rank == 0:
                     print("[step] " + json.dumps(row), flush=True)
@@ -158,6 +162,14 @@ def build(opts):
     return tr, result
 
 
+def fast_generator_stats(tr) -> dict | None:
+    """Proof that the fast path ran: the student's ``FastGenerator`` stats (``captures`` = decode states built,
+    one per generation call with ``keep_cache`` off); None if every call fell back to TRL's generate (e.g. FSDP2's
+    hooks not recognised by ``trainers.generation.fsdp2_full_weights``: it logs a warning)."""
+    g = getattr(tr.accelerator.unwrap_model(tr.model), "_opd_fast_generator", None)
+    return dict(g.stats) if g else None
+
+
 def summarise(result: dict, warmup: int) -> dict:
     timed = [r for r in result["steps"] if r["step"] > warmup]
     if not timed:
@@ -177,7 +189,8 @@ def summarise(result: dict, warmup: int) -> dict:
 
 def compare(one_path: str, two_path: str) -> str:
     one, two = (json.loads(Path(p).read_text()) for p in (one_path, two_path))
-    lines = []
+    lines = [f"engine: 1 GPU {one.get('engine')} (fast generator {one.get('fast_generator_stats')}), "
+             f"2 GPUs {two.get('engine')} (fast generator {two.get('fast_generator_stats')})"]
     lc1, lc2 = one.get("loss_check", {}), two.get("loss_check", {})
     lines.append(f"loss check: {lc1.get('completions')} completions x {one['new_tokens']} tokens "
                  f"({lc1.get('tokens')} / {lc2.get('tokens')} tokens counted)")
@@ -215,7 +228,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--kl-mode", default="sampled")
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--fast-generation", type=lambda s: s.lower() in ("1", "true", "yes"), default=False)
+    ap.add_argument("--fast-generation", type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
+                    help="trainer's fast_generation (default: the trainer's own, on with CUDA; false = TRL's generate)")
     ap.add_argument("--grader-workers", type=int, default=None)
     ap.add_argument("--save", action="store_true", help="keep the final checkpoint export at the step cap")
     ap.add_argument("--output-dir", default=None)
@@ -233,8 +247,10 @@ def main(argv=None):
     tr.train()
     result["train_wall_s"] = time.perf_counter() - t1
     result["summary"] = summarise(result, opts.warmup)
+    result["fast_generator_stats"] = fast_generator_stats(tr)
     if int(os.environ.get("RANK", 0)) == 0:
         print("[summary] " + json.dumps(result["summary"]), flush=True)
+        print(f"[engine] {result['engine']} fast_generator_stats={result['fast_generator_stats']}", flush=True)
         if opts.json:
             Path(opts.json).write_text(json.dumps(result, indent=1))
     tr.accelerator.wait_for_everyone()

@@ -20,6 +20,10 @@ the first EOS, EOS included) and decodes the whole batch in one call:
 - decode attention over the static cache is a grouped-query kernel that reads each KV head once
   (HF's SDPA path with a mask repeats the KV heads to all query heads every step).
 
+Under FSDP2 (``fully_shard``, e.g. accelerate's ``fsdp_version: 2``) ``fsdp2_full_weights`` all-gathers
+the student's weights once per generation call and detaches FSDP's forward hooks for the call, so the
+decode loop (and its captured graph) runs on whole weights with no per-layer, per-token collectives.
+
 On CPU (tests) the same step function runs eagerly. Sampling follows HF's order (min-new-tokens
 EOS suppression, temperature, top-k, top-p, min-p); greedy decoding matches ``model.generate``.
 Features it does not implement (repetition penalty, beams, suppress_tokens, ...) make
@@ -28,6 +32,7 @@ Features it does not implement (repetition penalty, beams, suppress_tokens, ...)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -194,6 +199,9 @@ class _DecodeState:
 
 
 def _weights_key(model) -> tuple:
+    # A captured step reads the weights at their capture-time addresses: reuse it only while every
+    # parameter is still there (in-place optimizer updates keep them; FSDP2's per-call all-gather in
+    # ``fsdp2_full_weights`` allocates them anew, so a kept graph is re-captured unless they land back).
     return tuple(p.data_ptr() for p in model.parameters())
 
 
@@ -339,38 +347,143 @@ def generator_for(model, pad_token_id: int, eos_token_ids, **kw) -> FastGenerato
     return g
 
 
+class FSDPHooksNotFound(RuntimeError):
+    """``fsdp2_full_weights`` could not identify FSDP2's forward hooks (an FSDP2 internal changed)."""
+
+
+def _fsdp2_modules(model) -> list:
+    """The modules of ``model`` sharded by FSDP2 ``fully_shard`` (root included), or [] without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _hook_of(hook, state) -> bool:
+    """True if ``hook`` is a bound method of ``state`` or a ``functools.wraps`` wrapper of one.
+
+    FSDP2 registers ``state._pre_forward`` / ``state._post_forward`` directly on a module sharded alone and
+    wrapped (``functools.wraps``, ``_dynamo_disable``) on the modules of a grouped ``fully_shard([a, b])``.
+    """
+    for _ in range(16):
+        if hook is None:
+            return False
+        if getattr(hook, "__self__", None) is state:
+            return True
+        hook = getattr(hook, "__wrapped__", None)
+    return False
+
+
+@contextlib.contextmanager
+def fsdp2_full_weights(model):
+    """Run an FSDP2-sharded ``model`` as a plain module on its full weights for the ``with`` block.
+
+    On entry: FSDP2's forward pre/post hooks are detached from every ``FSDPModule`` of ``model`` and each
+    one's parameters are all-gathered **once** (``FSDPModule.unshard()``, not recursive, so called on every
+    sharded module; the unsharded parameters follow the ``MixedPrecisionPolicy``, i.e. bf16 under
+    accelerate's bf16 config, and are registered on the modules as plain tensors). Inside, a forward runs
+    no FSDP code at all: no all-gather / reshard per layer per decode step, no stream syncs or input casts
+    (the weights already have the compute dtype), so every rank may run a different number of forwards
+    (its own decode length) without a collective. On exit (also on error): the hooks are put back in
+    their original order and every module is resharded (``FSDPModule.reshard()``: the gathered copies are
+    freed, the DTensor shards are registered again). Call it between optimizer steps, under ``no_grad``:
+    FSDP state between a forward and its backward is not preserved. Without FSDP2 modules it does nothing.
+
+    Raises ``FSDPHooksNotFound`` on entry (with nothing changed) if a module's FSDP hooks cannot be found.
+    """
+    mods = _fsdp2_modules(model)
+    if not mods:
+        yield model
+        return
+    detached: list[tuple[dict, list]] = []  # (a module's hook dict, its items before)
+    try:
+        for m in mods:
+            state = m._get_fsdp_state()
+            found = 0
+            for hooks in (m._forward_pre_hooks, m._forward_hooks):
+                before = list(hooks.items())
+                keep = [(k, h) for k, h in before if not _hook_of(h, state)]
+                if len(keep) < len(before):
+                    detached.append((hooks, before))
+                    hooks.clear()
+                    hooks.update(keep)  # same dict object: RemovableHandles keep a reference to it
+                    found += len(before) - len(keep)
+            if not found:
+                raise FSDPHooksNotFound(f"no FSDP2 forward hooks found on {type(m).__name__}")
+        for m in mods:  # one all-gather per FSDP parameter group (a grouped module's second call is a no-op)
+            m.unshard()
+        yield model
+    finally:
+        for hooks, before in reversed(detached):
+            added = [(k, h) for k, h in hooks.items() if k not in dict(before)]
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
+        for m in mods:  # no-op for a module whose parameters are already sharded
+            m.reshard()
+
+
+def fast_path_unsupported(trainer) -> str | None:
+    """Why ``fast_generate_single_turn`` cannot run under ``trainer``'s distributed setup; None if it can.
+
+    FSDP1 can only materialise full weights with ``summon_full_params``, inside which no forward may run
+    (its wrappers' forward is the sharding logic), and ZeRO-3 gathers inside each module's hooks: both
+    keep TRL's HF generate. FSDP2 (``fsdp2_full_weights``), DDP and ZeRO-1/2 take the fast path.
+    """
+    state = trainer.accelerator.state
+    ds = getattr(state, "deepspeed_plugin", None)
+    if ds is not None and getattr(ds, "zero_stage", 0) == 3:
+        return "DeepSpeed ZeRO-3"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        version = getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1)
+        if version != 2:
+            return f"FSDP version {version} (only FSDP2 is supported)"
+    return None
+
+
+_warned_hooks = False
+
+
 def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list[int]] | None:
     """Drop-in for ``DistillationTrainer._generate_single_turn``'s HF branch (text-only prompts).
 
-    Returns None when the fast path does not apply (then call TRL's path): a generation config
-    feature ``FastGenerator`` lacks, or sharded weights (FSDP, DeepSpeed ZeRO-3). With FSDP2 the
-    forward all-gathers each layer's shards in its hooks, which must not end up inside a captured
-    CUDA graph, and gathered weights change address every call; DDP and ZeRO-1/2 keep whole weights
-    at fixed addresses and take the fast path.
+    Returns None when the fast path does not apply (then call TRL's path): a generation config feature
+    ``FastGenerator`` lacks, or a setup ``fast_path_unsupported`` names (FSDP1, ZeRO-3).
+
+    Under FSDP2 the student's weights are gathered once for the call (``fsdp2_full_weights``) instead of
+    per layer per decode token in FSDP's hooks. The CUDA graph stays on: the gathered weights live at new
+    addresses after every all-gather, but the captured step is only replayed while ``_weights_key`` (the
+    parameters' ``data_ptr``s) matches the capture, and the default ``keep_cache=False`` re-captures on
+    every call anyway; the graph contains no FSDP code (hooks detached) and no collective, so each rank
+    replays it independently. DDP and ZeRO-1/2 keep whole weights at fixed addresses.
     """
+    global _warned_hooks
     from trl.models.utils import unwrap_model_for_generation
 
     sp = sampling_params_from(trainer.generation_config)
-    if sp is None:
+    if sp is None or fast_path_unsupported(trainer) is not None:
         return None
-    ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if getattr(trainer, "is_fsdp_enabled", False) or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
-        return None
-    with (
-        unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                    gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-                                    generation_kwargs=trainer.generation_kwargs,
-                                    gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
-        as unwrapped,
-        torch.no_grad(),
-        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
-    ):
+    with contextlib.ExitStack() as stack:
+        unwrapped = stack.enter_context(unwrap_model_for_generation(
+            trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs))
+        stack.enter_context(torch.no_grad())
+        try:
+            stack.enter_context(fsdp2_full_weights(unwrapped))
+        except FSDPHooksNotFound as e:
+            if not _warned_hooks:
+                log.warning("fast generation off under FSDP2 (%s): using TRL's HF generate", e)
+                _warned_hooks = True
+            return None
         gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids)
         return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
 
 
 __all__ = ["SamplingParams", "sampling_params_from", "FastGenerator", "generator_for", "fast_generate_single_turn",
-           "gqa_decode_attention", "sample_next", "group_runs"]
+           "fast_path_unsupported", "fsdp2_full_weights", "FSDPHooksNotFound", "gqa_decode_attention", "sample_next",
+           "group_runs"]
 
 
 def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:

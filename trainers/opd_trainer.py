@@ -143,7 +143,8 @@ class OPDConfig(DistillationConfig):
         "help": "Non-finite loss/gradient steps are skipped; this many in a row stop the run with an error."})
     fast_generation: bool | None = field(default=None, metadata={
         "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
-                "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used."})
+                "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used. Under FSDP2 "
+                "the student's weights are gathered once per generation call; FSDP1 and ZeRO-3 keep TRL's HF generate."})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
                 "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
@@ -478,6 +479,13 @@ class OPDTrainer(DistillationTrainer):
                              f"num_generations={args.num_generations}")
         fast = torch.cuda.is_available() if args.fast_generation is None else args.fast_generation
         self._fast_generation = bool(fast) and not self.use_vllm
+        if self._fast_generation:
+            from trainers.generation import fast_path_unsupported
+
+            why = fast_path_unsupported(self)
+            if why:  # the engine name says what runs: TRL's HF generate
+                log.warning("fast_generation: not supported under %s; using TRL's HF generate", why)
+                self._fast_generation = False
         self.engine = ("vllm-" + args.vllm_mode) if self.use_vllm else (
             "hf-generate-fast" if self._fast_generation else "hf-generate")
         compile_on = args.compile_layers
