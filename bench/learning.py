@@ -22,19 +22,22 @@ the same held-out problems. Each arm runs in its own process (fresh CUDA context
 
 Evaluation (``evaluate``): the held-out problems x ``eval_samples`` samples at ``eval_temperature``,
 ``max_new_tokens`` cap, the prompt and grader of stages.evaluate; avg@k with its standard error over
-problems (``data_tools.evalstats``), clip rate, mean completion tokens. Arm comparisons use the paired
-standard error of the per-problem difference (same problems for every arm).
+problems (``data_tools.evalstats``), clip rate, mean completion tokens. Every sample is graded under both
+grader answer filters (``correct_numeric``: the answer must be a number; ``correct_math``: any
+mathematically equal expression, so "41 * 74" counts): the tables use ``report_filter`` (numeric), and
+the other shows reward hacking (bench/LEARNING.md). Arm comparisons use the paired standard error of the
+per-problem difference (same problems for every arm).
 
 Outputs under DIR (resumable: finished pieces are skipped on a re-run with the same settings):
     settings.json                   every setting of the run
     data/{train,test,curriculum}.parquet, data/stage_one.parquet (d's teacher samples, with verdicts)
     teacher/                        the fine-tuned teacher (HF directory)
-    evals/<name>.parquet            one row per (mark, problem, sample): completion, correct, n_tokens, ...
+    evals/<name>.parquet            one row per (mark, problem, sample): completion, correct_numeric, correct_math, ...
     arms/<arm>/                     the trainer's run directory (metrics/train.jsonl, rollouts/*.parquet)
     results.json, results.md, learning.png
 
 The numbers in bench/LEARNING.md come from this script; query the tables with duckdb, e.g.
-``SELECT arm, mark_s, avg(correct::INT) FROM 'DIR/evals/*.parquet' GROUP BY ALL ORDER BY ALL``.
+``SELECT name, mark_s, avg(correct_numeric::INT) FROM 'DIR/evals/*.parquet' GROUP BY ALL ORDER BY ALL``.
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ class LearningConfig:
                 "classical recipe); none = on every teacher sample (an ablation; lets the CPU smoke test run arm d "
                 "with a teacher that solves nothing)."})
     prompt_style: str = field(default="reasoning", metadata={"help": "data_tools.prompts style of every prompt."})
+    answer_filter: str = field(default="numeric", metadata={
+        "help": "Grader answer filter of the training reward and stage one's verification (data_tools.grader): "
+                "numeric = the answer must be a number (arithmetic tasks); math = any equal expression."})
+    report_filter: str = field(default="numeric", metadata={
+        "help": "Answer filter of the reported avg@k (both are stored per sample: correct_numeric, correct_math)."})
     seed: int = field(default=0, metadata={"help": "Seed of every arm (data order, sampling, evaluation)."})
     fast_generation: bool = field(default=True, metadata={
         "help": "trainers.generation's static-cache / CUDA-graph generation for rollouts and evaluation."})
@@ -139,6 +147,11 @@ class LearningConfig:
                              f"num_generations ({self.num_generations})")
         if min(self.budget_s, self.teacher_sft_s, self.lr, self.teacher_lr) <= 0:
             raise ValueError("budget_s, teacher_sft_s, lr and teacher_lr must be > 0")
+        from data_tools.grader import ANSWER_FILTERS
+
+        for name in ("answer_filter", "report_filter"):
+            if getattr(self, name) not in ANSWER_FILTERS:
+                raise ValueError(f"{name} must be one of {ANSWER_FILTERS}, got {getattr(self, name)!r}")
         if self.sft_filter not in ("verified", "none"):
             raise ValueError(f"sft_filter must be 'verified' or 'none', got {self.sft_filter!r}")
         if self.eval_temperature <= 0 or self.train_temperature <= 0:
@@ -267,31 +280,53 @@ def evaluate(model, tok, problems: list[dict], cfg: LearningConfig, *, name: str
     """avg@k sample rows of ``model`` on ``problems`` (one row per problem x sample), graded.
 
     Row keys: name, mark_s (the planned mark), train_s (the arm's training clock when evaluated),
-    step, problem_id, level, sample_index, completion, correct, extracted, n_tokens, finish_reason.
+    step, problem_id, level, sample_index, completion, extracted, n_tokens, finish_reason, and the
+    verdicts (``grade_rows``): correct_numeric, correct_math, correct (= under ``cfg.answer_filter``).
     """
-    from data_tools.grader import grade_batch
     from data_tools.prompts import render, student_messages
 
     k = cfg.eval_samples
     prompts = [render(tok, student_messages(p["problem"], cfg.prompt_style)) for p in problems for _ in range(k)]
     g = generate(model, tok, prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
                  batch=cfg.eval_batch, seed=cfg.seed + 7919, fast=cfg.fast_generation)
-    golds = [p["answer"] for p in problems for _ in range(k)]
-    verdicts = grade_batch(g.texts, golds)
     rows = []
-    for i, (text, v) in enumerate(zip(g.texts, verdicts)):
+    for i, text in enumerate(g.texts):
         p = problems[i // k]
         rows.append(dict(name=name, mark_s=float(mark_s), train_s=round(float(train_s), 2), step=int(step),
                          problem_id=p["problem_id"], level=str(p.get("level") or ""), sample_index=i % k,
-                         completion=text, correct=bool(v.correct), extracted=v.extracted, n_tokens=len(g.ids[i]),
-                         finish_reason="length" if g.clipped[i] else "stop"))
+                         completion=text, n_tokens=len(g.ids[i]), finish_reason="length" if g.clipped[i] else "stop"))
+    return grade_rows(rows, {p["problem_id"]: p["answer"] for p in problems}, cfg.answer_filter)
+
+
+def grade_rows(rows: list[dict], answers: dict[str, str], primary: str) -> list[dict]:
+    """Grade evaluation rows in place under both answer filters; ``correct`` is the ``primary`` one's verdict.
+
+    Raises:
+        KeyError: a row's problem_id has no answer.
+    """
+    from data_tools.grader import ANSWER_FILTERS, grade_batch
+
+    golds = [answers[r["problem_id"]] for r in rows]
+    trunc = [r["finish_reason"] == "length" for r in rows]
+    for f in ANSWER_FILTERS:
+        for r, v in zip(rows, grade_batch([r["completion"] for r in rows], golds, truncated=trunc, answer_filter=f)):
+            r[f"correct_{f}"] = bool(v.correct)
+            if f == primary:
+                r["extracted"] = v.extracted
+    for r in rows:
+        r["correct"] = r[f"correct_{primary}"]
     return rows
 
 
-def summarize_mark(rows: list[dict]) -> dict:
-    """avg@k, its standard error over problems, clip rate and mean completion tokens of one mark's rows."""
+def summarize_mark(rows: list[dict], answer_filter: str | None = None) -> dict:
+    """avg@k, its standard error over problems, clip rate and mean completion tokens of one mark's rows.
+
+    ``answer_filter``: read ``correct_<filter>`` instead of ``correct``.
+    """
     from data_tools.evalstats import summarize
 
+    if answer_filter:
+        rows = [{**r, "correct": r[f"correct_{answer_filter}"]} for r in rows]
     s = summarize(rows)
     return dict(avg_at_k=s["pass_at_1"], stderr=s["pass_at_1_stderr"], clip_rate=s["clip_rate"],
                 mean_tokens=sum(r["n_tokens"] for r in rows) / len(rows), n_problems=s["n_problems"],
@@ -492,8 +527,9 @@ def check_fast_generation(cfg: LearningConfig, student_path: str) -> bool:
     model, tok = load_student(student_path)
     probs = ["What is 3 + 4 x 5?", "What is 47 x 6?", "What is 1/2 + 1/3?"]
     enc = [tok(render(tok, student_messages(p, cfg.prompt_style)), add_special_tokens=False).input_ids for p in probs]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # as ``generate`` does
     try:
-        fast = generator_for(model, tok.pad_token_id, [tok.eos_token_id]).generate(
+        fast = generator_for(model, pad, [tok.eos_token_id]).generate(
             model, enc, SamplingParams(max_new_tokens=24, do_sample=False))
     except Exception as e:  # noqa: BLE001 - any failure means: use HF generate
         log.warning("fast generation failed (%s): falling back to HF generate", e)
@@ -503,7 +539,7 @@ def check_fast_generation(cfg: LearningConfig, student_path: str) -> bool:
         ids = torch.tensor([e], device=next(model.parameters()).device)
         with torch.no_grad():
             ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[0, len(e):].tolist()
+                                 pad_token_id=pad, eos_token_id=tok.eos_token_id)[0, len(e):].tolist()
         cut = next((j + 1 for j, t in enumerate(ref) if t == tok.eos_token_id), len(ref))
         # float32 kernels differ between the paths; a late divergence on a near-tie is not an error
         agree = sum(1 for x, y in zip(ref[:cut], f) if x == y)
@@ -563,7 +599,8 @@ def run_arm(cfg: LearningConfig, arm: str) -> None:
             temperature=cfg.train_temperature, prompt_style=cfg.prompt_style, curriculum="shuffled", seed=cfg.seed,
             max_wall_time_seconds=10**7, deadline_reserve_seconds=0, ckpt_every_minutes=0, ckpt_every_steps=0,
             resume=False, save_rollouts=True, fast_generation=cfg.fast_generation, compile_layers=False,
-            report_to="none", max_grad_norm=1.0, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+            report_to="none", max_grad_norm=1.0, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+            answer_filter=cfg.answer_filter)
         model, tok = load_student(student_path)
         ds = build_train_dataset(load_curriculum(args.curriculum_path), tok, prompt_style=cfg.prompt_style)
         trainer = OPDTrainer(model=model, teacher_model=args.teacher_model, args=args, train_dataset=ds,
@@ -593,7 +630,7 @@ def stage_one(model, tok, rows: list[dict], cfg: LearningConfig) -> list[dict]:
     prompts = [render(tok, student_messages(r["problem"], cfg.prompt_style)) for r in rows for _ in range(k)]
     g = generate(model, tok, prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
                  batch=cfg.eval_batch, seed=cfg.seed + 104729, fast=cfg.fast_generation)
-    verdicts = grade_batch(g.texts, [r["answer"] for r in rows for _ in range(k)])
+    verdicts = grade_batch(g.texts, [r["answer"] for r in rows for _ in range(k)], answer_filter=cfg.answer_filter)
     out, seen = [], set()
     for i, (text, v) in enumerate(zip(g.texts, verdicts)):
         r = rows[i // k]
@@ -609,59 +646,107 @@ def stage_one(model, tok, rows: list[dict], cfg: LearningConfig) -> list[dict]:
 # ------------------------------------------------------------------------------------------- report
 
 
-def report(cfg: LearningConfig) -> dict:
-    """Collect ``evals/*.parquet`` into ``results.json``, ``results.md`` and ``learning.png``."""
-    import pyarrow.parquet as pq
-
-    from data_tools.runio import write_json
-
-    ev = cfg.dir / "evals"
-    base = pq.read_table(ev / "student.parquet").to_pylist()
-    res: dict = {"settings": dataclasses.asdict(cfg), "student": summarize_mark(base), "arms": {}, "skipped": {}}
-    if (ev / "teacher.parquet").exists():
-        res["teacher"] = summarize_mark(pq.read_table(ev / "teacher.parquet").to_pylist())
+def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
+    """Per-mark summaries under answer filter ``f``, the best arm at the last mark, paired comparisons."""
+    base = evals["student"]
+    out: dict = {"answer_filter": f, "student": summarize_mark(base, f), "arms": {}}
+    if "teacher" in evals:
+        out["teacher"] = summarize_mark(evals["teacher"], f)
     finals: dict[str, list[dict]] = {}
     for arm in cfg.arm_list:
-        p = ev / f"{arm}.parquet"
-        if not p.exists():
-            res["skipped"][arm] = "not run (see the run log)"
+        if arm not in evals:
             continue
-        rows = pq.read_table(p).to_pylist()
-        by_mark = {}
-        for m in cfg.mark_list:
-            mr = [r for r in rows if r["mark_s"] == m]
-            if mr:
-                by_mark[str(m)] = summarize_mark(mr)
-        res["arms"][arm] = {"label": ARMS[arm], "marks": by_mark}
+        rows = evals[arm]
+        by_mark = {str(m): summarize_mark(mr, f) for m in cfg.mark_list if (mr := [r for r in rows if r["mark_s"] == m])}
+        out["arms"][arm] = {"label": ARMS[arm], "marks": by_mark}
         last = [r for r in rows if r["mark_s"] == cfg.mark_list[-1]]
         if last:
-            finals[arm] = last
-    # paired comparisons at the last mark: the best arm against every other, and each against the start
-    if finals:
+            finals[arm] = [{**r, "correct": r[f"correct_{f}"]} for r in last]
+    if finals:  # paired comparisons at the last mark: the best arm against every other, each against the start
         best = max(finals, key=lambda a: summarize_mark(finals[a])["avg_at_k"])
-        res["best_arm"] = best
+        out["best_arm"] = best
+        start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
         cmp = {}
         for arm, rows in finals.items():
-            d, se, n = paired_difference(finals[best], rows) if arm != best else (0.0, None, len(rows))
-            d0, se0, _ = paired_difference(rows, base)
+            d, se, _ = paired_difference(finals[best], rows) if arm != best else (0.0, None, len(rows))
+            d0, se0, _ = paired_difference(rows, start)
             cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None,
                         "gain_over_start": d0, "gain_stderr": se0}
-        res["comparisons_at_last_mark"] = cmp
+        out["comparisons_at_last_mark"] = cmp
+    return out
+
+
+def load_evals(cfg: LearningConfig) -> dict[str, list[dict]]:
+    """``evals/<name>.parquet`` rows by name (student, teacher, arms).
+
+    Raises:
+        FileNotFoundError: no ``evals/student.parquet`` (the run has not started).
+        ValueError: rows lack ``correct_numeric`` / ``correct_math`` (written before both were stored:
+            run ``--stage regrade``).
+    """
+    import pyarrow.parquet as pq
+
+    ev = cfg.dir / "evals"
+    if not (ev / "student.parquet").exists():
+        raise FileNotFoundError(f"{ev / 'student.parquet'} not found: run the experiment first")
+    out = {}
+    for name in ["student", "teacher", *cfg.arm_list]:
+        p = ev / f"{name}.parquet"
+        if p.exists():
+            out[name] = pq.read_table(p).to_pylist()
+            if out[name] and "correct_numeric" not in out[name][0]:
+                raise ValueError(f"{p} has no correct_numeric/correct_math columns: run --stage regrade first")
+    return out
+
+
+def report(cfg: LearningConfig) -> dict:
+    """Collect ``evals/*.parquet`` into ``results.json``, ``results.md`` and ``learning.png``.
+
+    The top-level numbers use ``cfg.report_filter``; ``other_filter`` holds the same under the other one.
+    """
+    from data_tools.grader import ANSWER_FILTERS
+    from data_tools.runio import write_json
+
+    evals = load_evals(cfg)
+    res: dict = {"settings": dataclasses.asdict(cfg), **_collect(cfg, evals, cfg.report_filter),
+                 "skipped": {a: "not run (see the run log)" for a in cfg.arm_list if a not in evals}}
+    other = [f for f in ANSWER_FILTERS if f != cfg.report_filter][0]
+    res["other_filter"] = _collect(cfg, evals, other)
     write_json(res, cfg.dir / "results.json")
     (cfg.dir / "results.md").write_text(results_markdown(res, cfg))
     plot(res, cfg, cfg.dir / "learning.png")
     return res
 
 
+def regrade(cfg: LearningConfig) -> None:
+    """Re-grade every ``evals/*.parquet`` under both answer filters (``grade_rows``), atomically per file.
+
+    For runs whose rows predate ``correct_numeric`` / ``correct_math``; the held-out answers come from
+    ``data/test.parquet`` (rebuilt from the settings when absent: the data are deterministic).
+    """
+    import pyarrow.parquet as pq
+
+    test = read_rows(build_data(cfg)["test"])
+    answers = {r["problem_id"]: r["answer"] for r in test}
+    for p in sorted((cfg.dir / "evals").glob("*.parquet")):
+        rows = pq.read_table(p).to_pylist()
+        if "correct" in rows[0] and "correct_math" not in rows[0]:
+            for r in rows:  # keep the verdict the run itself recorded
+                r["correct_recorded"] = r["correct"]
+        _write_evals(grade_rows(rows, answers, cfg.answer_filter), p.stem, cfg)
+        n = len(rows)
+        print(f"[learning] regraded {p.name}: numeric {sum(r['correct_numeric'] for r in rows) / n:.3f}, "
+              f"math {sum(r['correct_math'] for r in rows) / n:.3f} over {n} samples", flush=True)
+
+
 def _fmt(x, nd=3):
     return "—" if x is None else f"{x:.{nd}f}"
 
 
-def results_markdown(res: dict, cfg: LearningConfig) -> str:
+def _table(col: dict, cfg: LearningConfig) -> list[str]:
     k = cfg.eval_samples
-    lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
-             f"{cfg.max_new_tokens}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm.", ""]
-    s, t = res["student"], res.get("teacher")
+    lines = []
+    s, t = col["student"], col.get("teacher")
     lines.append(f"- start (the student): avg@{k} {_fmt(s['avg_at_k'])} ± {_fmt(s['stderr'])}, clip {_fmt(s['clip_rate'], 2)}, "
                  f"{s['mean_tokens']:.1f} tokens")
     if t:
@@ -670,30 +755,43 @@ def results_markdown(res: dict, cfg: LearningConfig) -> str:
                      f"{t['mean_tokens']:.1f} tokens")
     lines += ["", "| arm | " + " | ".join(f"{m:g} s" for m in cfg.mark_list) + " | steps | clip | tokens |",
               "|---|" + "---|" * (len(cfg.mark_list) + 3)]
-    for arm, a in res["arms"].items():
+    for arm, a in col["arms"].items():
         cells = [f"{_fmt(a['marks'][str(m)]['avg_at_k'])} ± {_fmt(a['marks'][str(m)]['stderr'])}"
                  if str(m) in a["marks"] else "—" for m in cfg.mark_list]
         last = a["marks"].get(str(cfg.mark_list[-1]), {})
         lines.append(f"| {arm}: {a['label']} | " + " | ".join(cells) +
                      f" | {last.get('step', '—')} | {_fmt(last.get('clip_rate'), 2)} | {_fmt(last.get('mean_tokens'), 1)} |")
-    if res.get("comparisons_at_last_mark"):
-        b = res["best_arm"]
+    if col.get("comparisons_at_last_mark"):
+        b = col["best_arm"]
         lines += ["", f"Best at {cfg.mark_list[-1]:g} s: **{b}** ({ARMS[b]}). Paired differences over the same problems:", ""]
-        for arm, c in res["comparisons_at_last_mark"].items():
+        for arm, c in col["comparisons_at_last_mark"].items():
             if arm == b:
                 continue
             lines.append(f"- {b} − {arm}: {c['best_minus_arm']:+.3f} ± {_fmt(c['stderr'])} "
                          f"({_fmt(c['n_sigma'], 1)} standard errors)")
         lines.append("")
-        for arm, c in res["comparisons_at_last_mark"].items():
+        for arm, c in col["comparisons_at_last_mark"].items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
+    return lines
+
+
+def results_markdown(res: dict, cfg: LearningConfig) -> str:
+    k = cfg.eval_samples
+    lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
+             f"{cfg.max_new_tokens}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
+             f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`.", "",
+             f"### avg@{k}, answer filter `{res['answer_filter']}`", ""]
+    lines += _table(res, cfg)
+    o = res["other_filter"]
+    lines += ["", f"### avg@{k}, answer filter `{o['answer_filter']}`", ""] + _table(o, cfg)
     for arm, why in res["skipped"].items():
         lines.append(f"- arm {arm} skipped: {why}")
     return "\n".join(lines) + "\n"
 
 
 def plot(res: dict, cfg: LearningConfig, path: Path) -> None:
-    """avg@k against training minutes, one line per arm (error bars: standard error); skipped without matplotlib."""
+    """avg@k against training minutes, one line per arm (error bars: standard error), one panel per answer
+    filter; skipped without matplotlib."""
     try:
         import matplotlib
     except ImportError:  # the GPU machine has no matplotlib: `--stage report` redraws it from evals/
@@ -703,23 +801,28 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    s = res["student"]
-    for arm, a in res["arms"].items():
-        xs = [0.0] + [a["marks"][str(m)]["train_s"] / 60 for m in cfg.mark_list if str(m) in a["marks"]]
-        ys = [s["avg_at_k"]] + [a["marks"][str(m)]["avg_at_k"] for m in cfg.mark_list if str(m) in a["marks"]]
-        es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in cfg.mark_list if str(m) in a["marks"]]
-        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
-    if res.get("teacher"):
-        ax.axhline(res["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
-    ax.set_xlabel("training GPU minutes (evaluation excluded)")
-    ax.set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems")
-    ax.set_title(f"SmolLM2-135M-Instruct, task {cfg.task}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    panels = [res, res["other_filter"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), sharey=True)
+    for ax, col in zip(axes, panels):
+        s = col["student"]
+        for arm, a in col["arms"].items():
+            ms = [m for m in cfg.mark_list if str(m) in a["marks"]]
+            xs = [0.0] + [a["marks"][str(m)]["train_s"] / 60 for m in ms]
+            ys = [s["avg_at_k"]] + [a["marks"][str(m)]["avg_at_k"] for m in ms]
+            es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in ms]
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
+        if col.get("teacher"):
+            ax.axhline(col["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
+        ax.set_xlabel("training GPU minutes (evaluation excluded)")
+        ax.set_title(f"answer filter: {col['answer_filter']}" +
+                     (" (reported)" if col is res else " (equal expressions accepted)"))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"SmolLM2-135M-Instruct: arms at equal training seconds (reward graded '{cfg.answer_filter}')")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
     plt.close(fig)
 
@@ -731,8 +834,9 @@ def _parse(argv):
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(LearningConfig)
-    parser.add_argument("--stage", default="all", choices=["all", "arm", "report"],
-                        help="all: data, teacher, baseline, every arm (each in a subprocess), report.")
+    parser.add_argument("--stage", default="all", choices=["all", "arm", "report", "regrade"],
+                        help="all: data, teacher, baseline, every arm (each in a subprocess), report. report: "
+                             "redraw from evals/. regrade: grade evals/ again under both answer filters.")
     parser.add_argument("--arm", default=None, help="--stage arm: which arm.")
     cfg, extra = parser.parse_args_into_dataclasses(args=argv)
     return cfg, extra
@@ -751,18 +855,28 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights (design.md section 8), TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
-    if extra.stage in ("arm", "report"):
+    if extra.stage in ("arm", "report", "regrade"):
         saved = cfg.dir / "settings.json"
         if not saved.exists():
             print(f"bench.learning: {saved} not found: run the experiment first (--stage all)", file=sys.stderr)
             return 2
         names = {f.name for f in dataclasses.fields(LearningConfig)} - {"preset"}
-        cfg = LearningConfig(**{k: v for k, v in json.loads(saved.read_text()).items() if k in names})
+        kept = json.loads(saved.read_text())
+        # runs made before these settings existed graded rewards with math-verify equivalence only
+        kept.setdefault("answer_filter", "math")
+        kept = {k: v for k, v in kept.items() if k in names}
+        kept["report_filter"] = cfg.report_filter  # a report chooses its filter on its own command line
+        kept["out"] = str(cfg.dir)  # the directory may have moved since (e.g. copied back from a GPU machine)
+        cfg = LearningConfig(**kept)
         if extra.stage == "arm":
             if extra.arm not in ARMS:
                 print(f"bench.learning: --arm must be one of {sorted(ARMS)}", file=sys.stderr)
                 return 2
             run_arm(cfg, extra.arm)
+        elif extra.stage == "regrade":
+            regrade(cfg)
+            report(cfg)
+            print((cfg.dir / "results.md").read_text(), end="")
         else:
             report(cfg)
             print((cfg.dir / "results.md").read_text(), end="")

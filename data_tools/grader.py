@@ -27,6 +27,17 @@ decide with certainty:
    comparison, then an optional pluggable judge (``set_verifier``), e.g. an LLM verifier, as
    DeepScaleR does with its ORM.
 
+Answer filters (``answer_filter``, named as lm-evaluation-harness names its answer filters):
+
+- ``"math"`` (default): the pipeline above; an answer is right when it is mathematically equal
+  to the gold, so ``41 \times 74`` is accepted for the gold ``3034``.
+- ``"numeric"``: when the gold is a plain number, the answer must be a plain number too (the fast
+  path's literals: integer, decimal, ``\frac{a}{b}``, ``a/b``, thousands separators); anything
+  else is ``Verdict(False, answer, "not_a_number")``. For arithmetic tasks (the synthetic ladders,
+  GSM8K), where restating the question is not an answer: a reward-only run on the hard ladder
+  learned to answer "the answer is 41 * 74" and scored 0.225 under ``"math"``, 0.008 under
+  ``"numeric"`` (bench/LEARNING.md). Golds that are not plain numbers are graded as ``"math"``.
+
 CLI: ``python -m data_tools.grader FILE.jsonl`` (``-`` for stdin); see ``main``.
 """
 
@@ -54,7 +65,11 @@ __all__ = [
     "parse_gold",
     "extract_gsm8k_answer",
     "set_verifier",
+    "ANSWER_FILTERS",
 ]
+
+#: Answer filters ``grade`` / ``grade_batch`` accept (module docstring).
+ANSWER_FILTERS = ("math", "numeric")
 
 # Only the tail of an output is read: answers sit at the end, and regexes / brace scans over a
 # megabyte of text are the slow part on adversarial outputs.
@@ -85,7 +100,7 @@ _CACHE_SIZE = 65536
 class Verdict:
     correct: bool
     extracted: str | None  # the answer string taken from the prediction (None if none found)
-    path: str  # "exact", "numeric", "math_verify", "fallback", "no_answer", "timeout", "error"
+    path: str  # "exact", "numeric", "math_verify", "fallback", "no_answer", "timeout", "error", "not_a_number"
 
 
 # --------------------------------------------------------------------------------------------
@@ -739,7 +754,8 @@ def _gold_text(gold: str) -> str:
     return _strip_outer(g)
 
 
-def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5.0) -> Verdict:
+def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5.0,
+          answer_filter: str = "math") -> Verdict:
     """Grade one model output against a reference answer.
 
     Args:
@@ -752,13 +768,18 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
             worker is killed and the verdict is ``Verdict(False, answer, "timeout")``. The first
             call in a process also waits for a worker to start (imports, ~1-3 s, capped at
             ``WORKER_START_TIMEOUT_S``).
+        answer_filter: ``"math"`` (equal as mathematics) or ``"numeric"`` (a plain-number gold
+            needs a plain-number answer); see the module docstring.
 
     Returns:
         A ``Verdict``; ``path`` says which step decided. Never raises on any string input
-        (internal failures give ``path="error"``); raises ``TypeError`` if pred/gold are not str.
+        (internal failures give ``path="error"``); raises ``TypeError`` if pred/gold are not str,
+        ``ValueError`` for an unknown ``answer_filter``.
     """
     if not isinstance(pred, str) or not isinstance(gold, str):
         raise TypeError("grade(pred, gold): both must be str")
+    if answer_filter not in ANSWER_FILTERS:
+        raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {answer_filter!r}")
     try:
         answer, _how = _extract(pred, truncated)
     except Exception:  # noqa: BLE001
@@ -768,6 +789,15 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
     g = _gold_text(gold)
     if not g:
         return Verdict(False, answer, "error")
+    if answer_filter == "numeric":
+        try:
+            gold_num, ans_num = _as_number(_norm_str(g)), _as_number(_norm_str(answer))
+        except Exception:  # noqa: BLE001
+            gold_num = ans_num = None
+        if gold_num is not None:
+            if ans_num is None:
+                return Verdict(False, answer, "not_a_number")
+            return Verdict(_numbers_equal(ans_num, gold_num), answer, "numeric")
     try:
         fast = _fast_path(answer, g)
     except Exception:  # noqa: BLE001
@@ -812,13 +842,17 @@ def grade_batch(
     truncated: Sequence[bool] | None = None,
     timeout_s: float = 5.0,
     workers: int | None = None,
+    answer_filter: str = "math",
 ) -> list[Verdict]:
     """Grade many answers; order preserved; each bounded by ``timeout_s`` seconds of sympy.
 
     ``workers`` threads (default: CPU count, at most 8) each drive their own math-verify
     subprocess, so the sympy step runs in parallel. Safe to call from any thread. Raises
-    ``ValueError`` if the sequences differ in length.
+    ``ValueError`` if the sequences differ in length or ``answer_filter`` is unknown
+    (``ANSWER_FILTERS``; see ``grade``).
     """
+    if answer_filter not in ANSWER_FILTERS:
+        raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {answer_filter!r}")
     n = len(preds)
     if len(golds) != n or (truncated is not None and len(truncated) != n):
         raise ValueError("grade_batch: preds, golds (and truncated) must have the same length")
@@ -826,9 +860,11 @@ def grade_batch(
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if workers <= 1 or n <= 1:
-        return [grade(p, g, truncated=t, timeout_s=timeout_s) for p, g, t in zip(preds, golds, tr)]
+        return [grade(p, g, truncated=t, timeout_s=timeout_s, answer_filter=answer_filter)
+                for p, g, t in zip(preds, golds, tr)]
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        return list(ex.map(lambda a: grade(a[0], a[1], truncated=a[2], timeout_s=timeout_s), zip(preds, golds, tr)))
+        return list(ex.map(lambda a: grade(a[0], a[1], truncated=a[2], timeout_s=timeout_s, answer_filter=answer_filter),
+                           zip(preds, golds, tr)))
 
 
 def parse_gold(answer: str) -> str | None:

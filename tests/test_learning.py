@@ -57,7 +57,8 @@ def test_mark_clock_pauses_for_evaluation_and_stops_after_last_mark():
 
 def _rows(name, rates: dict[str, list[bool]], mark=0.0, step=0):
     return [dict(name=name, mark_s=mark, train_s=mark, step=step, problem_id=p, level="1", sample_index=i,
-                 completion="", correct=c, extracted=None, n_tokens=10 + i, finish_reason="length" if i == 0 else "stop")
+                 completion="", correct=bool(c), correct_numeric=bool(c), correct_math=bool(c) or i == 3, extracted=None,
+                 n_tokens=10 + i, finish_reason="length" if i == 0 else "stop")
             for p, cs in rates.items() for i, c in enumerate(cs)]
 
 
@@ -77,7 +78,8 @@ def test_paired_difference_matches_plain_formula():
     (dict(arms="a,z"), "arms"), (dict(marks="30,20"), "marks"), (dict(marks="10,200", budget_s=180), "marks"),
     (dict(task="math"), "task"), (dict(completions_per_step=100, num_generations=8), "multiple"),
     (dict(sft_filter="some"), "sft_filter"), (dict(out=""), "--out"), (dict(preset="gpu"), "preset"),
-    (dict(eval_temperature=0.0), "temperature"), (dict(n_test=0), "n_test")])
+    (dict(eval_temperature=0.0), "temperature"), (dict(n_test=0), "n_test"), (dict(answer_filter="x"), "answer_filter"),
+    (dict(report_filter="exact"), "report_filter")])
 def test_config_range_checks(tmp_path, kw, match):
     args = dict(out=str(tmp_path / "run"))
     args.update(kw)
@@ -109,8 +111,13 @@ def test_report_tables_and_comparisons(tmp_path):
     se = math.sqrt(sum((v - m) ** 2 for v in diffs) / 3) / 2
     assert cmp["best_minus_arm"] == pytest.approx(m) and cmp["stderr"] == pytest.approx(se)
     assert cmp["n_sigma"] == pytest.approx(m / se)
+    # the other filter: sample 3 of every problem counts as right under "math" in these rows
+    o = res["other_filter"]
+    assert o["answer_filter"] == "math" and o["student"]["avg_at_k"] == 0.25
+    assert o["arms"]["a"]["marks"]["20.0"]["avg_at_k"] == 0.5 and o["teacher"]["avg_at_k"] == 1.0
     md = (cfg.dir / "results.md").read_text()
     assert "| c: OPD + reward |" in md and "c − a: +0.312" in md and "arm d skipped" in md
+    assert "answer filter `numeric`" in md and "answer filter `math`" in md
     assert json.loads((cfg.dir / "results.json").read_text())["best_arm"] == "c"
     assert (cfg.dir / "learning.png").stat().st_size > 10_000
 

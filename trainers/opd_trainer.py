@@ -130,6 +130,9 @@ class OPDConfig(DistillationConfig):
     curriculum_shuffle_within_bucket: bool = field(default=True, metadata={
         "help": "ordered/mixed: shuffle rows inside a bucket (seeded per epoch) rather than strict curriculum_index order."})
     grader_timeout_s: float = field(default=5.0, metadata={"help": "Per-answer grading deadline (seconds)."})
+    answer_filter: str = field(default="math", metadata={
+        "help": "Reward's answer filter (data_tools.grader): math = equal as mathematics; numeric = a plain-number "
+                "gold needs a plain-number answer (arithmetic tasks: stops rewarding a restated '41 * 74')."})
     grader_workers: int | None = field(default=None, metadata={"help": "Grader worker processes; empty = grader default."})
 
     # ---- checkpoints, logging, safety ----
@@ -214,6 +217,9 @@ class OPDConfig(DistillationConfig):
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
         need(self.debug_max_steps >= 0, "debug_max_steps must be >= 0")
         need(self.grader_timeout_s > 0, "grader_timeout_s must be > 0")
+        from data_tools.grader import ANSWER_FILTERS
+
+        need(self.answer_filter in ANSWER_FILTERS, f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
         need(self.model_dtype in DTYPES, f"model_dtype must be one of {list(DTYPES)}")
         need(self.teacher_dtype is None or self.teacher_dtype in DTYPES, f"teacher_dtype must be one of {list(DTYPES)}")
         need(self.export_dtype == "auto" or self.export_dtype in DTYPES, f"export_dtype must be auto or one of {list(DTYPES)}")
@@ -582,7 +588,7 @@ class OPDTrainer(DistillationTrainer):
         texts = self.processing_class.batch_decode(ids_list, skip_special_tokens=True)
         t1 = time.perf_counter()
         verdicts = grade_batch(texts, [x["answer"] for x in inputs], truncated=truncated,
-                               timeout_s=a.grader_timeout_s, workers=a.grader_workers)
+                               timeout_s=a.grader_timeout_s, workers=a.grader_workers, answer_filter=a.answer_filter)
         self._timers["time/reward"] += time.perf_counter() - t1
         rewards = torch.tensor([1.0 if v.correct else 0.0 for v in verdicts], device=device)
 
