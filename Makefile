@@ -71,7 +71,8 @@ bench-grader: $(STAMP)
 bench:
 	$(PY) bench/opd_step_bench.py $(ARGS)
 
-LEARN_DIR ?= $(HOME)/.cache/opd/learning
+CACHE_ROOT := $(or $(OPD_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/opd)
+LEARN_DIR ?= $(CACHE_ROOT)/learning
 learning: $(STAMP)
 	$(PY) -m bench.learning --out $(LEARN_DIR) $(ARGS)
 

@@ -23,7 +23,8 @@ case "$recipe" in
   -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
   *) echo "run.sh: unknown recipe '$recipe' (demo_cpu or r1_distill_1p5b)" >&2; exit 2 ;;
 esac
-: "${OUTPUT_DIR:=${XDG_CACHE_HOME:-$HOME/.cache}/opd/runs/$EXPERIMENT_NAME}"
+# same root as data_tools.runio.cache_root: $OPD_CACHE, else $XDG_CACHE_HOME/opd, else ~/.cache/opd
+: "${OUTPUT_DIR:=${OPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/opd}/runs/$EXPERIMENT_NAME}"
 : "${CKPT_DIR:=$OUTPUT_DIR/checkpoints}"
 export EXPERIMENT_NAME OUTPUT_DIR CKPT_DIR
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -71,6 +71,14 @@ ARMS = {
     "e": "OPD + reward, privileged self-teacher",
 }
 TASKS = ("ladder", "gsm8k")
+#: Named sets of settings. cpu_smoke: toy sizes to run every piece on a CPU in minutes; its teacher
+#: (4 s of SFT, 16-token cap) verifies nothing, so arm d fine-tunes on all of its samples.
+PRESETS: dict[str, dict] = {
+    "": {},
+    "cpu_smoke": dict(n_train=48, n_test=6, budget_s=6.0, marks="3,6", teacher_sft_s=4.0, completions_per_step=8,
+                      num_generations=4, max_new_tokens=16, eval_samples=2, stage_one_problems=16, sft_batch_size=8,
+                      eval_batch=64, sft_filter="none"),
+}
 SHARED = Path(os.environ.get("OPD_SHARED_DIR", ROOT.parent / "shared"))
 
 
@@ -85,10 +93,10 @@ class LearningConfig:
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
     gsm8k_dir: str = field(default=str(SHARED / "data"), metadata={"help": "Folder of gsm8k_{train,test}.jsonl."})
-    budget_s: float = field(default=180.0, metadata={"help": "Training seconds per arm (its own clock, evals paused)."})
-    marks: str = field(default="20,45,90,135,180", metadata={
+    budget_s: float = field(default=150.0, metadata={"help": "Training seconds per arm (its own clock, evals paused)."})
+    marks: str = field(default="15,30,60,100,150", metadata={
         "help": "Training-clock seconds at which each arm is evaluated (the last one ends the arm; <= budget_s)."})
-    teacher_sft_s: float = field(default=120.0, metadata={"help": "Training seconds of the teacher's fine-tuning."})
+    teacher_sft_s: float = field(default=90.0, metadata={"help": "Training seconds of the teacher's fine-tuning."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
     lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW, constant)."})
     sft_batch_size: int = field(default=64, metadata={"help": "Sequences per optimizer step for SFT (teacher and arm d)."})
@@ -118,16 +126,17 @@ class LearningConfig:
         "help": "Whole-run wall-clock limit (0 = none): an arm that cannot finish before it is skipped and reported."})
     arm_overhead_s: float = field(default=45.0, metadata={
         "help": "Estimated seconds an arm spends outside its budget (start-up, evaluations), for deadline_s."})
-    preset: str = field(default="", metadata={"help": "cpu_smoke: tiny sizes and budgets (overrides the fields above)."})
+    preset: str = field(default="", metadata={
+        "help": "cpu_smoke: tiny sizes and budgets (PRESETS). It sets the fields still at their defaults: a flag given "
+                "with another value wins."})
 
     def __post_init__(self):
-        if self.preset == "cpu_smoke":
-            self.n_train, self.n_test, self.budget_s, self.marks = 48, 6, 6.0, "3,6"
-            self.teacher_sft_s, self.completions_per_step, self.num_generations = 4.0, 8, 4
-            self.max_new_tokens, self.eval_samples, self.stage_one_problems = 16, 2, 16
-            self.sft_batch_size, self.eval_batch = 8, 64
-        elif self.preset:
-            raise ValueError(f"preset must be '' or 'cpu_smoke', got {self.preset!r}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) == defaults[name]:  # a flag given on the command line wins over the preset
+                setattr(self, name, value)
         if not self.out:
             raise ValueError("--out is required (a run directory outside the repo)")
         if self.task not in TASKS:
@@ -444,6 +453,10 @@ def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path,
                          callbacks=[_clock_callback(clock)])
     trainer.remove_callback(PrinterCallback)  # the log dicts go to trainer.state.log_history; keep the console short
     trainer.train()
+    from data_tools.runio import write_text
+
+    write_text("".join(json.dumps(h) + "\n" for h in trainer.state.log_history),
+               Path(out_dir) / "metrics" / "train.jsonl")  # as OPDTrainer's arms write theirs
     return trainer
 
 
@@ -468,10 +481,23 @@ def load_student(path: str):
     return model, tok
 
 
+#: Column types of ``evals/*.parquet`` (explicit, so an all-null column such as ``extracted`` of a model
+#: that never answers still reads as text when duckdb scans ``evals/*.parquet`` together).
+EVAL_TYPES = {"name": "string", "mark_s": "float64", "train_s": "float64", "step": "int64", "problem_id": "string",
+              "level": "string", "sample_index": "int64", "completion": "string", "n_tokens": "int64",
+              "finish_reason": "string", "extracted": "string", "correct_numeric": "bool", "correct_math": "bool",
+              "correct": "bool", "correct_recorded": "bool"}
+
+
 def _write_evals(rows: list[dict], name: str, cfg: LearningConfig) -> Path:
+    import pyarrow as pa
+
     from data_tools.runio import write_parquet
 
-    return write_parquet(rows, cfg.dir / "evals" / f"{name}.parquet")
+    cols = [c for c in EVAL_TYPES if rows and c in rows[0]]
+    schema = pa.schema([(c, pa.type_for_alias(EVAL_TYPES[c])) for c in cols])
+    return write_parquet(pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows], schema=schema),
+                         cfg.dir / "evals" / f"{name}.parquet")
 
 
 def make_teacher(cfg: LearningConfig, student_path: str, data: dict[str, Path]) -> Path:
@@ -653,12 +679,10 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
     if "teacher" in evals:
         out["teacher"] = summarize_mark(evals["teacher"], f)
     finals: dict[str, list[dict]] = {}
-    for arm in cfg.arm_list:
-        if arm not in evals:
-            continue
+    for arm in [a for a in ARMS if a in evals]:
         rows = evals[arm]
         by_mark = {str(m): summarize_mark(mr, f) for m in cfg.mark_list if (mr := [r for r in rows if r["mark_s"] == m])}
-        out["arms"][arm] = {"label": ARMS[arm], "marks": by_mark}
+        out["arms"][arm] = {"label": arm_label(arm, cfg), "marks": by_mark}
         last = [r for r in rows if r["mark_s"] == cfg.mark_list[-1]]
         if last:
             finals[arm] = [{**r, "correct": r[f"correct_{f}"]} for r in last]
@@ -690,7 +714,7 @@ def load_evals(cfg: LearningConfig) -> dict[str, list[dict]]:
     if not (ev / "student.parquet").exists():
         raise FileNotFoundError(f"{ev / 'student.parquet'} not found: run the experiment first")
     out = {}
-    for name in ["student", "teacher", *cfg.arm_list]:
+    for name in ["student", "teacher", *ARMS]:  # every arm this directory has results for
         p = ev / f"{name}.parquet"
         if p.exists():
             out[name] = pq.read_table(p).to_pylist()
@@ -710,6 +734,9 @@ def report(cfg: LearningConfig) -> dict:
     evals = load_evals(cfg)
     res: dict = {"settings": dataclasses.asdict(cfg), **_collect(cfg, evals, cfg.report_filter),
                  "skipped": {a: "not run (see the run log)" for a in cfg.arm_list if a not in evals}}
+    skip_file = cfg.dir / "skipped.json"  # why run_all skipped or lost arms, kept for later reports
+    if skip_file.exists():
+        res["skipped"].update({a: w for a, w in json.loads(skip_file.read_text()).items() if a not in evals})
     other = [f for f in ANSWER_FILTERS if f != cfg.report_filter][0]
     res["other_filter"] = _collect(cfg, evals, other)
     write_json(res, cfg.dir / "results.json")
@@ -739,6 +766,12 @@ def regrade(cfg: LearningConfig) -> None:
               f"math {sum(r['correct_math'] for r in rows) / n:.3f} over {n} samples", flush=True)
 
 
+def arm_label(arm: str, cfg: LearningConfig) -> str:
+    if arm == "d" and cfg.sft_filter == "none":
+        return "off-policy SFT on all teacher samples (sft_filter=none)"
+    return ARMS[arm]
+
+
 def _fmt(x, nd=3):
     return "—" if x is None else f"{x:.{nd}f}"
 
@@ -753,17 +786,21 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         lines.append(f"- teacher (student + {cfg.teacher_sft_s:.0f} s SFT on reference solutions, lr {cfg.teacher_lr}): "
                      f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
                      f"{t['mean_tokens']:.1f} tokens")
-    lines += ["", "| arm | " + " | ".join(f"{m:g} s" for m in cfg.mark_list) + " | steps | clip | tokens |",
-              "|---|" + "---|" * (len(cfg.mark_list) + 3)]
+    lines += ["", "| arm | " + " | ".join(f"{m:g} s" for m in cfg.mark_list) + " | last mark at s | steps | clip | tokens |",
+              "|---|" + "---|" * (len(cfg.mark_list) + 4)]
     for arm, a in col["arms"].items():
         cells = [f"{_fmt(a['marks'][str(m)]['avg_at_k'])} ± {_fmt(a['marks'][str(m)]['stderr'])}"
                  if str(m) in a["marks"] else "—" for m in cfg.mark_list]
         last = a["marks"].get(str(cfg.mark_list[-1]), {})
-        lines.append(f"| {arm}: {a['label']} | " + " | ".join(cells) +
+        lines.append(f"| {arm}: {a['label']} | " + " | ".join(cells) + f" | {_fmt(last.get('train_s'), 1)}"
                      f" | {last.get('step', '—')} | {_fmt(last.get('clip_rate'), 2)} | {_fmt(last.get('mean_tokens'), 1)} |")
     if col.get("comparisons_at_last_mark"):
         b = col["best_arm"]
-        lines += ["", f"Best at {cfg.mark_list[-1]:g} s: **{b}** ({ARMS[b]}). Paired differences over the same problems:", ""]
+        finals = [a["marks"][str(cfg.mark_list[-1])]["avg_at_k"] for a in col["arms"].values()
+                  if str(cfg.mark_list[-1]) in a["marks"]]
+        head = (f"Best at {cfg.mark_list[-1]:g} s: **{b}** ({arm_label(b, cfg)})." if max(finals) > min(finals)
+                else f"No arm ahead at {cfg.mark_list[-1]:g} s: all at {max(finals):.3f}.")
+        lines += ["", f"{head} Paired differences over the same problems:", ""]
         for arm, c in col["comparisons_at_last_mark"].items():
             if arm == b:
                 continue
@@ -813,7 +850,8 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> None:
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
         if col.get("teacher"):
             ax.axhline(col["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
-        ax.set_xlabel("training GPU minutes (evaluation excluded)")
+        ax.set_xlabel("training minutes on the arm's own clock (evaluation excluded)")
+        ax.set_ylim(bottom=0)
         ax.set_title(f"answer filter: {col['answer_filter']}" +
                      (" (reported)" if col is res else " (equal expressions accepted)"))
         ax.grid(alpha=0.3)
@@ -864,53 +902,81 @@ def main(argv: list[str] | None = None) -> int:
         kept = json.loads(saved.read_text())
         # runs made before these settings existed graded rewards with math-verify equivalence only
         kept.setdefault("answer_filter", "math")
+        kept["fast_generation"] = kept.get("fast_generation_used", kept.get("fast_generation", True))
         kept = {k: v for k, v in kept.items() if k in names}
         kept["report_filter"] = cfg.report_filter  # a report chooses its filter on its own command line
         kept["out"] = str(cfg.dir)  # the directory may have moved since (e.g. copied back from a GPU machine)
-        cfg = LearningConfig(**kept)
-        if extra.stage == "arm":
-            if extra.arm not in ARMS:
-                print(f"bench.learning: --arm must be one of {sorted(ARMS)}", file=sys.stderr)
-                return 2
-            run_arm(cfg, extra.arm)
-        elif extra.stage == "regrade":
-            regrade(cfg)
+        try:
+            cfg = LearningConfig(**kept)
+            if extra.stage == "arm":
+                if extra.arm not in ARMS:
+                    raise ValueError(f"--arm must be one of {sorted(ARMS)}")
+                run_arm(cfg, extra.arm)
+                return 0
+            if extra.stage == "regrade":
+                regrade(cfg)
             report(cfg)
-            print((cfg.dir / "results.md").read_text(), end="")
-        else:
-            report(cfg)
-            print((cfg.dir / "results.md").read_text(), end="")
+        except (ValueError, FileNotFoundError) as e:
+            print(f"bench.learning: {e}", file=sys.stderr)
+            return 2
+        print((cfg.dir / "results.md").read_text(), end="")
         return 0
-    return run_all(cfg)
+    try:
+        from data_tools.runio import EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
+
+        check_outside_repo(cfg.dir, "--out")
+        cfg.dir.mkdir(parents=True, exist_ok=True)
+        with run_lock(cfg.dir):  # one experiment per directory (the arms run under this lock)
+            return run_all(cfg)
+    except LockHeld as e:
+        print(f"bench.learning: {e}", file=sys.stderr)
+        return EXIT_LOCKED
+    except (ValueError, FileNotFoundError) as e:
+        print(f"bench.learning: {e}", file=sys.stderr)
+        return 2
+
+
+#: Settings that may differ between invocations on one run directory: the arms asked for this time,
+#: the deadline, what the fast-generation check decided, and where the directory lives.
+LOOSE_SETTINGS = ("arms", "deadline_s", "fast_generation_used", "out")
+
+
+def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
+    """The settings to record for a (re)started run: ``new``, with the arms of ``old`` kept and its
+    ``fast_generation_used`` decision reused.
+
+    Raises:
+        ValueError: ``old`` records other values for a setting outside ``LOOSE_SETTINGS`` (a different
+            experiment: mixing its results would be wrong); the message names them.
+    """
+    out = dict(new)
+    if old is None:
+        out["fast_generation_used"] = bool(new.get("fast_generation", True))
+        return out
+    a = {k: v for k, v in old.items() if k not in LOOSE_SETTINGS}
+    b = {k: v for k, v in new.items() if k not in LOOSE_SETTINGS}
+    if a != b:
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        raise ValueError(f"the run directory holds a run with other settings ({diff}); use another --out")
+    out["arms"] = ",".join(x for x in dict.fromkeys(old.get("arms", "").split(",") + arms) if x)
+    out["fast_generation_used"] = old.get("fast_generation_used", old.get("fast_generation", True))
+    return out
 
 
 def run_all(cfg: LearningConfig) -> int:
     from data_tools.models import resolve_model
-    from data_tools.runio import check_outside_repo, write_json
+    from data_tools.runio import write_json
 
     t_start = time.time()
-    check_outside_repo(cfg.dir, "--out")
-    cfg.dir.mkdir(parents=True, exist_ok=True)
     settings_path = cfg.dir / "settings.json"
     student_path = resolve_model(cfg.student_model)
     settings = {**dataclasses.asdict(cfg), "preset": "", "student_path": student_path}
-    if settings_path.exists():
-        old = json.loads(settings_path.read_text())
-        keep = {k: v for k, v in old.items() if k not in ("arms", "deadline_s")}
-        new = {k: v for k, v in settings.items() if k not in ("arms", "deadline_s")}
-        if keep != new:
-            diff = sorted(k for k in set(keep) | set(new) if keep.get(k) != new.get(k))
-            print(f"bench.learning: {settings_path} holds a run with other settings ({diff}); use another --out",
-                  file=sys.stderr)
-            return 2
+    old = json.loads(settings_path.read_text()) if settings_path.exists() else None
+    settings = merge_settings(old, settings, cfg.arm_list)
+    if old is None and cfg.fast_generation and not check_fast_generation(cfg, student_path):
+        print("[learning] fast generation disagrees with HF generate here: using HF generate for every arm", flush=True)
+        settings["fast_generation_used"] = False
     write_json(settings, settings_path)
-    if cfg.fast_generation:
-        ok = check_fast_generation(cfg, student_path)
-        if not ok:
-            print("[learning] fast generation disagrees with HF generate here: using HF generate for every arm", flush=True)
-            cfg.fast_generation = False
-            settings["fast_generation"] = False
-            write_json(settings, settings_path)
     data = build_data(cfg)
     print(f"[learning] data: {len(read_rows(data['train']))} train / {len(read_rows(data['test']))} test ({cfg.task}); "
           f"out {cfg.dir}", flush=True)
@@ -931,11 +997,8 @@ def run_all(cfg: LearningConfig) -> int:
         if rc != 0:
             skipped[arm] = f"failed with exit code {rc}"
             print(f"[learning] arm {arm}: FAILED (exit {rc})", flush=True)
-    res = report(cfg)
-    for arm, why in skipped.items():
-        res["skipped"][arm] = why
-    write_json(res, cfg.dir / "results.json")
-    (cfg.dir / "results.md").write_text(results_markdown(res, cfg))
+    write_json(skipped, cfg.dir / "skipped.json")
+    report(cfg)
     print((cfg.dir / "results.md").read_text(), flush=True)
     print(f"[learning] done in {time.time() - t_start:.0f}s: {cfg.dir}/results.md, learning.png", flush=True)
     return 0 if not any("failed" in w for w in skipped.values()) else 1

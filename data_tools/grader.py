@@ -31,12 +31,15 @@ Answer filters (``answer_filter``, named as lm-evaluation-harness names its answ
 
 - ``"math"`` (default): the pipeline above; an answer is right when it is mathematically equal
   to the gold, so ``41 \times 74`` is accepted for the gold ``3034``.
-- ``"numeric"``: when the gold is a plain number, the answer must be a plain number too (the fast
-  path's literals: integer, decimal, ``\frac{a}{b}``, ``a/b``, thousands separators); anything
-  else is ``Verdict(False, answer, "not_a_number")``. For arithmetic tasks (the synthetic ladders,
-  GSM8K), where restating the question is not an answer: a reward-only run on the hard ladder
-  learned to answer "the answer is 41 * 74" and scored 0.225 under ``"math"``, 0.008 under
-  ``"numeric"`` (bench/LEARNING.md). Golds that are not plain numbers are graded as ``"math"``.
+- ``"numeric"``: when the gold is a plain number, the answer must be a number *literal*
+  (``numeric_literal``): an integer or decimal (thousands separators, ``$`` allowed), or a fraction
+  ``a/b`` / ``\\frac{a}{b}`` in lowest terms with b > 1; the right-hand side of a final ``=``
+  (``4 * 8 = 32``, ``x = 12``), outer parentheses / braces and trailing unit words (``12 apples``)
+  are read through. Anything else, e.g. ``41 * 74``, ``48/2``, ``10^2``, ``1e2``, is
+  ``Verdict(False, answer, "not_a_number")``. For arithmetic tasks (the synthetic ladders, GSM8K),
+  where restating the question is not an answer: a reward-only run on the hard ladder learned to
+  answer "the answer is 41 * 74" and scored 0.223 under ``"math"``, 0.009 under ``"numeric"``
+  (bench/LEARNING.md). Golds that are not plain numbers are graded as ``"math"``.
 
 CLI: ``python -m data_tools.grader FILE.jsonl`` (``-`` for stdin); see ``main``.
 """
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 import re
 import select
@@ -393,6 +397,44 @@ def _as_number(s: str) -> _Num | None:
         except (ValueError, ZeroDivisionError, OverflowError):
             return None
     return None
+
+
+_FRAC_LIT_RE = re.compile(r"-?(?:\\frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
+_UNIT_WORDS_RE = re.compile(r"(.*?\d)\s*[A-Za-z][A-Za-z ]*\.?")
+_OUTER_RE = re.compile(r"^\((.*)\)$|^\{(.*)\}$")
+
+
+def numeric_literal(answer: str) -> _Num | None:
+    """The number an extracted answer states as a literal, or None (the ``"numeric"`` answer filter).
+
+    Reads through a final ``= N`` (the right-hand side), outer ``()`` / ``{}`` and trailing unit words;
+    accepts integers and decimals (thousands separators, ``$``) and fractions in lowest terms with a
+    denominator > 1; refuses operators, powers, e-notation and unreduced fractions (``48/2``: an
+    unevaluated division).
+    """
+    t = answer.rsplit("=", 1)[-1].strip()
+    m = _UNIT_WORDS_RE.fullmatch(t)
+    if m and not re.search(r"\\[a-z]", t):
+        t = m.group(1)
+    t = _norm_str(t)
+    for _ in range(3):
+        m = _OUTER_RE.match(t)
+        if not m:
+            break
+        t = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
+    if re.search(r"[eE^*+]|\\(?:times|cdot)", t) or re.search(r"\d\s*-", t):
+        return None
+    num = _as_number(t)
+    if num is None:
+        return None
+    f = _FRAC_LIT_RE.fullmatch(t)
+    if f:
+        a, b = (int(f.group(1)), int(f.group(2))) if f.group(1) is not None else (int(f.group(3)), int(f.group(4)))
+        if b <= 1 or math.gcd(a, b) != 1:
+            return None
+    elif "/" in t or "frac" in t:
+        return None
+    return num
 
 
 def _approx_equal(approx: _Num, exact: Fraction) -> bool:
@@ -791,7 +833,7 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
         return Verdict(False, answer, "error")
     if answer_filter == "numeric":
         try:
-            gold_num, ans_num = _as_number(_norm_str(g)), _as_number(_norm_str(answer))
+            gold_num, ans_num = _as_number(_norm_str(g)), numeric_literal(answer)
         except Exception:  # noqa: BLE001
             gold_num = ans_num = None
         if gold_num is not None:
@@ -918,6 +960,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("file", help="JSON-lines file with 'gold' and 'pred' fields, or - for stdin")
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds per answer for sympy")
     ap.add_argument("--workers", type=int, default=None, help="grading threads (default: cores)")
+    ap.add_argument("--answer_filter", default="math", choices=ANSWER_FILTERS,
+                    help="math: equal as mathematics; numeric: a number gold needs a number literal (module docstring)")
     args = ap.parse_args(argv)
 
     f = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
@@ -958,6 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         truncated=[bool(rows[j].get("truncated", False)) for j in todo],
         timeout_s=args.timeout,
         workers=args.workers,
+        answer_filter=args.answer_filter,
     )
     for j, v in zip(todo, verdicts):
         rows[j].update(correct=v.correct, extracted=v.extracted, grader_path=v.path)

@@ -75,6 +75,13 @@ def write_parquet(table: pa.Table | list[dict[str, Any]], dest: Path, schema: pa
     return Path(dest)
 
 
+def write_text(text: str, dest: Path) -> Path:
+    """Write ``text`` to ``dest`` atomically; returns ``dest``."""
+    with _atomic_path(dest) as tmp:
+        tmp.write_text(text)
+    return Path(dest)
+
+
 def write_json(obj: Any, dest: Path) -> Path:
     """Write ``obj`` as indented JSON to ``dest`` atomically; returns ``dest``."""
     with _atomic_path(dest) as tmp:

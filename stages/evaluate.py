@@ -117,7 +117,7 @@ class EvalConfig:
     n_problems: int | None = field(default=None, metadata={
         "help": "Expected number of usable problems (declared; a question set of another size is a deviation)."})
     answer_filter: str | None = field(default=None, metadata={
-        "help": "Answer extraction + grading filter name (only 'opd_math_grader')."})
+        "help": "Answer extraction + grading filter name (opd_math_grader: equal as mathematics; opd_numeric_grader: a number gold needs a number literal)."})
     # ---- engine and runtime: no effect on the measurement
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})

@@ -307,8 +307,18 @@ def test_numeric_answer_filter_rejects_unevaluated_expressions():
         ("The answer is \\boxed{3034}.", "3034", True, True),
         ("\\boxed{3,034}", "3034", True, True),
         ("\\boxed{\\frac{4}{9}}", "\\frac{4}{9}", True, True),
-        ("\\boxed{8/18}", "\\frac{4}{9}", True, True),  # a number literal, equal in value
+        ("\\boxed{8/18}", "\\frac{4}{9}", True, False),  # an unreduced fraction is an unevaluated division
+        ("\\boxed{48/2}", "24", True, False),
+        ("\\boxed{\\frac{6}{3}}", "2", True, False),
+        ("\\boxed{10^2}", "100", True, False),
+        ("\\boxed{5-3}", "2", True, False),
         ("\\boxed{17.0}", "17", True, True),
+        ("\\boxed{-\\frac{1}{2}}", "-\\frac{1}{2}", True, True),
+        ("\\boxed{0.5}", "\\frac{1}{2}", True, True),
+        ("The answer is 4 * 8 = 32.", "32", True, True),  # the result after a final '=' is read
+        ("The answer is x = 12.", "12", True, True),
+        ("\\boxed{(5)}", "5", True, True),
+        ("The answer is 12 apples.", "12", True, True),  # trailing unit words
         ("\\boxed{18}", "17", False, False),
         ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", True, True),  # gold not a plain number: graded as "math"
     ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench.learning import ARMS, LearningConfig, MarkClock, paired_difference, report
+from bench.learning import ARMS, LearningConfig, MarkClock, merge_settings, paired_difference, report
 from data_tools.runio import write_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +87,27 @@ def test_config_range_checks(tmp_path, kw, match):
         LearningConfig(**args)
 
 
+def test_preset_fills_defaults_but_flags_win(tmp_path):
+    cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke")
+    assert (cfg.budget_s, cfg.marks, cfg.sft_filter, cfg.n_test) == (6.0, "3,6", "none", 6)
+    cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", n_test=9, lr=3e-5)
+    assert (cfg.n_test, cfg.lr, cfg.budget_s) == (9, 3e-5, 6.0)
+    with pytest.raises(ValueError, match="marks"):  # an explicit flag is kept, then checked against the preset's budget
+        LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", marks="3,60")
+
+
+def test_merge_settings_resume_rules():
+    base = dict(out="/a", arms="a,b", task="ladder", lr=1e-5, fast_generation=True, deadline_s=0.0)
+    first = merge_settings(None, base, ["a", "b"])
+    assert first["fast_generation_used"] is True
+    first["fast_generation_used"] = False  # the pre-flight check fell back on that machine
+    # same experiment, other arms / deadline / directory: accepted, arms kept, the fallback decision kept
+    again = merge_settings(first, {**base, "arms": "c", "deadline_s": 60.0, "out": "/moved"}, ["c"])
+    assert again["arms"] == "a,b,c" and again["fast_generation_used"] is False and again["out"] == "/moved"
+    with pytest.raises(ValueError, match=r"other settings \(\['lr', 'task'\]\)"):
+        merge_settings(first, {**base, "lr": 3e-5, "task": "gsm8k"}, ["a"])
+
+
 def test_report_tables_and_comparisons(tmp_path):
     cfg = LearningConfig(out=str(tmp_path / "run"), arms="a,c,d", marks="10,20", budget_s=20, n_test=4, eval_samples=4)
     ev = cfg.dir / "evals"
@@ -120,14 +141,16 @@ def test_report_tables_and_comparisons(tmp_path):
     assert "answer filter `numeric`" in md and "answer filter `math`" in md
     assert json.loads((cfg.dir / "results.json").read_text())["best_arm"] == "c"
     assert (cfg.dir / "learning.png").stat().st_size > 10_000
+    # a report asked for a subset of arms still shows every arm with results in the directory
+    sub = report(LearningConfig(out=cfg.out, arms="a", marks="10,20", budget_s=20, n_test=4, eval_samples=4))
+    assert set(sub["arms"]) == {"a", "c"} and not sub["skipped"]
 
 
 @pytest.mark.slow
 def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     """The whole experiment at toy size on the embedded SmolLM2 (CPU): every table written, then a re-run resumes."""
     out = tmp_path / "learn"
-    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d",
-           "--sft_filter", "none"]
+    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cfg = LearningConfig(out=str(out), preset="cpu_smoke")
@@ -149,9 +172,12 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "teacher").num_parameters() > 100_000_000
-    # a re-run with the same settings skips every finished piece
+    assert (out / "arms" / "d" / "metrics" / "train.jsonl").exists()  # the SFT arm logs its steps too
+    # a re-run with the same settings skips every finished piece; one asking for fewer arms keeps the others
     p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0 and p2.stdout.count("already done") == 3, p2.stdout[-2000:]
+    p2b = subprocess.run(cmd[:-1] + ["a"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p2b.returncode == 0 and set(json.loads((out / "results.json").read_text())["arms"]) == {"a", "c", "d"}
     # other settings in the same directory are refused (exit 2), nothing overwritten
     p3 = subprocess.run(cmd + ["--lr", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p3.returncode == 2 and "other settings" in p3.stderr
