@@ -609,6 +609,11 @@ def run_arm(cfg: LearningConfig, arm: str) -> None:
         if not clock.check(model, 0):  # the sampling may already have passed early marks
             sft(model, tok, [{"prompt": r["prompt"], "completion": r["completion"]} for r in verified], cfg,
                 out_dir=cfg.dir / "arms" / "d", lr=cfg.lr, clock=clock)
+        else:  # stage one used the whole budget: no SFT step; the empty log says so
+            from data_tools.runio import write_text
+
+            print("[learning] arm d: stage one used the whole budget, no fine-tuning step", flush=True)
+            write_text("", cfg.dir / "arms" / "d" / "metrics" / "train.jsonl")
     else:
         from transformers import PrinterCallback
 
