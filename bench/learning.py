@@ -646,7 +646,7 @@ def run_arm(cfg: LearningConfig, arm: str) -> None:
         trainer.train()
     _write_evals(evals, arm, cfg)
     last = summarize_mark([r for r in evals if r["mark_s"] == cfg.mark_list[-1]])
-    print(f"[learning] arm {arm} ({ARMS[arm]}): avg@{cfg.eval_samples} {last['avg_at_k']:.3f} ± {last['stderr']:.3f} "
+    print(f"[learning] arm {arm} ({arm_label(arm, cfg)}): avg@{cfg.eval_samples} {last['avg_at_k']:.3f} ± {last['stderr']:.3f} "
           f"at {last['train_s']:.0f}s (step {last['step']}), clip {last['clip_rate']:.2f}, "
           f"wall {time.time() - t_wall:.0f}s", flush=True)
 
@@ -821,7 +821,8 @@ def results_markdown(res: dict, cfg: LearningConfig) -> str:
     k = cfg.eval_samples
     lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
              f"{cfg.max_new_tokens}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
-             f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`.", "",
+             f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`. A mark is evaluated "
+             f"at the first optimizer step that ends past it (\"last mark at s\"; 0 steps: no update in time).", "",
              f"### avg@{k}, answer filter `{res['answer_filter']}`", ""]
     lines += _table(res, cfg)
     o = res["other_filter"]
