@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -230,12 +229,6 @@ def read_rows(path: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------- evaluation
 
 
-def _sampling(max_new_tokens: int, temperature: float):
-    from trainers.generation import SamplingParams
-
-    return SamplingParams(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature)
-
-
 @dataclass
 class Generated:
     """Completions of one generation call: token ids (EOS kept), decoded text, hit-the-cap flags."""
@@ -254,7 +247,7 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
     """
     import torch
 
-    from trainers.generation import generator_for
+    from trainers.generation import SamplingParams, generator_for
 
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -265,7 +258,8 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
         enc = [tok(p, add_special_tokens=False).input_ids for p in prompts[s : s + batch]]
         if fast:
             gen = generator_for(model, pad, [eos])
-            out += gen.generate(model, enc, _sampling(max_new_tokens, temperature))
+            out += gen.generate(model, enc, SamplingParams(max_new_tokens=max_new_tokens, do_sample=True,
+                                                           temperature=temperature))
         else:
             was = model.training
             model.eval()
@@ -460,10 +454,11 @@ def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path,
     return trainer
 
 
-def sft_examples(tok, rows: list[dict], cfg: LearningConfig, solution_key: str = "solution") -> list[dict]:
+def sft_examples(tok, rows: list[dict], cfg: LearningConfig) -> list[dict]:
+    """Prompt/completion pairs for ``sft``: the student's rendered prompt and the row's reference solution."""
     from data_tools.prompts import render, student_messages
 
-    return [{"prompt": render(tok, student_messages(r["problem"], cfg.prompt_style)), "completion": r[solution_key]}
+    return [{"prompt": render(tok, student_messages(r["problem"], cfg.prompt_style)), "completion": r["solution"]}
             for r in rows]
 
 
@@ -586,11 +581,12 @@ def run_arm(cfg: LearningConfig, arm: str) -> None:
 
     if arm == "d":
         model, tok = load_student(teacher_path)  # stage one: the teacher samples the training problems
-        clock = MarkClock(cfg.mark_list, None)
-        clock.start()
+        _sync()
+        t0 = time.perf_counter()  # d's clock starts here: its data generation is part of its budget
         rows = read_rows(cfg.dir / "data" / "train.parquet")[: cfg.stage_one_problems]
         s1 = stage_one(model, tok, rows, cfg)
-        offset = clock.elapsed()
+        _sync()
+        offset = time.perf_counter() - t0
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
