@@ -527,6 +527,14 @@ class OPDTrainer(DistillationTrainer):
                                                static={"engine": self.engine, "experiment": args.experiment_name,
                                                        "kl_mode": args.kl_mode}))
 
+    def time_fraction(self) -> float:
+        """Fraction of the training window used, in [0, 1]: 0 when training starts, 1 at the horizon.
+
+        Schedules over the wall clock (learning rate, objective mix) read this, never the step count:
+        a formal run's step count is unknown in advance.
+        """
+        return min(1.0, max(0.0, self.deadline.elapsed() / max(self.deadline.horizon_s, 1e-9)))
+
     def _any_process(self, flag: bool) -> bool:
         """True on every process if ``flag`` is True on any (a max-reduce)."""
         t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
