@@ -39,6 +39,7 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
     if name == "opd_r1_distill_1p5b.yaml":
         assert args.max_completion_length >= 8192 and args.use_vllm and args.vllm_mode == "colocate"
         assert args.kl_mode == "sampled" and args.w_reward > 0 and args.ckpt_every_minutes == 30
+        assert args.lr_scheduler_type == "linear_time"  # the formal default: linear decay over the clock
         (full,) = parse_config([OPDConfig], ["--config", str(path)], env={"OUTPUT_DIR": str(tmp_path / "o2")})
         assert full.max_wall_time_seconds == 12 * 3600
     if name == "demo_cpu.yaml":

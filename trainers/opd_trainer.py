@@ -56,6 +56,8 @@ TEACHER_CONTEXTS = ("teacher", "privileged")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Step-count schedules decay over ``max_steps``, which is unbounded here; only these are meaningful.
 SCHEDULES = ("constant", "constant_with_warmup")
+#: Schedules over the wall clock (trainers.schedules), by lr_scheduler_type: the shape after warmup.
+TIME_SCHEDULES = {"linear_time": "linear", "cosine_time": "cosine"}
 
 
 @dataclass
@@ -158,7 +160,13 @@ class OPDConfig(DistillationConfig):
     # ---- TrainingArguments / DistillationConfig defaults changed for this project ----
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
     lr_scheduler_type: str = field(default="constant", metadata={
-        "help": "constant | constant_with_warmup (warmup_steps). Step-count decays are refused: the horizon is time."})
+        "help": "linear_time | cosine_time: decay over the fraction of the training window used (trainers.schedules; "
+                "warmup lr_warmup_time, floor lr_final_ratio). constant | constant_with_warmup (warmup_steps). "
+                "Step-count decays are refused: the horizon is time, the step count unknown."})
+    lr_warmup_time: float = field(default=0.0, metadata={
+        "help": "linear_time / cosine_time: linear warmup from 0; < 1 = a share of the training window, >= 1 = seconds."})
+    lr_final_ratio: float = field(default=0.0, metadata={
+        "help": "linear_time / cosine_time: learning rate at the horizon as a share of the peak, in [0, 1]."})
     logging_steps: float = field(default=1, metadata={"help": "Log (and write a metrics line) every N steps."})
     save_strategy: str = field(default="no", metadata={
         "help": "Leave 'no': saving is driven by ckpt_every_steps / ckpt_every_minutes and the deadline."})
@@ -186,7 +194,13 @@ class OPDConfig(DistillationConfig):
             if getattr(self, name) in ("", "none", "None", "null"):
                 setattr(self, name, None)
         self.max_steps = UNBOUNDED_STEPS
+        # TrainingArguments only knows transformers' scheduler names: validate as constant, then keep ours.
+        sched = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        if sched in TIME_SCHEDULES:
+            self.lr_scheduler_type = "constant"
         super().__post_init__()
+        if sched in TIME_SCHEDULES:
+            self.lr_scheduler_type = sched
         self._validate()
 
     def _validate(self) -> None:
@@ -224,8 +238,13 @@ class OPDConfig(DistillationConfig):
         need(self.teacher_dtype is None or self.teacher_dtype in DTYPES, f"teacher_dtype must be one of {list(DTYPES)}")
         need(self.export_dtype == "auto" or self.export_dtype in DTYPES, f"export_dtype must be auto or one of {list(DTYPES)}")
         sched = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
-        need(sched in SCHEDULES, f"lr_scheduler_type must be one of {SCHEDULES} (the horizon is wall-clock time, "
-                                 f"not a step count), got {sched!r}")
+        need(sched in SCHEDULES or sched in TIME_SCHEDULES,
+             f"lr_scheduler_type must be one of {(*TIME_SCHEDULES, *SCHEDULES)} (the horizon is wall-clock time, "
+             f"not a step count), got {sched!r}")
+        need(0 <= self.lr_warmup_time and self.lr_warmup_fraction < 1,
+             f"lr_warmup_time ({self.lr_warmup_time}) must be a share in [0, 1) or seconds shorter than the training "
+             f"window ({self.horizon_seconds:.0f} s)")
+        need(0.0 <= self.lr_final_ratio <= 1.0, f"lr_final_ratio must be in [0, 1], got {self.lr_final_ratio}")
         need(self.save_strategy in ("no", getattr(type(self.save_strategy), "NO", "no")),
              "save_strategy must stay 'no': use ckpt_every_steps / ckpt_every_minutes")
         gen = self.per_device_train_batch_size * self.gradient_accumulation_steps
@@ -254,6 +273,12 @@ class OPDConfig(DistillationConfig):
     @property
     def horizon_seconds(self) -> float:
         return self.max_wall_time_seconds - self.deadline_reserve_seconds
+
+    @property
+    def lr_warmup_fraction(self) -> float:
+        """``lr_warmup_time`` as a share of the training window (the unit of ``OPDTrainer.time_fraction``)."""
+        w = self.lr_warmup_time
+        return w if w < 1 else w / self.horizon_seconds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,6 +559,30 @@ class OPDTrainer(DistillationTrainer):
         a formal run's step count is unknown in advance.
         """
         return min(1.0, max(0.0, self.deadline.elapsed() / max(self.deadline.horizon_s, 1e-9)))
+
+    # ---- learning-rate schedule on the clock ----
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """``linear_time`` / ``cosine_time``: ``trainers.schedules.time_lambda_lr`` over ``time_fraction``;
+        transformers' own schedulers otherwise."""
+        shape = TIME_SCHEDULES.get(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
+        if shape is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        from trainers.schedules import time_lambda_lr
+
+        self.lr_scheduler = time_lambda_lr(optimizer if optimizer is not None else self.optimizer, self.time_fraction,
+                                           shape, warmup=self.args.lr_warmup_fraction, final=self.args.lr_final_ratio)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        # The optimizer state brings back the learning rate of the save; the schedule is the clock's now.
+        if checkpoint is not None and self.lr_scheduler is not None and self.args.lr_scheduler_type in TIME_SCHEDULES:
+            sched = self.lr_scheduler
+            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+            for group, lr in zip(sched.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            sched._last_lr = lrs
 
     def _any_process(self, flag: bool) -> bool:
         """True on every process if ``flag`` is True on any (a max-reduce)."""

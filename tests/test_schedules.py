@@ -1,0 +1,124 @@
+"""Clock-based learning-rate schedules: factors against transformers' step schedules, resume from the clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.test_trainer import curriculum_path, make_trainer, tokenizer  # noqa: F401 - pytest fixtures
+from trainers.schedules import decay_factor, time_lambda_lr
+
+
+def _hf_factors(name: str, T: int, warmup: int) -> list[float]:
+    """transformers' step schedule factors at steps 0..T (the reference the time schedules follow)."""
+    from transformers import get_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=T)
+    out = []
+    for _ in range(T + 1):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("shape,hf", [("linear", "linear"), ("cosine", "cosine"), ("constant", "constant_with_warmup")])
+@pytest.mark.parametrize("warmup_steps", [0, 10])
+def test_factor_matches_transformers_at_step_fraction(shape, hf, warmup_steps):
+    T = 100
+    ref = _hf_factors(hf, T, warmup_steps)
+    got = [decay_factor(shape, s / T, warmup=warmup_steps / T) for s in range(T + 1)]
+    assert got == pytest.approx(ref, abs=1e-12)
+    assert got[0] == (0.0 if warmup_steps else 1.0)
+
+
+def test_final_ratio_and_clipping_plain_formula():
+    w, r = 0.1, 0.2
+    for f in (0.0, 0.05, 0.1, 0.37, 0.8, 1.0):
+        p = max(0.0, (f - w) / (1 - w))
+        lin = f / w if f < w else r + (1 - r) * (1 - p)
+        cos = f / w if f < w else r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
+        assert decay_factor("linear", f, warmup=w, final=r) == pytest.approx(lin)
+        assert decay_factor("cosine", f, warmup=w, final=r) == pytest.approx(cos)
+    assert decay_factor("linear", 1.7, final=r) == pytest.approx(r)  # past the horizon: the floor
+    assert decay_factor("linear", -0.3) == 1.0
+    for bad in (dict(shape="step"), dict(warmup=1.0), dict(final=1.5)):
+        kw = dict(shape="linear", fraction=0.5) | bad
+        with pytest.raises(ValueError):
+            decay_factor(kw.pop("shape"), kw.pop("fraction"), **kw)
+
+
+def test_lambda_lr_reads_the_clock_and_resumes_from_it():
+    clock = {"f": 0.0}
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    sched = time_lambda_lr(opt, lambda: clock["f"], "linear", warmup=0.1)
+    assert opt.param_groups[0]["lr"] == 0.0  # warmup starts from 0
+    for f in (0.05, 0.3, 0.55):
+        clock["f"] = f
+        opt.step()
+        sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * decay_factor("linear", f, warmup=0.1))
+    state, opt_state = sched.state_dict(), opt.state_dict()
+    assert "f" not in str(state["lr_lambdas"])  # no schedule state saved beyond the peak
+
+    # a resumed process: same peak, the clock now at 0.8 -> continues from 0.8, not from 0 or 0.55
+    clock["f"] = 0.8
+    p2 = torch.nn.Parameter(torch.zeros(2))
+    opt2 = torch.optim.AdamW([p2], lr=1e-3)
+    sched2 = time_lambda_lr(opt2, lambda: clock["f"], "linear", warmup=0.1)
+    opt2.load_state_dict(opt_state)
+    sched2.load_state_dict(state)
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - (0.8 - 0.1) / 0.9))
+
+
+def test_trainer_time_schedule_and_resume(tmp_path, tokenizer, curriculum_path):  # noqa: F811
+    """OPDTrainer with linear_time: the optimizer's LR at every step is peak x factor(time_fraction); a run
+    resumed with the clock at 0.6 trains its first step at factor(0.6) (not the saved LR, not a restart)."""
+    from transformers import TrainerCallback
+
+    peak, horizon = 1e-2, 1000.0
+
+    class Seen(TrainerCallback):
+        def __init__(self):
+            self.lrs = []
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def run(fraction, steps, resume=None):
+        tr = make_trainer(tmp_path, tokenizer, curriculum_path, lr_scheduler_type="linear_time", lr_warmup_time=50,
+                          learning_rate=peak, debug_max_steps=steps, max_wall_time_seconds=horizon + 10,
+                          deadline_reserve_seconds=10)
+        tr.deadline.clock = lambda: tr.deadline.start_time + fraction * horizon
+        seen = Seen()
+        tr.add_callback(seen)
+        tr.train(resume_from_checkpoint=resume)
+        return tr, seen.lrs
+
+    tr, lrs = run(0.02, 2)  # inside the 50 s (= 0.05) warmup
+    assert tr.args.lr_warmup_fraction == pytest.approx(0.05)
+    assert lrs == pytest.approx([peak * 0.02 / 0.05] * 2)
+    from trainers.callbacks import find_resume_checkpoint
+
+    ckpt = find_resume_checkpoint(tr.args.resume_dir)
+    assert ckpt.endswith("checkpoint-2")
+    tr2, lrs2 = run(0.6, 3, resume=ckpt)
+    assert tr2.state.global_step == 3
+    assert lrs2 == pytest.approx([peak * (1 - (0.6 - 0.05) / 0.95)])
+
+
+def test_config_accepts_time_schedules_only(tmp_path):
+    from tests.test_trainer import make_args
+
+    a = make_args(tmp_path, lr_scheduler_type="cosine_time", lr_warmup_time=0.1)
+    assert a.lr_scheduler_type == "cosine_time" and a.lr_warmup_fraction == 0.1
+    for bad in (dict(lr_scheduler_type="linear"), dict(lr_scheduler_type="linear_time", lr_warmup_time=20_000),
+                dict(lr_scheduler_type="linear_time", lr_final_ratio=2.0)):
+        with pytest.raises(ValueError):
+            make_args(tmp_path, **bad)
