@@ -116,9 +116,14 @@ class Engine:
 
         Yields one list per chunk of ``chunk_size`` prompts (their samples, in prompt order), so a
         caller can persist finished work as it goes (resumable curation) and show progress.
-        ``prompt_index`` is the index into ``prompts``.
+        ``prompt_index`` is the index into ``prompts``. The prompts reach vLLM as token ids
+        (``data_tools.prompts.prompt_ids``): vLLM's own text tokenization would add a BOS after the one
+        a chat template such as DeepSeek-R1-Distill-Qwen's already wrote.
         """
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from data_tools.prompts import prompt_ids
 
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         total = len(prompts)
@@ -126,7 +131,8 @@ class Engine:
         t0 = time.time()
         for start in range(0, total, chunk_size):
             chunk = list(prompts[start : start + chunk_size])
-            outputs = self.llm.generate(chunk, params, use_tqdm=False)
+            requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids(self.tokenizer, chunk)]
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
             batch: list[Sample] = []
             for i, out in enumerate(outputs):
                 for j, c in enumerate(out.outputs):

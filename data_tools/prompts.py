@@ -3,6 +3,12 @@
 One template everywhere, so a pass rate measured in stage one means the same thing in stage two
 and in evaluation. The instruction follows the common MATH convention (DeepSeek-R1 / Qwen2.5-Math
 evaluation): reason, then put the final answer in ``\\boxed{}``, which the grader extracts first.
+
+Prompts travel as rendered text (parquet columns, the trainer's dataset) and are tokenized again at
+each engine. The chat template already writes any BOS it wants (DeepSeek-R1-Distill-Qwen's starts with
+``{{ bos_token }}``), and such tokenizers' post-processors add another by default (deepseek-ai/DeepSeek-R1#151,
+huggingface/open-r1#462): every path tokenizes rendered prompts with ``prompt_ids``, which gives the ids
+``apply_chat_template(..., tokenize=True)`` gives.
 """
 
 from __future__ import annotations
@@ -63,3 +69,13 @@ def render(tokenizer, messages: list[dict[str, str]]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of chat-rendered prompts (``render``'s output), with no special tokens added again.
+
+    Equal to ``tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)``,
+    which renders and then tokenizes with ``add_special_tokens=False``: exactly one BOS where the
+    template writes one, none where it does not.
+    """
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]

@@ -446,7 +446,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     from transformers import AutoTokenizer
 
     from data_tools.engine import Engine
-    from data_tools.prompts import STYLES, render, student_messages
+    from data_tools.prompts import STYLES, prompt_ids, render, student_messages
 
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(target.path)
@@ -454,8 +454,8 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
         prompts = [render(tokenizer, student_messages(r["problem"], eff["prompt_style"])) for r in rows]
     except ValueError as e:
         raise EvalError(str(e)) from None
-    longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-    need = longest + eff["max_tokens"] + 8  # 8: special tokens vLLM may add when tokenizing
+    longest = max(len(ids) for ids in prompt_ids(tokenizer, prompts))  # the ids the engine is given
+    need = longest + eff["max_tokens"]
     max_model_len = cfg.max_model_len or need
     limit = _context_limit(target.path)
     if max_model_len < need:

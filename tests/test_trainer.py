@@ -118,9 +118,11 @@ def test_advantages_from_grader(tmp_path, tokenizer, curriculum_path, monkeypatc
         return [grader.Verdict(correct=c, extracted="x", path="test") for c in pattern[: len(preds)]]
 
     monkeypatch.setattr(grader, "grade_batch", fake_grade_batch)
-    tr = make_trainer(tmp_path, tokenizer, curriculum_path)
+    # every completion ends with EOS (a truncated one would earn 0 whatever the grader says)
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, generation_kwargs={"forced_eos_token_id": tokenizer.eos_token_id})
     rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
     out = tr._generate_and_score_completions(rows)
+    assert all(r["finish_reason"] == "stop" for r in tr._pending_rollouts["rows"])
     expect = group_advantages(torch.tensor(pattern, dtype=torch.float32), 4)
     assert torch.allclose(out["advantages"], expect)
     assert torch.equal(out["advantages"][4:], torch.zeros(4))
@@ -128,6 +130,61 @@ def test_advantages_from_grader(tmp_path, tokenizer, curriculum_path, monkeypatc
     assert m["reward/mean"][-1] == pytest.approx(5 / 8)
     assert m["reward/zero_std_frac"][-1] == pytest.approx(0.5)
     assert m["reward/group_pass_rate"][-1] == pytest.approx(1.0)
+
+
+#: A bias on EOS that makes about half of the tiny models' 6-token completions stop (seeded): both kinds in a batch.
+EOS_BIAS = 8.0
+
+
+def _all_correct(monkeypatch):
+    import data_tools.grader as grader
+
+    monkeypatch.setattr(grader, "grade_batch",
+                        lambda preds, golds, **kw: [grader.Verdict(correct=True, extracted="x", path="test")] * len(preds))
+
+
+@pytest.mark.parametrize("mode", ["zero_reward", "mask"])
+def test_truncated_completions_earn_nothing(tmp_path, tokenizer, curriculum_path, monkeypatch, mode):
+    """Graded correct but cut at max_completion_length: reward 0; mask mode also drops it from the loss,
+    whose value is then the plain sampled-token loss over the finished completions only."""
+    _all_correct(monkeypatch)
+    torch.manual_seed(0)
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, model=tiny_model(tokenizer, seed=1),
+                      teacher=tiny_model(tokenizer, seed=2), teacher_context="teacher", truncated_completions=mode,
+                      generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], EOS_BIAS]]})
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    out = tr._generate_and_score_completions(rows)
+    roll = tr._pending_rollouts["rows"]
+    cut = torch.tensor([r["finish_reason"] == "length" for r in roll])
+    assert 0 < int(cut.sum()) < len(roll), "need both truncated and finished completions"
+    assert [r["reward"] for r in roll] == [0.0 if c else 1.0 for c in cut.tolist()]
+    assert all(r["correct"] for r in roll)  # the grader's verdict is kept; the reward is withheld
+    m = tr._metrics["train"]
+    assert m["reward/mean"][-1] == pytest.approx(1 - cut.float().mean().item())
+    assert m["reward/truncated_withheld_frac"][-1] == pytest.approx(cut.float().mean().item())
+    assert m["completions/clipped_ratio"][-1] == pytest.approx(cut.float().mean().item())
+    cmask = out["completion_mask"]
+    if mode == "mask":
+        assert cmask[cut].sum() == 0 and (cmask[~cut].sum(1) > 0).all()
+    else:
+        assert (cmask.sum(1) > 0).all()
+    assert int(out["num_items_in_batch"]) == int(cmask.sum())
+
+    # the loss against a plain forward: sum over kept tokens of (k1 - A) / N (ratio 1, w_kl = w_reward = 1)
+    model = tr.accelerator.unwrap_model(tr.model)
+    loss, _, _ = tr._compute_loss(model, out, out["num_items_in_batch"])
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    K = out["completion_ids"].size(1)
+
+    def logp(mdl, mask):
+        z = mdl(input_ids=ids, attention_mask=mask).logits[:, -K - 1:-1].float() / tr.temperature
+        return torch.log_softmax(z, -1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():
+        full = torch.cat([out["prompt_mask"], cmask], 1)
+        k1 = logp(model, full) - logp(tr.teacher_model, full)
+    ref = ((k1 - out["advantages"].unsqueeze(1)) * cmask).sum() / cmask.sum()
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-6)
 
 
 def test_two_steps_change_every_trainable_parameter(tmp_path, tokenizer, curriculum_path):

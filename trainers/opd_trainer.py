@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 UNBOUNDED_STEPS = 10**9
 KL_MODES = ("sampled", "full")
 TEACHER_CONTEXTS = ("teacher", "privileged")
+#: What a completion that hit max_completion_length (no EOS) gets: reward 0, or also no place in the loss.
+TRUNCATION_MODES = ("zero_reward", "mask")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Step-count schedules decay over ``max_steps``, which is unbounded here; only these are meaningful.
 SCHEDULES = ("constant", "constant_with_warmup")
@@ -117,6 +119,10 @@ class OPDConfig(DistillationConfig):
         "help": "Optimizer passes over each generated batch; >1 turns on the PPO ratio and clipping."})
     epsilon_low: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon_low on the ratio."})
     epsilon_high: float = field(default=0.28, metadata={"help": "PPO clip: upper bound 1 + epsilon_high on the ratio."})
+    truncated_completions: str = field(default="zero_reward", metadata={
+        "help": "A completion that hit max_completion_length without EOS: zero_reward = reward 0 whatever an "
+                "earlier \\boxed{} says (it may have been retracted), still in the loss (its KL term trains); mask = "
+                "reward 0 and dropped from the loss (TRL's mask_truncated_completions, DAPO)."})
     teacher_context: str = field(default="privileged", metadata={
         "help": "teacher: the teacher reads the student's prompt; privileged: it reads the problem plus the "
                 "curriculum's reference solution / answer (data_tools.prompts.privileged_messages)."})
@@ -211,6 +217,8 @@ class OPDConfig(DistillationConfig):
         need(self.kl_mode in KL_MODES, f"kl_mode must be one of {KL_MODES}, got {self.kl_mode!r}")
         need(self.teacher_context in TEACHER_CONTEXTS,
              f"teacher_context must be one of {TEACHER_CONTEXTS}, got {self.teacher_context!r}")
+        need(self.truncated_completions in TRUNCATION_MODES,
+             f"truncated_completions must be one of {TRUNCATION_MODES}, got {self.truncated_completions!r}")
         need(self.curriculum in CURRICULUM_MODES, f"curriculum must be one of {CURRICULUM_MODES}, got {self.curriculum!r}")
         need(0.0 <= self.curriculum_mix <= 1.0, f"curriculum_mix must be in [0, 1], got {self.curriculum_mix}")
         need(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}")
@@ -550,7 +558,8 @@ class OPDTrainer(DistillationTrainer):
         self.add_callback(SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes, sync=sync))
         self.add_callback(MetricsJsonlCallback(args.metrics_path, self.start_time,
                                                static={"engine": self.engine, "experiment": args.experiment_name,
-                                                       "kl_mode": args.kl_mode}))
+                                                       "kl_mode": args.kl_mode,
+                                                       "truncated_completions": args.truncated_completions}))
 
     def time_fraction(self) -> float:
         """Fraction of the training window used, in [0, 1]: 0 when training starts, 1 at the horizon.
@@ -590,6 +599,16 @@ class OPDTrainer(DistillationTrainer):
         return bool(self.accelerator.reduce(t, reduction="max").item())
 
     # ---- generation ----
+    def _tokenize_prompts(self, prompts: list):
+        # TRL tokenizes string prompts with processing_class(text=...), which lets a post-processor add a
+        # second BOS after the one the chat template wrote (DeepSeek-R1-Distill-Qwen); prompts here are
+        # always rendered text, so tokenize them as apply_chat_template(tokenize=True) would.
+        if prompts and isinstance(prompts[0], str):
+            from data_tools.prompts import prompt_ids
+
+            return prompt_ids(self.processing_class, prompts), None, {}
+        return super()._tokenize_prompts(prompts)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         # Fast HF path (trainers.generation): same contract as TRL's HF branch; falls back to it for
         # multimodal inputs or generation settings the fast path lacks (e.g. repetition_penalty).
@@ -638,6 +657,7 @@ class OPDTrainer(DistillationTrainer):
         self._timers["time/generation"] += time.perf_counter() - t0
 
         cids, cmask = out["completion_ids"], out["completion_mask"]
+        gen_tokens = int(out["num_items_in_batch"].item())  # global, before any truncation mask
         B = cids.size(0)
         ids_list = [c[m.bool()].tolist() for c, m in zip(cids.cpu(), cmask.cpu())]
         eos = set(self.eos_token_ids)
@@ -647,7 +667,14 @@ class OPDTrainer(DistillationTrainer):
         verdicts = grade_batch(texts, [x["answer"] for x in inputs], truncated=truncated,
                                timeout_s=a.grader_timeout_s, workers=a.grader_workers, answer_filter=a.answer_filter)
         self._timers["time/reward"] += time.perf_counter() - t1
-        rewards = torch.tensor([1.0 if v.correct else 0.0 for v in verdicts], device=device)
+        # A truncated completion earns nothing: its \boxed{} may precede a retraction the cap cut off.
+        rewards = torch.tensor([1.0 if v.correct and not t else 0.0 for v, t in zip(verdicts, truncated)],
+                               device=device)
+        withheld = torch.tensor([float(v.correct and t) for v, t in zip(verdicts, truncated)], device=device)
+        if a.truncated_completions == "mask":  # TRL GRPO's mask_truncated_completions
+            keep = torch.tensor([not t for t in truncated], device=cmask.device, dtype=cmask.dtype)
+            out["completion_mask"] = cmask = cmask * keep.unsqueeze(1)
+            out["num_items_in_batch"] = self.accelerator.gather(cmask.sum()).sum()
 
         # Group statistics over the global batch: a prompt's G samples may span processes.
         all_rewards = self.accelerator.gather(rewards)
@@ -662,11 +689,12 @@ class OPDTrainer(DistillationTrainer):
         m["reward/group_pass_rate"].append((groups.max(dim=1).values > 0).float().mean().item())
         m["reward/zero_std_frac"].append((groups.max(dim=1).values == groups.min(dim=1).values).float().mean().item())
         m["advantages/abs_mean"].append(adv.abs().mean().item())
+        m["reward/truncated_withheld_frac"].append(self.accelerator.gather(withheld).mean().item())
 
-        # Teacher input = teacher prompt + the student's completion tokens. Tokenised the way TRL
-        # tokenises string prompts (processing_class(text=...)), so both prompts are built alike.
+        # Teacher input = teacher prompt + the student's completion tokens, the prompt tokenised as the
+        # student's is (_tokenize_prompts), so both carry exactly the chat template's special tokens.
         if a.teacher_context == "privileged":
-            t_ids = self.processing_class(text=[x["teacher_prompt"] for x in inputs])["input_ids"]
+            t_ids = self._tokenize_prompts([x["teacher_prompt"] for x in inputs])[0]
             t_ids = [torch.tensor(ids) for ids in t_ids]
             out["teacher_prompt_ids"] = pad(t_ids, padding_value=self._tokenizer.pad_token_id,
                                             padding_side="left").to(device)
@@ -677,7 +705,7 @@ class OPDTrainer(DistillationTrainer):
         out["rollout_index"] = torch.arange(B, device=device)
         if a.num_iterations > 1:
             out["old_logps"] = self._policy_logps(out)
-        self._last_gen_tokens = int(out["num_items_in_batch"].item())
+        self._last_gen_tokens = gen_tokens
 
         if a.save_rollouts:
             first = pi * B
