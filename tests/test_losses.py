@@ -136,6 +136,56 @@ def test_sampled_loss_ppo_clip_and_teacher_clamp():
     assert parts.k1[0] == lp[0].detach() + 10.0
 
 
+def test_k1_clamped_on_both_sides():
+    """k1 = lp_s - max(lp_t, floor) clipped to [-c, c]: a token the student finds near-impossible (k1 << 0)
+    is bounded too, not only one the teacher does."""
+    lp = torch.tensor([-0.5, -30.0, -1.0, -2.0]).requires_grad_()
+    lt = torch.tensor([-40.0, -0.1, -1.5, -25.0])
+    A = torch.tensor([0.3, -0.2, 0.0, 1.0])
+    loss, parts = losses.sampled_token_loss(lp, lp.detach(), lt, A, 4.0, teacher_logprob_min=-20.0, k1_clamp=10.0)
+    k1 = torch.tensor([-0.5 - -20.0, -30.0 + 0.1, -1.0 + 1.5, -2.0 + 20.0])  # floor first: 19.5, -29.9, 0.5, 18
+    k1c = torch.tensor([10.0, -10.0, 0.5, 10.0])
+    assert torch.allclose(k1.clamp(-10, 10), k1c)
+    assert torch.allclose(parts.k1, k1c) and parts.k1_clamped == 3
+    assert torch.allclose(loss, -(-k1c + A).sum() / 4.0)
+    unclamped, _ = losses.sampled_token_loss(lp, lp.detach(), lt, A, 4.0, teacher_logprob_min=-20.0)
+    assert torch.allclose(unclamped, -(-k1 + A).sum() / 4.0)
+
+
+def test_rollout_is_weights_truncated_ratio():
+    lp = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.2])
+    roll = torch.tensor([-1.0, -2.5, -2.0, -1.0, float("nan")])
+    w = losses.rollout_is_weights(lp, roll, cap=2.0)
+    ref = [min(math.exp(a - b), 2.0) if not math.isnan(b) else 1.0 for a, b in zip(lp.tolist(), roll.tolist())]
+    assert w.tolist() == pytest.approx(ref)
+    assert w[2] == 2.0 and w[3] == pytest.approx(math.exp(-2.0)) and w[4] == 1.0
+
+
+def test_is_weights_scale_each_token_in_both_modes():
+    """Sampled mode: loss and gradient are -sum_t w_t a_t (log p) / N; full mode: each term weighted per token."""
+    h, W, b, y = _rand()
+    _, Wt, bt, _ = _rand(seed=1)
+    A = torch.randn(len(y))
+    w = torch.rand(len(y)) * 2
+    N = 15.0
+    W1 = W.clone().requires_grad_()
+    lp = torch.log_softmax(_plain_logits(h, W1, b), -1).gather(1, y[:, None]).squeeze(1)
+    lt = torch.log_softmax(_plain_logits(h, Wt, bt), -1).gather(1, y[:, None]).squeeze(1)
+    loss, parts = losses.sampled_token_loss(lp, lp.detach(), lt, A, N, is_weights=w)
+    a = -(lp.detach() - lt) + A
+    ref = -(w * a * lp).sum() / N
+    g1 = torch.autograd.grad(loss, W1, retain_graph=True)[0]
+    g2 = torch.autograd.grad(ref, W1)[0]
+    assert torch.allclose(g1, g2, atol=1e-6)
+    assert float(loss) == pytest.approx(float(-(w * a).sum() / N), rel=1e-5)
+    assert parts.loss_kl + parts.loss_reward == pytest.approx(float(loss), rel=1e-5)
+
+    kl = torch.rand(len(y)).requires_grad_()
+    full, kl_term, r_term = losses.full_vocab_loss(kl, lp, A, N, w_kl=0.5, w_reward=2.0, is_weights=w)
+    assert torch.allclose(full, (0.5 * (w * kl).sum() - 2.0 * (w * A * lp).sum()) / N)
+    assert torch.allclose(kl_term + r_term, full.detach())
+
+
 # ---------------------------------------------------------------- full mode
 
 

@@ -289,6 +289,97 @@ def test_vocab_mismatch_teacher_matches_sliced(tmp_path, tokenizer, curriculum_p
     assert torch.allclose(losses_[0], losses_[1])
 
 
+def _plain_k1_inputs(tr, out):
+    """Student and teacher log-probs of the completion tokens from plain forwards: ``(lp_s, lp_t)``, (B, K)."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    K = out["completion_ids"].size(1)
+
+    def logp(mdl):
+        z = mdl(input_ids=ids, attention_mask=mask).logits[:, -K - 1:-1].float() / tr.temperature
+        return torch.log_softmax(z, -1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():
+        return logp(tr.accelerator.unwrap_model(tr.model)), logp(tr.teacher_model)
+
+
+def test_rollout_importance_sampling_correction(tmp_path, tokenizer, curriculum_path):
+    """Engine log-probs unlike the trainer's: the loss is sum_t min(pi/pi_rollout, cap) (k1 - A) / N, and the
+    mismatch is logged under sampling/* (TRL GRPO's names)."""
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, model=tiny_model(tokenizer, seed=1),
+                      teacher=tiny_model(tokenizer, seed=2), teacher_context="teacher", vllm_importance_sampling_cap=2.0)
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    out = tr._generate_and_score_completions(rows)
+    tr._rollout_is = True  # as under vLLM colocate, whose generation fills sampling_logps (CUDA only)
+    out["advantages"] = torch.linspace(-1, 1, 8)
+    lp_s, lp_t = _plain_k1_inputs(tr, out)
+    mask = out["completion_mask"].bool()
+    g = torch.Generator().manual_seed(0)
+    samp = lp_s + torch.randn(lp_s.shape, generator=g)  # a rollout engine that disagrees by ~1 nat
+    samp[0, 0] = float("nan")  # a token the engine gave no log-prob for: weight 1
+    out["sampling_logps"] = samp
+    N = int(mask.sum())
+    loss, _, _ = tr._compute_loss(tr.accelerator.unwrap_model(tr.model), out, N)
+
+    w = torch.exp(lp_s - samp).clamp(max=2.0)
+    w[0, 0] = 1.0
+    k1 = (lp_s - lp_t).clamp(-10, 10)
+    ref = (w * (k1 - out["advantages"].unsqueeze(1)))[mask].sum() / N
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-6)
+
+    tr._finish_step()
+    m = tr._metrics["train"]
+    known = mask & ~torch.isnan(samp)
+    diff = (lp_s - samp).abs()[known]
+    assert m["sampling/sampling_logp_difference/mean"][-1] == pytest.approx(float(diff.mean()), rel=1e-4)
+    assert m["sampling/sampling_logp_difference/max"][-1] == pytest.approx(float(diff.max()), rel=1e-4)
+    assert m["sampling/importance_sampling_ratio/mean"][-1] == pytest.approx(float(w[known].mean()), rel=1e-4)
+    assert m["sampling/importance_sampling_ratio/max"][-1] == pytest.approx(2.0)
+    assert m["sampling/importance_sampling_ratio/capped_frac"][-1] == pytest.approx(float((w[known] >= 2).float().mean()))
+
+
+def test_loss_terms_not_multiplied_by_the_process_count(tmp_path, tokenizer, curriculum_path, monkeypatch):
+    """Two processes (simulated: each half of the batch with TRL's num_items / 2, the sums reduced):
+    loss/kl and loss/reward are the global batch's terms, not twice them."""
+    from accelerate import Accelerator
+    from trl.trainer.utils import split_tensor_dict
+
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, model=tiny_model(tokenizer, seed=1),
+                      teacher=tiny_model(tokenizer, seed=2), teacher_context="teacher", save_rollouts=False)
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    out = tr._generate_and_score_completions(rows)
+    out["advantages"] = torch.linspace(-1, 1, 8)
+    lp_s, lp_t = _plain_k1_inputs(tr, out)
+    mask = out["completion_mask"].bool()
+    N = int(mask.sum())
+    model = tr.accelerator.unwrap_model(tr.model)
+    for half in split_tensor_dict(out, 2):
+        tr._compute_loss(model, half, torch.tensor(N / 2.0))  # what compute_loss passes with 2 processes
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    tr._finish_step()
+    m = tr._metrics["train"]
+    assert m["loss/kl"][-1] == pytest.approx(float((lp_s - lp_t).clamp(-10, 10)[mask].sum() / N), rel=1e-4)
+    adv = out["advantages"].unsqueeze(1).expand_as(lp_s)
+    assert m["loss/reward"][-1] == pytest.approx(float(-adv[mask].sum() / N), rel=1e-4)
+
+
+def test_student_with_more_vocabulary_rows_refused(tmp_path, tokenizer, curriculum_path):
+    V = len(tokenizer)
+    with pytest.raises(ValueError, match=f"student has {V + 64} vocabulary rows but the teacher only {V}"):
+        make_trainer(tmp_path, tokenizer, curriculum_path, model=tiny_model(tokenizer, vocab_size=V + 64),
+                     teacher=tiny_model(tokenizer), teacher_context="teacher")
+
+
+def test_self_teacher_honours_teacher_dtype(tmp_path, tokenizer, curriculum_path):
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, teacher_dtype="bfloat16")
+    assert {p.dtype for p in tr.teacher_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in tr.model.parameters()} == {torch.float32}
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    out = tr._generate_and_score_completions(rows)
+    loss, _, _ = tr._compute_loss(tr.accelerator.unwrap_model(tr.model), out, out["num_items_in_batch"])
+    assert torch.isfinite(loss)
+
+
 def test_different_tokenizers_fail_at_start(tokenizer):
     from trainers.opd_trainer import check_same_tokenizer
 
@@ -318,7 +409,8 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, tokenizer, curriculum_p
 def test_config_range_checks(tmp_path):
     for bad in (dict(kl_mode="forward"), dict(teacher_context="x"), dict(num_generations=3),
                 dict(curriculum_mix=2.0), dict(deadline_reserve_seconds=20_000),
-                dict(lr_scheduler_type="cosine"), dict(w_kl=0.0, w_reward=0.0), dict(teacher_logprob_min=1.0)):
+                dict(lr_scheduler_type="cosine"), dict(w_kl=0.0, w_reward=0.0), dict(teacher_logprob_min=1.0),
+                dict(k1_clamp=-1.0), dict(truncated_completions="drop"), dict(vllm_importance_sampling_cap=0.0)):
         with pytest.raises(ValueError):
             make_args(tmp_path, **bad)
     a = make_args(tmp_path, debug_max_steps=0)

@@ -14,6 +14,11 @@ context c(x) and a verifier reward r(x, y) in {0, 1}:
   KL_t = sum_v pi_theta(v|.) (log pi_theta(v|.) - log pi_T(v|.)) (TRL's chunked kernel, beta = 1),
   or over the student's top-k tokens renormalised (``topk_reverse_kl``).
 
+Two per-token corrections: in ``sampled`` mode k1 (after the teacher floor) is clamped to
+[-k1_clamp, k1_clamp] (verl clamps its KL estimates to +-10); in both modes, when a separate rollout
+engine (vLLM) sampled the tokens, each token's terms are weighted by the truncated importance ratio
+w_t = min(pi_trainer(y_t) / pi_rollout(y_t), cap) (``rollout_is_weights``).
+
 N_tokens is the completion-token count of the *global* batch (all micro-batches and processes), as
 in TRL's ``DistillationTrainer`` (``num_items_in_batch``), so gradient accumulation does not change
 the objective. All functions work on flattened valid (unmasked) completion positions: ``n`` below
@@ -166,13 +171,36 @@ def topk_reverse_kl(student_hidden: torch.Tensor, student_weight: torch.Tensor, 
     return torch.cat(out) if out else student_hidden.new_zeros(0, dtype=torch.float32)
 
 
+def rollout_is_weights(logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights for tokens sampled by another engine: ``min(exp(logp - rollout_logp), cap)``.
+
+    The rollout engine (vLLM) and the trainer compute different log-probs for the same tokens (kernels,
+    precision); the policy gradient is then off-policy by that ratio. Form of TRL 1.16 ``GRPOTrainer``'s
+    ``vllm_importance_sampling_mode="token_truncate"`` (``trl/trainer/grpo_trainer.py``; tokens whose
+    rollout log-prob is NaN get weight 1) and verl's token-level rollout IS; truncated IS after Yao et
+    al. 2025, "Your efficient RL framework secretly brings you off-policy RL training".
+
+    Args:
+        logp: ``(n,)`` trainer log-probs of the sampled tokens under the policy that sampled them
+            (``pi_old``; no grad is taken through the weights).
+        rollout_logp: ``(n,)`` the rollout engine's log-probs of the same tokens; NaN = unknown.
+        cap: upper bound C > 0 on the weight.
+
+    Returns:
+        ``(n,)`` float32 weights in (0, cap], detached.
+    """
+    diff = torch.nan_to_num(logp.detach().float() - rollout_logp.float(), nan=0.0)
+    return torch.exp(diff).clamp(max=cap)
+
+
 @dataclass
 class LossParts:
     """Detached pieces of a micro-batch loss, as *sums* over its tokens (callers divide by global counts).
 
     ``loss_kl`` / ``loss_reward``: the KL and reward terms' contributions to the loss (already divided
     by ``num_items``, so they add up over micro-batches); ``k1``: ``(n,)`` per-token sampled reverse
-    KL; ``clipped``: tokens where the PPO clip was active; ``ratio_sum``: sum of rho_t.
+    KL; ``clipped``: tokens where the PPO clip was active; ``ratio_sum``: sum of rho_t; ``k1_clamped``:
+    tokens whose k1 hit ``k1_clamp``.
     """
 
     loss_kl: float
@@ -180,19 +208,23 @@ class LossParts:
     k1: torch.Tensor
     clipped: int
     ratio_sum: float
+    k1_clamped: int = 0
 
 
 def sampled_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor,
                        advantages: torch.Tensor, num_items: torch.Tensor | float, *, w_kl: float = 1.0,
                        w_reward: float = 1.0, teacher_logprob_min: float | None = None,
-                       epsilon_low: float = 0.2, epsilon_high: float = 0.2) -> tuple[torch.Tensor, LossParts]:
+                       k1_clamp: float | None = None, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                       is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, LossParts]:
     """Sampled-token reverse KL plus verifier reward, in PPO-clipped policy-gradient form.
 
-    a_t = -w_kl * stopgrad(logp_t - max(teacher_logp_t, teacher_logprob_min)) + w_reward * A_seq(t);
-    loss = -sum_t min(rho_t a_t, clip(rho_t, 1-eps_low, 1+eps_high) a_t) / num_items, rho_t = exp(logp_t - old_logp_t).
-    Sources: Thinking Machines / tinker ``distillation/train_on_policy.py`` (per-token advantage
-    -kl_coef * k1, discount 0); verl ``loss_mode=k1, use_policy_gradient=True`` (PPO clip, optional
-    ``log_prob_min_clamp``); design.md section 5.
+    k1_t = clip(logp_t - max(teacher_logp_t, teacher_logprob_min), -k1_clamp, k1_clamp) (stopgrad);
+    a_t = -w_kl * k1_t + w_reward * A_seq(t);
+    loss = -sum_t w_t min(rho_t a_t, clip(rho_t, 1-eps_low, 1+eps_high) a_t) / num_items, rho_t = exp(logp_t - old_logp_t),
+    w_t the rollout importance weight (1 without one). Sources: Thinking Machines / tinker
+    ``distillation/train_on_policy.py`` (per-token advantage -kl_coef * k1, discount 0); verl
+    ``loss_mode=k1, use_policy_gradient=True`` (PPO clip, optional ``log_prob_min_clamp``, KL clamped
+    to +-10); TRL GRPO (per-token loss times the vLLM IS ratio); design.md section 5.
 
     Args:
         logp: ``(n,)`` student log-probs of the sampled tokens, with grad.
@@ -203,6 +235,9 @@ def sampled_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp:
         num_items: global completion-token count N (tensor or number).
         teacher_logprob_min: floor on the teacher log-prob (verl uses -10) so one token the teacher
             finds near-impossible does not dominate the step; None = no clamp.
+        k1_clamp: bound c > 0 on |k1| (after the floor), for tokens the *student* finds near-impossible
+            too; None = no clamp.
+        is_weights: ``(n,)`` rollout importance weights (``rollout_is_weights``), or None.
 
     Returns:
         ``(loss, LossParts)``; loss is a scalar with grad.
@@ -211,40 +246,50 @@ def sampled_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp:
     if teacher_logprob_min is not None:
         logp_t = logp_t.clamp(min=teacher_logprob_min)
     k1 = logp.detach() - logp_t
+    n_clamped = 0
+    if k1_clamp is not None:
+        n_clamped = int((k1.abs() > k1_clamp).sum())
+        k1 = k1.clamp(-k1_clamp, k1_clamp)
     adv_kl = -w_kl * k1
     adv_r = w_reward * advantages.detach().to(k1.dtype)
     a = adv_kl + adv_r
     ratio = torch.exp(logp - old_logp.detach())
     clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
     per_token = torch.minimum(ratio * a, clipped_ratio * a)
-    loss = -per_token.sum() / num_items
+    w = torch.ones_like(k1) if is_weights is None else is_weights.detach().to(k1.dtype)
+    loss = -(w * per_token).sum() / num_items
     with torch.no_grad():
         n = float(num_items)
         parts = LossParts(
-            loss_kl=float(-(ratio * adv_kl).sum() / n),
-            loss_reward=float(-(ratio * adv_r).sum() / n),
+            loss_kl=float(-(w * ratio * adv_kl).sum() / n),
+            loss_reward=float(-(w * ratio * adv_r).sum() / n),
             k1=k1,
             clipped=int((ratio * a > clipped_ratio * a).sum()),
             ratio_sum=float(ratio.sum()),
+            k1_clamped=n_clamped,
         )
     return loss, parts
 
 
 def full_vocab_loss(kl: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, num_items: torch.Tensor | float,
-                    *, w_kl: float = 1.0, w_reward: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    *, w_kl: float = 1.0, w_reward: float = 1.0, is_weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full-vocabulary reverse KL plus the reward policy-gradient term (design.md section 5).
 
-    loss = w_kl * sum_t KL_t / N - w_reward * sum_t A_seq(t) * log pi_theta(y_t) / N.
+    loss = w_kl * sum_t w_t KL_t / N - w_reward * sum_t w_t A_seq(t) * log pi_theta(y_t) / N, w_t the
+    rollout importance weight (1 without one): the positions were reached by the rollout engine's samples.
 
     Args:
         kl: ``(n,)`` per-token reverse KL with grad (``full_reverse_kl`` or ``topk_reverse_kl``).
         logp: ``(n,)`` student log-probs of the sampled tokens, with grad.
         advantages: ``(n,)`` sequence advantage per token.
         num_items: global completion-token count N.
+        is_weights: ``(n,)`` rollout importance weights (``rollout_is_weights``), or None.
 
     Returns:
         ``(loss, kl_term, reward_term)``: the scalar loss and its two detached terms.
     """
-    kl_term = w_kl * kl.sum() / num_items
-    reward_term = -w_reward * (advantages.detach().to(logp.dtype) * logp).sum() / num_items
+    w = torch.ones_like(logp) if is_weights is None else is_weights.detach().to(logp.dtype)
+    kl_term = w_kl * (w * kl).sum() / num_items
+    reward_term = -w_reward * (w * advantages.detach().to(logp.dtype) * logp).sum() / num_items
     return kl_term + reward_term, kl_term.detach(), reward_term.detach()

@@ -115,6 +115,16 @@ class OPDConfig(DistillationConfig):
     advantage_eps: float = field(default=1e-4, metadata={"help": "Added to the group std before dividing."})
     teacher_logprob_min: float | None = field(default=None, metadata={
         "help": "sampled mode: clamp teacher log-probs from below (verl uses -10); empty = no clamp."})
+    k1_clamp: float | None = field(default=10.0, metadata={
+        "help": "sampled mode: clamp k1 = log pi_student - log pi_teacher to [-k1_clamp, k1_clamp] after the teacher "
+                "floor (verl clamps its KL estimates to +-10); empty = no clamp. kl/sampled_mean stays unclamped."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={
+        "help": "vLLM generation: weight each token's loss by the truncated importance ratio min(pi_trainer / "
+                "pi_vllm, vllm_importance_sampling_cap) of the sampled token (TRL GRPO's token_truncate, verl's "
+                "rollout IS), correcting for the engines' log-prob mismatch (logged as sampling/*)."})
+    vllm_importance_sampling_cap: float = field(default=2.0, metadata={
+        "help": "Upper bound C on the rollout importance ratio (verl's rollout_is_threshold default and the "
+                "truncated-IS paper's C = 2; TRL's clip_max default is 3)."})
     num_iterations: int = field(default=1, metadata={
         "help": "Optimizer passes over each generated batch; >1 turns on the PPO ratio and clipping."})
     epsilon_low: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon_low on the ratio."})
@@ -196,7 +206,8 @@ class OPDConfig(DistillationConfig):
             self.ckpt_dir = str(Path(self.output_dir) / "checkpoints")
         if not self.curriculum_path:
             self.curriculum_path = str(Path(self.output_dir) / "curate" / "curriculum.parquet")
-        for name in ("student_model", "teacher_model", "teacher_dtype", "prompt_style", "teacher_logprob_min"):
+        for name in ("student_model", "teacher_model", "teacher_dtype", "prompt_style", "teacher_logprob_min",
+                     "k1_clamp"):
             if getattr(self, name) in ("", "none", "None", "null"):
                 setattr(self, name, None)
         self.max_steps = UNBOUNDED_STEPS
@@ -230,6 +241,8 @@ class OPDConfig(DistillationConfig):
         need(self.advantage_eps > 0, "advantage_eps must be > 0")
         need(self.teacher_logprob_min is None or self.teacher_logprob_min < 0,
              "teacher_logprob_min must be negative (a log-probability floor) or empty")
+        need(self.k1_clamp is None or self.k1_clamp > 0, "k1_clamp must be > 0 or empty")
+        need(self.vllm_importance_sampling_cap > 0, "vllm_importance_sampling_cap must be > 0")
         need(self.max_wall_time_seconds > 0, "max_wall_time_seconds must be > 0")
         need(0 <= self.deadline_reserve_seconds < self.max_wall_time_seconds,
              f"deadline_reserve_seconds ({self.deadline_reserve_seconds}) must be in [0, max_wall_time_seconds "
@@ -478,6 +491,8 @@ class OPDTrainer(DistillationTrainer):
         self._self_teacher = teacher_model is None
         if teacher_model is None:
             teacher_model = copy.deepcopy(model)  # the frozen *initial* student
+            if args.teacher_dtype:
+                teacher_model.to(DTYPES[args.teacher_dtype])
             if args.teacher_context == "teacher" and args.w_kl > 0:
                 log.warning("self-teacher reading the student's own prompt: the KL term is only a penalty toward "
                             "the initial policy (use teacher_context=privileged or set teacher_model)")
@@ -494,6 +509,10 @@ class OPDTrainer(DistillationTrainer):
 
         v_s = model.get_output_embeddings().weight.shape[0]
         v_t = teacher_model.get_output_embeddings().weight.shape[0]
+        if v_s > v_t:
+            raise ValueError(f"student has {v_s} vocabulary rows but the teacher only {v_t}: the student can sample "
+                             f"ids >= {v_t}, which the teacher has no logit for. Use a teacher with at least the "
+                             f"student's rows (e.g. Qwen2.5-1.5B 151,936 under 7B 152,064, not the reverse).")
         self.shared_vocab = min(v_s, v_t)
         if v_s != v_t:
             log.warning("student has %d vocabulary rows, teacher %d: comparing over the shared range [0, %d)",
@@ -511,6 +530,11 @@ class OPDTrainer(DistillationTrainer):
         else:
             self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
 
+        # Rollout importance sampling needs the engine's log-prob of each sampled token (TRL asks for none).
+        self._rollout_is = bool(self.use_vllm and args.vllm_importance_sampling_correction)
+        if self._rollout_is:
+            self.vllm_generation.logprobs = 0
+        self._sampling_logps: list[list[float]] | None = None
         world = self.accelerator.num_processes
         self.generation_batch_size = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         if self.generation_batch_size % args.num_generations:
@@ -540,6 +564,7 @@ class OPDTrainer(DistillationTrainer):
             if not self.compiled_layers:
                 log.warning("compile_layers: model has no model.layers to compile; running eagerly")
         self._acc: dict[str, float] = defaultdict(float)
+        self._acc_max: dict[str, float] = {}  # reduced with max across processes (rollout IS statistics)
         self._timers: dict[str, float] = defaultdict(float)
         self._step_t0 = time.perf_counter()
         self._last_gen_tokens = 0
@@ -618,7 +643,22 @@ class OPDTrainer(DistillationTrainer):
             out = fast_generate_single_turn(self, prompt_ids)
             if out is not None:
                 return out
+        if self._rollout_is:
+            return self._vllm_generate_with_logprobs(prompt_ids, images)
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+
+    def _vllm_generate_with_logprobs(self, prompt_ids, images):
+        """TRL's vLLM branch, keeping the engine's sampled-token log-probs in ``self._sampling_logps``."""
+        from trl.extras.profiling import profiling_context
+
+        if self.state.global_step != self._last_loaded_step:
+            with profiling_context(self, "sync_weights"):
+                self.vllm_generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        _, completion_ids, logprobs, _ = self.vllm_generation.generate(
+            prompts=prompt_ids, images=images, num_generations=1, profiler=profiling_context(self, "vLLM.generate"))
+        self._sampling_logps = [[math.nan if lp[0] is None else lp[0] for lp in seq] for seq in logprobs]
+        return completion_ids
 
     # ---- data order ----
     def _get_train_sampler(self, dataset=None):
@@ -703,6 +743,13 @@ class OPDTrainer(DistillationTrainer):
         else:
             out["teacher_prompt_ids"], out["teacher_prompt_mask"] = out["prompt_ids"], out["prompt_mask"]
         out["rollout_index"] = torch.arange(B, device=device)
+        if self._sampling_logps is not None:  # (B, K), aligned with completion_ids; NaN = not known
+            samp = torch.full(cids.shape, math.nan, dtype=torch.float32)
+            for i, lps in enumerate(self._sampling_logps):
+                n = min(len(lps), samp.size(1))
+                samp[i, :n] = torch.tensor(lps[:n], dtype=torch.float32)
+            out["sampling_logps"] = samp.to(device)
+            self._sampling_logps = None
         if a.num_iterations > 1:
             out["old_logps"] = self._policy_logps(out)
         self._last_gen_tokens = gen_tokens
@@ -796,15 +843,18 @@ class OPDTrainer(DistillationTrainer):
         adv_tok = inputs["advantages"].to(ws.device).unsqueeze(1).expand_as(cids)[valid]
         N = num_items_in_batch if num_items_in_batch is not None else valid.sum().clamp(min=1)
         k1 = (s_logp.detach() - t_logp)  # for metrics and rollouts, unclamped
+        old = inputs["old_logps"].to(ws.device)[valid] if "old_logps" in inputs else s_logp.detach()
+        is_w = self._rollout_is_weights(old, inputs, valid)
         if a.kl_mode == "sampled":
-            old = inputs["old_logps"].to(ws.device)[valid] if "old_logps" in inputs else s_logp.detach()
             loss, parts = losses.sampled_token_loss(
                 s_logp, old, t_logp, adv_tok, N, w_kl=a.w_kl, w_reward=a.w_reward,
-                teacher_logprob_min=a.teacher_logprob_min, epsilon_low=a.epsilon_low, epsilon_high=a.epsilon_high)
+                teacher_logprob_min=a.teacher_logprob_min, k1_clamp=a.k1_clamp, epsilon_low=a.epsilon_low,
+                epsilon_high=a.epsilon_high, is_weights=is_w)
             self._acc["loss_kl"] += parts.loss_kl
             self._acc["loss_reward"] += parts.loss_reward
             self._acc["clipped"] += parts.clipped
             self._acc["ratio_sum"] += parts.ratio_sum
+            self._acc["k1_clamped"] += parts.k1_clamped
         else:
             if a.full_topk:
                 kl = losses.topk_reverse_kl(hs, ws, bs, ht.to(ws.device), wt, bt, a.full_topk,
@@ -814,7 +864,8 @@ class OPDTrainer(DistillationTrainer):
                 kl, _ = losses.full_reverse_kl(hs, ws, bs, ht.to(ws.device), wt, bt, temperature=self.temperature,
                                                student_scale=s_scale, student_softcap=s_cap,
                                                teacher_scale=t_scale, teacher_softcap=t_cap)
-            loss, kl_term, r_term = losses.full_vocab_loss(kl, s_logp, adv_tok, N, w_kl=a.w_kl, w_reward=a.w_reward)
+            loss, kl_term, r_term = losses.full_vocab_loss(kl, s_logp, adv_tok, N, w_kl=a.w_kl, w_reward=a.w_reward,
+                                                           is_weights=is_w)
             self._acc["loss_kl"] += float(kl_term)
             self._acc["loss_reward"] += float(r_term)
             self._acc["kl_full_sum"] += float(kl.detach().sum())
@@ -830,6 +881,26 @@ class OPDTrainer(DistillationTrainer):
                 if math.isnan(pend["rows"][idx]["seq_kl"]):
                     pend["rows"][idx]["seq_kl"] = v
         return loss, entropy.detach().sum(), valid.sum()
+
+    def _rollout_is_weights(self, old: torch.Tensor, inputs, valid: torch.Tensor) -> torch.Tensor | None:
+        """``(n,)`` truncated rollout IS weights over the valid tokens (None without engine log-probs), and
+        their mismatch statistics into this step's accumulators (``sampling/*`` metrics)."""
+        if "sampling_logps" not in inputs:
+            return None
+        samp = inputs["sampling_logps"].to(old.device)[valid]
+        w = losses.rollout_is_weights(old, samp, self.args.vllm_importance_sampling_cap)
+        known = ~torch.isnan(samp)
+        diff = (old.float() - samp.float()).abs()[known]
+        acc, mx = self._acc, self._acc_max
+        acc["is_tokens"] += float(known.sum())
+        acc["is_diff_sum"] += float(diff.sum())
+        acc["is_w_sum"] += float(w[known].sum())
+        acc["is_capped"] += float((w[known] >= self.args.vllm_importance_sampling_cap).sum())
+        if diff.numel():
+            mx["is_diff_max"] = max(mx.get("is_diff_max", 0.0), float(diff.max()))
+            mx["is_w_max"] = max(mx.get("is_w_max", 0.0), float(w[known].max()))
+            mx["is_w_neg_min"] = max(mx.get("is_w_neg_min", -math.inf), -float(w[known].min()))
+        return w
 
     # ---- step bookkeeping ----
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -866,20 +937,27 @@ class OPDTrainer(DistillationTrainer):
 
     def _finish_step(self) -> None:
         """At ``on_step_end``: reduce this step's sums across processes into metrics; write the rollouts."""
-        keys = ("loss_kl", "loss_reward", "k1_sum", "tokens", "clipped", "ratio_sum", "kl_full_sum")
+        keys = ("loss_kl", "loss_reward", "k1_sum", "tokens", "clipped", "ratio_sum", "kl_full_sum", "k1_clamped",
+                "is_tokens", "is_diff_sum", "is_w_sum", "is_capped")
         vec = torch.tensor([self._acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.accelerator.device)
         tot = dict(zip(keys, self.accelerator.reduce(vec, reduction="sum").tolist()))
         self._acc.clear()
         m = self._metrics["train"]
         n = max(tot["tokens"], 1.0)
-        m["loss/kl"].append(tot["loss_kl"])
-        m["loss/reward"].append(tot["loss_reward"])
+        # TRL divides num_items_in_batch by the process count (DDP averages gradients), so each process's
+        # terms are P times its share of the global loss: the sum over processes is P x the loss.
+        world = self.accelerator.num_processes
+        m["loss/kl"].append(tot["loss_kl"] / world)
+        m["loss/reward"].append(tot["loss_reward"] / world)
         m["kl/sampled_mean"].append(tot["k1_sum"] / n)
         if self.args.kl_mode == "full":
             m["kl/full_mean"].append(tot["kl_full_sum"] / n)
         else:
             m["ppo/clip_frac"].append(tot["clipped"] / n)
             m["ppo/ratio_mean"].append(tot["ratio_sum"] / n)
+            m["kl/clamped_frac"].append(tot["k1_clamped"] / n)
+        if self._rollout_is:
+            self._log_rollout_is(m, tot)
         step_s = time.perf_counter() - self._step_t0
         gen, rew, teach = (self._timers.get(k, 0.0) for k in ("time/generation", "time/reward", "time/teacher"))
         self._timers.clear()
@@ -895,6 +973,23 @@ class OPDTrainer(DistillationTrainer):
             m["memory/peak_gib"].append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         m["nonfinite/total_skipped"].append(float(self._skipped_steps))
         self._flush_rollouts()
+
+    def _log_rollout_is(self, m, tot: dict[str, float]) -> None:
+        """Rollout-vs-trainer mismatch of this step (TRL GRPO's ``sampling/*`` names, plus the capped share)."""
+        keys = ("is_diff_max", "is_w_max", "is_w_neg_min")
+        vec = torch.tensor([self._acc_max.get(k, -math.inf) for k in keys], dtype=torch.float64,
+                           device=self.accelerator.device)
+        mx = dict(zip(keys, self.accelerator.reduce(vec, reduction="max").tolist()))
+        self._acc_max.clear()
+        k = tot["is_tokens"]
+        if k == 0:
+            return
+        m["sampling/sampling_logp_difference/mean"].append(tot["is_diff_sum"] / k)
+        m["sampling/sampling_logp_difference/max"].append(mx["is_diff_max"])
+        m["sampling/importance_sampling_ratio/mean"].append(tot["is_w_sum"] / k)
+        m["sampling/importance_sampling_ratio/min"].append(-mx["is_w_neg_min"])
+        m["sampling/importance_sampling_ratio/max"].append(mx["is_w_max"])
+        m["sampling/importance_sampling_ratio/capped_frac"].append(tot["is_capped"] / k)
 
     def _flush_rollouts(self) -> None:
         pend = self._pending_rollouts
