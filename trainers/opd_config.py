@@ -1,0 +1,267 @@
+"""``OPDConfig``: the configuration of ``OPDTrainer`` and ``python -m stages.train`` (fields, help, checks).
+
+Extends TRL 1.16's ``DistillationConfig``; every field has help text (``python -m stages.train --help``)
+and is checked in ``_validate``. Re-exported by ``trainers.opd_trainer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from trl import DistillationConfig
+
+from trainers.sampler import MODES as CURRICULUM_MODES
+
+#: ``max_steps`` given to transformers: the wall clock ends training, never a step count (design.md section 6).
+UNBOUNDED_STEPS = 10**9
+KL_MODES = ("sampled", "full")
+TEACHER_CONTEXTS = ("teacher", "privileged")
+#: What a completion that hit max_completion_length (no EOS) gets: reward 0, or also no place in the loss.
+TRUNCATION_MODES = ("zero_reward", "mask")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Step-count schedules decay over ``max_steps``, which is unbounded here; only these are meaningful.
+SCHEDULES = ("constant", "constant_with_warmup")
+#: Schedules over the wall clock (trainers.schedules), by lr_scheduler_type: the shape after warmup.
+TIME_SCHEDULES = {"linear_time": "linear", "cosine_time": "cosine"}
+
+
+@dataclass
+class OPDConfig(DistillationConfig):
+    r"""Configuration of ``OPDTrainer`` and ``python -m stages.train``.
+
+    Extends TRL's ``DistillationConfig`` (all its fields and TrainingArguments' remain available).
+    ``per_device_train_batch_size`` counts *completions*; one optimizer step trains on
+    per_device_train_batch_size x world_size x gradient_accumulation_steps completions, i.e. that
+    divided by ``num_generations`` prompts. Fields marked *contract* are also set by the run
+    contract's environment variables (``data_tools.config.ENV_CONTRACT``), which win over the YAML.
+    """
+
+    # ---- run contract ----
+    student_model: str | None = field(default=None, metadata={
+        "help": "Contract STUDENT_MODEL: local HF directory of the student; empty = the embedded SmolLM2-135M-Instruct."})
+    teacher_model: str | None = field(default=None, metadata={
+        "help": "Contract TEACHER_MODEL: local HF directory of a separate teacher sharing the student's tokenizer; "
+                "empty = a frozen copy of the initial student (self-teacher)."})
+    curriculum_path: str | None = field(default=None, metadata={
+        "help": "Stage one's curriculum parquet; default <output_dir>/curate/curriculum.parquet. (TRAIN_DATA names the "
+                "raw problems that stage one reads, so it does not set this.)"})
+    max_wall_time_seconds: float = field(default=43200.0, metadata={
+        "help": "Contract MAX_WALL_TIME_SECONDS: wall-clock budget of the whole process, counted from its start."})
+    deadline_reserve_seconds: float = field(default=600.0, metadata={
+        "help": "Contract DEADLINE_RESERVE_SECONDS: kept free at the end for the final checkpoint; training stops "
+                "at max_wall_time_seconds - deadline_reserve_seconds."})
+    ckpt_dir: str | None = field(default=None, metadata={
+        "help": "Contract CKPT_DIR: where checkpoint-<step>/ HF exports go; default <output_dir>/checkpoints."})
+    experiment_name: str | None = field(default=None, metadata={
+        "help": "Contract EXPERIMENT_NAME: names the default output dir and is recorded with the metrics."})
+
+    # ---- models ----
+    model_dtype: str = field(default="float32", metadata={
+        "help": "dtype the student (trained weights) is loaded in: float32 | bfloat16 | float16. Mixed precision "
+                "is TrainingArguments' bf16 flag on top of float32 weights."})
+    teacher_dtype: str | None = field(default=None, metadata={
+        "help": "dtype of the teacher (frozen); empty = model_dtype."})
+    export_dtype: str = field(default="auto", metadata={
+        "help": "dtype of the HF exports in ckpt_dir: auto (= model_dtype) | float32 | bfloat16 | float16."})
+
+    # ---- objective ----
+    kl_mode: str = field(default="sampled", metadata={
+        "help": "sampled: sampled-token reverse KL as a per-token advantage (policy-gradient form); "
+                "full: full-vocabulary reverse KL via TRL's chunked kernel (or top-k, see full_topk)."})
+    full_topk: int = field(default=0, metadata={
+        "help": "full mode only: >0 restricts the reverse KL to the student's top-k tokens (renormalised); 0 = exact."})
+    w_kl: float = field(default=1.0, metadata={"help": "Weight of the reverse-KL term (0 = reward-only training)."})
+    w_reward: float = field(default=1.0, metadata={"help": "Weight of the verifier-reward term (0 = pure distillation)."})
+    num_generations: int = field(default=4, metadata={"help": "G: samples per prompt; the reward baseline is the group mean."})
+    scale_advantages_by_std: bool = field(default=True, metadata={
+        "help": "Divide group-centred rewards by the group std (GRPO); False = r - mean only (Dr. GRPO)."})
+    advantage_eps: float = field(default=1e-4, metadata={"help": "Added to the group std before dividing."})
+    teacher_logprob_min: float | None = field(default=None, metadata={
+        "help": "sampled mode: clamp teacher log-probs from below (verl uses -10); empty = no clamp."})
+    k1_clamp: float | None = field(default=10.0, metadata={
+        "help": "sampled mode: clamp k1 = log pi_student - log pi_teacher to [-k1_clamp, k1_clamp] after the teacher "
+                "floor (verl clamps its KL estimates to +-10); empty = no clamp. kl/sampled_mean stays unclamped."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={
+        "help": "vLLM generation: weight each token's loss by the truncated importance ratio min(pi_trainer / "
+                "pi_vllm, vllm_importance_sampling_cap) of the sampled token (TRL GRPO's token_truncate, verl's "
+                "rollout IS), correcting for the engines' log-prob mismatch (logged as sampling/*)."})
+    vllm_importance_sampling_cap: float = field(default=2.0, metadata={
+        "help": "Upper bound C on the rollout importance ratio (verl's rollout_is_threshold default and the "
+                "truncated-IS paper's C = 2; TRL's clip_max default is 3)."})
+    num_iterations: int = field(default=1, metadata={
+        "help": "Optimizer passes over each generated batch; >1 turns on the PPO ratio and clipping."})
+    epsilon_low: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon_low on the ratio."})
+    epsilon_high: float = field(default=0.28, metadata={"help": "PPO clip: upper bound 1 + epsilon_high on the ratio."})
+    truncated_completions: str = field(default="zero_reward", metadata={
+        "help": "A completion that hit max_completion_length without EOS: zero_reward = reward 0 whatever an "
+                "earlier \\boxed{} says (it may have been retracted), still in the loss (its KL term trains); mask = "
+                "reward 0 and dropped from the loss (TRL's mask_truncated_completions, DAPO)."})
+    teacher_context: str = field(default="privileged", metadata={
+        "help": "teacher: the teacher reads the student's prompt; privileged: it reads the problem plus the "
+                "curriculum's reference solution / answer (data_tools.prompts.privileged_messages)."})
+
+    # ---- data ----
+    prompt_style: str | None = field(default=None, metadata={
+        "help": "Prompt instruction (data_tools.prompts.STYLES); empty = the curriculum's prompt_style column "
+                "(so training matches curation), else 'reasoning'."})
+    curriculum: str = field(default="ordered", metadata={
+        "help": "ordered: easy-to-hard buckets each epoch; shuffled: random order; mixed: ordered with a share "
+                "curriculum_mix of rows drawn from the whole set."})
+    curriculum_mix: float = field(default=0.0, metadata={"help": "mixed curriculum: share of replayed random rows, in [0, 1]."})
+    curriculum_shuffle_within_bucket: bool = field(default=True, metadata={
+        "help": "ordered/mixed: shuffle rows inside a bucket (seeded per epoch) rather than strict curriculum_index order."})
+    grader_timeout_s: float = field(default=5.0, metadata={"help": "Per-answer grading deadline (seconds)."})
+    answer_filter: str = field(default="math", metadata={
+        "help": "Reward's answer filter (data_tools.grader): math = equal as mathematics; numeric = a plain-number "
+                "gold needs a plain-number answer (arithmetic tasks: stops rewarding a restated '41 * 74')."})
+    grader_workers: int | None = field(default=None, metadata={"help": "Grader worker processes; empty = grader default."})
+
+    # ---- checkpoints, logging, safety ----
+    ckpt_every_steps: int = field(default=0, metadata={"help": "Export a checkpoint every N optimizer steps (0 = off)."})
+    ckpt_every_minutes: float = field(default=30.0, metadata={"help": "Export a checkpoint every M minutes (0 = off)."})
+    ckpt_keep: int = field(default=3, metadata={"help": "Exports kept in ckpt_dir (highest steps)."})
+    resume: bool = field(default=True, metadata={
+        "help": "Resume from the newest complete state in <output_dir>/resume if there is one."})
+    save_rollouts: bool = field(default=True, metadata={"help": "Write every rollout to <output_dir>/rollouts/step-*.parquet."})
+    max_consecutive_nonfinite: int = field(default=5, metadata={
+        "help": "Non-finite loss/gradient steps are skipped; this many in a row stop the run with an error."})
+    fast_generation: bool | None = field(default=None, metadata={
+        "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
+                "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used. Under FSDP2 "
+                "the student's weights are gathered once per generation call; FSDP1 and ZeRO-3 keep TRL's HF generate."})
+    compile_layers: bool | None = field(default=None, metadata={
+        "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
+                "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
+    debug_max_steps: int = field(default=0, metadata={
+        "help": "Tests/debugging only: stop (with a final checkpoint) after this many optimizer steps; 0 = never. "
+                "Formal runs are bounded by the wall clock alone."})
+
+    # ---- TrainingArguments / DistillationConfig defaults changed for this project ----
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
+    lr_scheduler_type: str = field(default="constant", metadata={
+        "help": "linear_time | cosine_time: decay over the fraction of the training window used (trainers.schedules; "
+                "warmup lr_warmup_time, floor lr_final_ratio). constant | constant_with_warmup (warmup_steps). "
+                "Step-count decays are refused: the horizon is time, the step count unknown."})
+    lr_warmup_time: float = field(default=0.0, metadata={
+        "help": "linear_time / cosine_time: linear warmup from 0; < 1 = a share of the training window, >= 1 = seconds."})
+    lr_final_ratio: float = field(default=0.0, metadata={
+        "help": "linear_time / cosine_time: learning rate at the horizon as a share of the peak, in [0, 1]."})
+    logging_steps: float = field(default=1, metadata={"help": "Log (and write a metrics line) every N steps."})
+    save_strategy: str = field(default="no", metadata={
+        "help": "Leave 'no': saving is driven by ckpt_every_steps / ckpt_every_minutes and the deadline."})
+    save_total_limit: int | None = field(default=1, metadata={"help": "Resume states kept in <output_dir>/resume."})
+    bf16: bool | None = field(default=False, metadata={
+        "help": "bf16 autocast. Off by default: design.md section 8 saw bf16 autocast break SmolLM2 GRPO on GPU."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Activation checkpointing (on for long completions)."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: log-probs must be deterministic for k1 and the PPO ratio."})
+    disable_tqdm: bool | None = field(default=True, metadata={
+        "help": "No progress bar: its total would be the unbounded max_steps; metrics/train.jsonl has the progress."})
+    max_steps: int = field(default=UNBOUNDED_STEPS, metadata={
+        "help": "Set by OPDConfig to an unbounded value; the wall clock ends training (use debug_max_steps in tests)."})
+
+    def __post_init__(self):
+        from data_tools.runio import default_output_dir
+
+        if not self.output_dir:
+            self.output_dir = str(default_output_dir(self.experiment_name))
+        self.output_dir = str(Path(self.output_dir).expanduser())
+        if not self.ckpt_dir:
+            self.ckpt_dir = str(Path(self.output_dir) / "checkpoints")
+        if not self.curriculum_path:
+            self.curriculum_path = str(Path(self.output_dir) / "curate" / "curriculum.parquet")
+        for name in ("student_model", "teacher_model", "teacher_dtype", "prompt_style", "teacher_logprob_min",
+                     "k1_clamp"):
+            if getattr(self, name) in ("", "none", "None", "null"):
+                setattr(self, name, None)
+        self.max_steps = UNBOUNDED_STEPS
+        # TrainingArguments only knows transformers' scheduler names: validate as constant, then keep ours.
+        sched = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        if sched in TIME_SCHEDULES:
+            self.lr_scheduler_type = "constant"
+        super().__post_init__()
+        if sched in TIME_SCHEDULES:
+            self.lr_scheduler_type = sched
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.kl_mode in KL_MODES, f"kl_mode must be one of {KL_MODES}, got {self.kl_mode!r}")
+        need(self.teacher_context in TEACHER_CONTEXTS,
+             f"teacher_context must be one of {TEACHER_CONTEXTS}, got {self.teacher_context!r}")
+        need(self.truncated_completions in TRUNCATION_MODES,
+             f"truncated_completions must be one of {TRUNCATION_MODES}, got {self.truncated_completions!r}")
+        need(self.curriculum in CURRICULUM_MODES, f"curriculum must be one of {CURRICULUM_MODES}, got {self.curriculum!r}")
+        need(0.0 <= self.curriculum_mix <= 1.0, f"curriculum_mix must be in [0, 1], got {self.curriculum_mix}")
+        need(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}")
+        need(self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}")
+        need(self.w_kl >= 0 and self.w_reward >= 0, "w_kl and w_reward must be >= 0")
+        need(self.w_kl > 0 or self.w_reward > 0, "w_kl and w_reward are both 0: nothing to train")
+        need(self.full_topk >= 0, f"full_topk must be >= 0, got {self.full_topk}")
+        need(0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0, "need 0 <= epsilon_low < 1 and epsilon_high >= 0")
+        need(self.advantage_eps > 0, "advantage_eps must be > 0")
+        need(self.teacher_logprob_min is None or self.teacher_logprob_min < 0,
+             "teacher_logprob_min must be negative (a log-probability floor) or empty")
+        need(self.k1_clamp is None or self.k1_clamp > 0, "k1_clamp must be > 0 or empty")
+        need(self.vllm_importance_sampling_cap > 0, "vllm_importance_sampling_cap must be > 0")
+        need(self.max_wall_time_seconds > 0, "max_wall_time_seconds must be > 0")
+        need(0 <= self.deadline_reserve_seconds < self.max_wall_time_seconds,
+             f"deadline_reserve_seconds ({self.deadline_reserve_seconds}) must be in [0, max_wall_time_seconds "
+             f"({self.max_wall_time_seconds}))")
+        need(self.ckpt_every_steps >= 0 and self.ckpt_every_minutes >= 0, "checkpoint cadences must be >= 0")
+        need(self.ckpt_keep >= 1, "ckpt_keep must be >= 1")
+        need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
+        need(self.debug_max_steps >= 0, "debug_max_steps must be >= 0")
+        need(self.grader_timeout_s > 0, "grader_timeout_s must be > 0")
+        from data_tools.grader import ANSWER_FILTERS
+
+        need(self.answer_filter in ANSWER_FILTERS, f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
+        need(self.model_dtype in DTYPES, f"model_dtype must be one of {list(DTYPES)}")
+        need(self.teacher_dtype is None or self.teacher_dtype in DTYPES, f"teacher_dtype must be one of {list(DTYPES)}")
+        need(self.export_dtype == "auto" or self.export_dtype in DTYPES, f"export_dtype must be auto or one of {list(DTYPES)}")
+        sched = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        need(sched in SCHEDULES or sched in TIME_SCHEDULES,
+             f"lr_scheduler_type must be one of {(*TIME_SCHEDULES, *SCHEDULES)} (the horizon is wall-clock time, "
+             f"not a step count), got {sched!r}")
+        need(0 <= self.lr_warmup_time and self.lr_warmup_fraction < 1,
+             f"lr_warmup_time ({self.lr_warmup_time}) must be a share in [0, 1) or seconds shorter than the training "
+             f"window ({self.horizon_seconds:.0f} s)")
+        need(0.0 <= self.lr_final_ratio <= 1.0, f"lr_final_ratio must be in [0, 1], got {self.lr_final_ratio}")
+        need(self.save_strategy in ("no", getattr(type(self.save_strategy), "NO", "no")),
+             "save_strategy must stay 'no': use ckpt_every_steps / ckpt_every_minutes")
+        gen = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size must be >= 1")
+        need(gen % self.num_generations == 0,
+             f"per_device_train_batch_size x gradient_accumulation_steps ({gen}) must be a multiple of "
+             f"num_generations ({self.num_generations}) so each prompt's group fits in a generation batch")
+        if self.prompt_style is not None:
+            from data_tools.prompts import STYLES
+
+            need(self.prompt_style in STYLES, f"prompt_style must be one of {sorted(STYLES)} or empty")
+
+    @property
+    def resume_dir(self) -> Path:
+        """Trainer state for resuming (weights + optimizer + scheduler + RNG + trainer_state.json)."""
+        return Path(self.output_dir) / "resume"
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.output_dir) / "metrics" / "train.jsonl"
+
+    @property
+    def rollouts_dir(self) -> Path:
+        return Path(self.output_dir) / "rollouts"
+
+    @property
+    def horizon_seconds(self) -> float:
+        return self.max_wall_time_seconds - self.deadline_reserve_seconds
+
+    @property
+    def lr_warmup_fraction(self) -> float:
+        """``lr_warmup_time`` as a share of the training window (the unit of ``OPDTrainer.time_fraction``)."""
+        w = self.lr_warmup_time
+        return w if w < 1 else w / self.horizon_seconds
