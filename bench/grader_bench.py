@@ -110,8 +110,8 @@ def run_plain(cases: list[dict]) -> tuple[float, float]:
 
 def run_ours(cases: list[dict], clear_cache: bool) -> tuple[float, float, dict]:
     if clear_cache:
-        with grader._CACHE_LOCK:
-            grader._CACHE.clear()
+        with grader.sandbox._CACHE_LOCK:
+            grader.sandbox._CACHE.clear()
     paths: dict[str, int] = {}
     t = time.perf_counter()
     vs = grader.grade_batch([c["pred"] for c in cases], [c["gold"] for c in cases], workers=1)
@@ -149,8 +149,8 @@ def main() -> None:
     for a in warm:
         grader.parse_gold(a)
     t_ours_warm = time.perf_counter() - t
-    with grader._CACHE_LOCK:
-        grader._CACHE.clear()
+    with grader.sandbox._CACHE_LOCK:
+        grader.sandbox._CACHE.clear()
     print(f"warm-up on {len(warm)} MATH-500 answers: plain {t_plain_warm:.1f} s, "
           f"ours {t_ours_warm:.1f} s (incl. worker start)")
 
@@ -161,7 +161,7 @@ def main() -> None:
         o_rate, o_agree, paths = run_ours(cases, clear_cache=cold)
         print(f"{name:<11} {len(cases):>5} {p_rate:>10.1f} {o_rate:>10.1f} {o_rate / p_rate:>6.1f}x "
               f"{p_agree:>11.3f} {o_agree:>10.3f}  {json.dumps(paths)}")
-    grader._POOL.close()
+    grader.sandbox._POOL.close()
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def test_timeout_kills_and_recovers():
     v = grade("\\boxed{(2^{999})!}", "1", timeout_s=1.0)
     elapsed = time.monotonic() - t
     assert v == Verdict(False, "(2^{999})!", "timeout")
-    assert elapsed < 1.0 + grader.WORKER_START_TIMEOUT_S
+    assert elapsed < 1.0 + grader.sandbox.WORKER_START_TIMEOUT_S
     assert elapsed >= 1.0
     # the killed worker was replaced: the sympy path works afterwards
     assert grade("\\boxed{\\frac{x}{7}+\\frac{2}{7}}", "\\frac{x+2}{7}") == Verdict(

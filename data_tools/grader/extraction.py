@@ -1,0 +1,152 @@
+"""Answer extraction: which part of a model output is its final answer (or that it has none)."""
+
+from __future__ import annotations
+
+import re
+
+from .normalise import _BOX_RE, _match_brace
+
+# Only the tail of an output is read: answers sit at the end, and regexes / brace scans over a
+# megabyte of text are the slow part on adversarial outputs.
+TAIL_CHARS = 8000
+# Outputs up to this many characters may be graded without a final-answer marker (a bare final
+# number, "... = 18 dollars."); longer ones must mark their answer (box / "answer is").
+SHORT_CHARS = 1000
+
+# `\boxed 5` (no braces) is legal LaTeX; verl's math_reward special-cases it. Same line only,
+# so "Mark your solution with \boxed \nThe sum..." is not read as an answer.
+_BOX_SPACE_RE = re.compile(r"\\boxed[ \t]+(-?[0-9][0-9.,/]*)")
+# What may sit between two boxes for them to form one answer ("\boxed{3}, \boxed{5} and \boxed{7}").
+_BOX_JOIN_RE = re.compile(r"^[\s$,;]*(?:(?:and|or|\\text\{\s*and\s*\})[\s$,]*)?$")
+# "####" is GSM8K's answer marker, which models fine-tuned on GSM8K reproduce.
+_MARKER_RE = re.compile(r"(?i)(?:final\s+answer|\banswer)\b(?:\s*\*\*)?\s*(?:is|:|=)?|####")
+_IS_RE = re.compile(r"(?i)\b(?:is|are|equals|be)\b:?")
+_NUM_TOKEN = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
+_FINAL_NUM_RE = re.compile(rf"(?:^|[\s=:(*])({_NUM_TOKEN})\s*(?:\*\*)?\s*[.!]?\s*$")
+_LAST_EQ_NUM_RE = re.compile(rf"=\s*({_NUM_TOKEN})(?![\d.])")
+_FINAL_SPAN_RE = re.compile(
+    r"(?:\$\$(?P<a>[^$]+?)\$\$|\$(?P<b>[^$\n]+?)\$|\\\[(?P<c>.+?)\\\]|\\\((?P<d>.+?)\\\))"
+    r"\s*[.!]?\s*$",
+    re.DOTALL,
+)
+# A plain-text expression ending the last line after "is"/"=" ("the value is -1 + exp(16)").
+_FINAL_EXPR_RE = re.compile(r"(?:\bis|=)\s*([-+*/^().,\w\s\\{}]{1,80}?)\s*[.!]?\s*$")
+
+
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, content) of every closed box, in order; an unclosed box is (start, -1, '')."""
+    out: list[tuple[int, int, str]] = []
+    for m in _BOX_RE.finditer(text):
+        if out and out[-1][1] > m.start():  # nested box inside a previous one
+            continue
+        close = _match_brace(text, m.end() - 1)
+        if close < 0:
+            out.append((m.start(), -1, ""))
+            break  # everything after an unclosed brace is inside it
+        out.append((m.start(), close + 1, text[m.end() : close]))
+    for m in _BOX_SPACE_RE.finditer(text):
+        if not any(s <= m.start() < (e if e >= 0 else len(text)) for s, e, _ in out):
+            out.append((m.start(), m.end(), m.group(1)))
+    out.sort()
+    return out
+
+
+def _clip_sentence(seg: str) -> str:
+    """First sentence/clause of seg: up to a sentence '.', a newline, ', which' and the like."""
+    seg = seg.strip().lstrip("*:").strip()
+    for opener, closer in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if seg.startswith(opener):
+            end = seg.find(closer, len(opener))
+            if end > 0:
+                return seg[len(opener) : end].strip()
+            return ""  # unclosed math: truncated
+    m = re.search(r"(?<!\d)\.(?!\d)|\.(?=\s|$)|[;\n]|,\s+(?=[A-Za-z]{2})|\s(?:so|since|because|and then)\s", seg)
+    if m:
+        seg = seg[: m.start()]
+    return seg.strip().strip("*").strip()
+
+
+def _looks_unfinished(text: str) -> bool:
+    """A trace that stops mid-expression: trailing operator / '=' / open bracket, odd '$'."""
+    t = text.rstrip()
+    if not t:
+        return True
+    if t[-1] in "=+-*/^(,[{\\:" or t.endswith(("\\cdot", "\\times")):
+        return True
+    if t.count("{") != t.count("}"):
+        return True
+    if (t.count("$") - t.count("\\$")) % 2 == 1:
+        return True
+    return False
+
+
+def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
+    """(answer, how) with how in {"boxed", "marker", "bare", "none"}; see the module docstring."""
+    full_len = len(pred)
+    text = pred[-TAIL_CHARS:].replace("\u2212", "-")
+    boxes = _boxes(text)
+    if boxes:
+        if boxes[-1][1] < 0:
+            return None, "none"  # the last box was cut off: the answer was never written
+        group = [boxes[-1]]
+        for b in reversed(boxes[:-1]):
+            if b[1] >= 0 and _BOX_JOIN_RE.match(text[b[1] : group[0][0]]):
+                group.insert(0, b)
+            else:
+                break
+        return ", ".join(c.strip() for _, _, c in group), "boxed"
+
+    markers = list(_MARKER_RE.finditer(text))
+    if markers:
+        seg = text[markers[-1].end() : markers[-1].end() + 400]
+        # "Final Answer: The largest $n$ is 34." -> after the last "is" in the clause
+        first_line = seg.strip().split("\n", 1)[0] if seg.strip() else ""
+        if not first_line.lstrip("*: ").startswith(("$", "\\(", "\\[")):
+            iss = list(_IS_RE.finditer(first_line))
+            if iss:
+                first_line = first_line[iss[-1].end() :]
+        ans = _clip_sentence(first_line)
+        if ans:
+            return ans, "marker"
+        if not seg.strip():
+            return None, "none"  # marker then nothing: cut off
+        # marker followed by something we cannot read: fall through to the bare rules
+
+    # No marker: only a short, finished output may be read by its last number / math span.
+    if truncated or full_len > SHORT_CHARS or _looks_unfinished(text):
+        return None, "none"
+    m = _FINAL_SPAN_RE.search(text)
+    if m:
+        span = next(g for g in m.groups() if g is not None).strip()
+        if span:
+            return span, "bare"
+    last_line = text.rstrip().rsplit("\n", 1)[-1]
+    m = _FINAL_NUM_RE.search(last_line)
+    if m:
+        return m.group(1).replace("$", ""), "bare"
+    m = _FINAL_EXPR_RE.search(last_line)
+    if m and re.search(r"\d", m.group(1)):
+        return m.group(1).strip(), "bare"
+    eqs = list(_LAST_EQ_NUM_RE.finditer(text))
+    if eqs:
+        return eqs[-1].group(1).replace("$", ""), "bare"
+    return None, "none"
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The answer after GSM8K's ``#### `` marker, thousands separators and ``$`` removed.
+
+    ``"... #### 1,234"`` -> ``"1234"``. Looks at the last ``####`` only (the GSM8K convention,
+    Cobbe et al. 2021). Returns None when there is no marker or nothing after it. Never raises.
+    """
+    if not isinstance(text, str):
+        return None
+    idx = text.rfind("####")
+    if idx < 0:
+        return None
+    ans = text[idx + 4 :].strip().split("\n", 1)[0].strip()
+    ans = ans.replace("$", "").rstrip(".").strip()
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", ans):
+        ans = ans.replace(",", "")
+    return ans or None
+
