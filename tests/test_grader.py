@@ -138,8 +138,10 @@ ADVERSARIAL = {
     "power tower": "\\boxed{9^9^9^9}",
     "power tower unboxed": "The answer is 9^{9^{9^{9}}}",
     "huge exponent": "\\boxed{2^{100000000}}",
-    "10k nested braces": "\\boxed{" + "{" * 10000 + "1" + "}" * 10000 + "}",
-    "1k nested braces in tail": "\\boxed{" + "{" * 1000 + "1" + "}" * 1000 + "}",
+    # Redundant brackets are peeled (tests/test_grader_reports.py decides "{{{1}}}" = 1 right), so
+    # the nested value here differs from the gold.
+    "10k nested braces": "\\boxed{" + "{" * 10000 + "2" + "}" * 10000 + "}",
+    "1k nested braces in tail": "\\boxed{" + "{" * 1000 + "2" + "}" * 1000 + "}",
     "unclosed boxes": "\\boxed{" * 5000,
     "dollar storm": "$" * 100000,
     "truncated": "Let x = 3. Then \\boxed{\\frac{1}{",
@@ -153,7 +155,7 @@ def test_adversarial_bounded(name):
     v = grade(ADVERSARIAL[name], "1", timeout_s=2.0)
     assert time.monotonic() - t < 10.0
     assert v.correct is False
-    assert v.path in {"fallback", "no_answer", "timeout"}
+    assert v.path in {"fallback", "no_answer", "timeout", "numeric", "exact"}
 
 
 def test_megabyte_output_with_answer():
@@ -165,11 +167,11 @@ def test_megabyte_output_with_answer():
 
 
 def test_timeout_kills_and_recovers():
-    # Passes the cheap pre-screen but makes sympy compute (2^999)!: only the deadline stops it.
+    # Passes the cheap pre-screen but makes sympy sum 9999 huge powers: only the deadline stops it.
     t = time.monotonic()
-    v = grade("\\boxed{(2^{999})!}", "1", timeout_s=1.0)
+    v = grade("\\boxed{\\sum_{k=1}^{9999} k^{9999}}", "1", timeout_s=1.0)
     elapsed = time.monotonic() - t
-    assert v == Verdict(False, "(2^{999})!", "timeout")
+    assert v == Verdict(False, "\\sum_{k=1}^{9999} k^{9999}", "timeout")
     assert elapsed < 1.0 + grader.sandbox.WORKER_START_TIMEOUT_S
     assert elapsed >= 1.0
     # the killed worker was replaced: the sympy path works afterwards

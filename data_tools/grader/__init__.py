@@ -49,12 +49,13 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from .extraction import _extract, extract_gsm8k_answer
+from .extraction import _clean, _extract, _is_final, extract_gsm8k_answer
 from .normalise import _BOX_RE, _TEXT_WRAP_RE, _norm_str, _strip_outer
-from .numeric import _as_number, _numbers_equal, numeric_literal
+from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, rewrite_mixed
+from .simplify import cancel, peel, power_tower
 from .sandbox import MAX_ANSWER_CHARS, _math_verify, _to_latex, _too_risky
 
 
@@ -108,7 +109,32 @@ def _fast_path(answer: str, gold: str) -> Verdict | None:
     a, g = _as_number(na), _as_number(ng)
     if a is not None and g is not None:
         return Verdict(_numbers_equal(a, g), answer, "numeric")
+    ta, tg = as_number_tuple(na), as_number_tuple(ng)
+    if ta is not None and tg is not None and ta[0] == tg[0] and len(ta[1]) == len(tg[1]):
+        # Numeric tuples / intervals / matrices: element by element, with the scalar tolerance.
+        same = all(_numbers_equal(x, y) for x, y in zip(ta[1], tg[1]))
+        if same or "matrix" in ta[0] or (na[0] in "([" and ng[0] in "(["):
+            return Verdict(same, answer, "numeric")
     return None
+
+
+# The last explicit option letter: "\boxed{C}", "Answer: **D**", "the answer is (B)", "I would pick B".
+_MC_ANSWER_RE = re.compile(
+    r"\\boxed\s*\{\s*(?:\\text(?:bf)?\s*\{)?\s*\(?([A-J])\)?\s*\}?\s*\}"
+    r"|(?i:answer)\s*(?i:is|:|=)?\s*(?i:option|choice)?[\s*_:]*\(?([A-J])\)?(?![A-Za-z0-9])"
+    r"|(?i:i would|i'd|i will|i)\s+(?i:pick|choose|select|go with)\s+(?i:option\s+)?\(?([A-J])\)?(?![A-Za-z0-9])"
+)
+
+
+def _mc_answer(pred: str, truncated: bool) -> str | None:
+    """The last option letter the output states explicitly (gold is a letter), or None."""
+    text = _clean(pred)
+    last = None
+    for m in _MC_ANSWER_RE.finditer(text):
+        last = m
+    if last is None or (truncated and not _is_final(text, last.end())):
+        return None
+    return next(g for g in last.groups() if g)
 
 
 
@@ -181,15 +207,41 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
         raise TypeError("grade(pred, gold): both must be str")
     if answer_filter not in ANSWER_FILTERS:
         raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {answer_filter!r}")
+    g = _gold_text(gold)
+    letter = _mc_letter(_norm_str(g)) if g else None
     try:
+        answer = _mc_answer(pred, truncated) if letter else None
+        if answer is not None:
+            return Verdict(answer == letter, answer, "exact")
         answer, _how = _extract(pred, truncated)
     except Exception:  # noqa: BLE001
         return Verdict(False, None, "error")
     if answer is None or not answer.strip():
         return Verdict(False, None, "no_answer")
-    g = _gold_text(gold)
     if not g:
         return Verdict(False, answer, "error")
+    try:
+        v = _decide(_prepare(answer), _prepare(g), timeout_s, answer_filter)
+    except Exception:  # noqa: BLE001
+        return Verdict(False, answer, "error")
+    return replace(v, extracted=answer)
+
+
+def _prepare(s: str) -> str:
+    """Look-alikes folded, mixed numbers as improper fractions, redundant outer brackets peeled."""
+    s = _strip_outer(_strip_outer(s).strip("\"\u201c\u201d"))
+    m = _UNIT_WORDS_TAIL_RE.fullmatch(s)
+    if m and not re.search(r"\\", m.group(2)):
+        s = m.group(1)
+    return rewrite_mixed(peel(s))
+
+
+# "5*10^6 watts", "12 apples": plain unit words after a number.
+_UNIT_WORDS_TAIL_RE = re.compile(r"(.*[\d}])\s+([A-Za-z]{2,}(?:[ /][A-Za-z]+)*)\.?")
+
+
+def _decide(answer: str, g: str, timeout_s: float, answer_filter: str) -> Verdict:
+    """The verdict for a prepared answer against a prepared gold (``grade`` without extraction)."""
     if answer_filter == "numeric":
         try:
             gold_num, ans_num = _as_number(_norm_str(g)), numeric_literal(answer)
@@ -206,6 +258,14 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
     if fast is not None:
         return fast
 
+    ta, tg = power_tower(_norm_str(answer)), power_tower(_norm_str(g))
+    if ta is not None and tg is not None:
+        return Verdict(ta == tg, answer, "numeric")
+    if _too_risky(_to_latex(answer)):
+        # Trivial once cancelled, explosive if expanded: cancel identical terms, then decide again.
+        short = cancel(_norm_str(answer))
+        if short != _norm_str(answer) and not _too_risky(_to_latex(short)):
+            return _decide(short, g, timeout_s, answer_filter)
     pred_l, gold_l = _to_latex(answer), _to_latex(g)
     if _too_risky(pred_l) or _too_risky(gold_l):
         return _fallback(answer, g)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 
-from .normalise import _BOX_RE, _match_brace
+from .normalise import _BOX_RE, _match_brace, clean_unicode
 
-# Only the tail of an output is read: answers sit at the end, and regexes / brace scans over a
-# megabyte of text are the slow part on adversarial outputs.
-TAIL_CHARS = 8000
+# Only the last SCAN_CHARS of an output are read. An answer may sit far from the end (a final answer,
+# then hundreds of kilobytes of a repetition loop: Math-Verify's tests), so this is large; every scan
+# below is linear, and a 2 MB scan takes tens of milliseconds.
+SCAN_CHARS = 2_000_000
 # Outputs up to this many characters may be graded without a final-answer marker (a bare final
 # number, "... = 18 dollars."); longer ones must mark their answer (box / "answer is").
 SHORT_CHARS = 1000
@@ -21,8 +22,19 @@ _BOX_JOIN_RE = re.compile(r"^[\s$,;]*(?:(?:and|or|\\text\{\s*and\s*\})[\s$,]*)?$
 # "####" is GSM8K's answer marker, which models fine-tuned on GSM8K reproduce.
 _MARKER_RE = re.compile(r"(?i)(?:final\s+answer|\banswer)\b(?:\s*\*\*)?\s*(?:is|:|=)?|####")
 _IS_RE = re.compile(r"(?i)\b(?:is|are|equals|be)\b:?")
-_NUM_TOKEN = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
-_FINAL_NUM_RE = re.compile(rf"(?:^|[\s=:(*])({_NUM_TOKEN})\s*(?:\*\*)?\s*[.!]?\s*$")
+_NUM_TOKEN = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\\ldots)?|-?\.\d+"
+# A bare final number may carry a currency sign or an ordinal suffix ("1,000.99\u20ac", "3rd").
+_FINAL_NUM_RE = re.compile(rf"(?:^|[\s=:(*])({_NUM_TOKEN})(?:st|nd|rd|th)?\s*[\u20ac\u00a3\u00a5]?\s*(?:\*\*)?\s*[.!]?\s*$")
+# "Therefore $x \geq 5$ is the solution."
+_SPAN_IS_ANSWER_RE = re.compile(r"\$(?P<a>[^$\n]+)\$\s+is\s+(?:the|our)\s+(?:answer|solution)\W*$", re.I)
+# What may follow an answer in a completion that hit the length cap for it still to count as final.
+_FINAL_TAIL_RE = re.compile(r"[\s.,;:!$)\]}*]*(?:\\\]|\\\)|</answer>)?[\s.$]*")
+# Chat-template tokens a model echoes after its answer ("... is 2/3. <|im_start|>user").
+_CHAT_TOKEN_RE = re.compile(r"<\|[^|<>\n]{1,40}\|>\w*")
+# Minerva's answer template ends "I hope it is correct.": not part of the answer (and its "is" is no marker).
+_HOPE_RE = re.compile(r"(?i)\s*I hope it is correct\.?")
+# "0.9666..." keeps its dots as one token, so sentence clipping does not cut the number.
+_ELLIPSIS_RE = re.compile(r"(?<=\d)(?:\.\.\.|\u2026|\\ldots|\\dots|\\cdots)")
 _LAST_EQ_NUM_RE = re.compile(rf"=\s*({_NUM_TOKEN})(?![\d.])")
 _FINAL_SPAN_RE = re.compile(
     r"(?:\$\$(?P<a>[^$]+?)\$\$|\$(?P<b>[^$\n]+?)\$|\\\[(?P<c>.+?)\\\]|\\\((?P<d>.+?)\\\))"
@@ -30,7 +42,8 @@ _FINAL_SPAN_RE = re.compile(
     re.DOTALL,
 )
 # A plain-text expression ending the last line after "is"/"=" ("the value is -1 + exp(16)").
-_FINAL_EXPR_RE = re.compile(r"(?:\bis|=)\s*([-+*/^().,\w\s\\{}]{1,80}?)\s*[.!]?\s*$")
+_FINAL_EXPR_RE = re.compile(r"\s*([-+*/^().,\w\s\\{}]{1,80}?)\s*[.!]?\s*$")
+_CUE_RE = re.compile(r"\bis\b|=")
 
 
 def _boxes(text: str) -> list[tuple[int, int, str]]:
@@ -80,11 +93,45 @@ def _looks_unfinished(text: str) -> bool:
     return False
 
 
+def _clean(pred: str) -> str:
+    """The part of an output that is read, with look-alikes folded and chat-template debris removed."""
+    text = clean_unicode(pred[-SCAN_CHARS:])
+    text = _CHAT_TOKEN_RE.sub("\n", text)
+    text = _HOPE_RE.sub("", text)
+    return _ELLIPSIS_RE.sub(r"\\ldots", text)
+
+
+def _is_answer_like(ans: str) -> bool:
+    """A marker's text that states something (a digit, math, an option letter), not prose."""
+    return bool(re.search(r"[\d$\\^=]", ans) or re.fullmatch(r"\**\(?[A-J]\)?\**", ans.strip()))
+
+
+def _marker_answer(text: str) -> tuple[str | None, int, int]:
+    """(answer, marker start, answer end) after the last final-answer marker; (None, -1, -1) if none."""
+    markers = list(_MARKER_RE.finditer(text))
+    if not markers:
+        return None, -1, -1
+    m = markers[-1]
+    seg = text[m.end() : m.end() + 400]
+    # "Final Answer: The largest $n$ is 34." -> after the last "is" in the clause
+    first_line = seg.strip().split("\n", 1)[0] if seg.strip() else ""
+    if not first_line.lstrip("*: ").startswith(("$", "\\(", "\\[")):
+        iss = list(_IS_RE.finditer(first_line))
+        if iss:
+            first_line = first_line[iss[-1].end() :]
+    ans = _clip_sentence(first_line)
+    if not ans:
+        return ("" if not seg.strip() else None), m.start(), -1
+    end = text.find(ans, m.end())
+    return ans, m.start(), (end + len(ans) if end >= 0 else m.end())
+
+
 def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
-    """(answer, how) with how in {"boxed", "marker", "bare", "none"}; see the module docstring."""
+    """(answer, how) with how in {"boxed", "marker", "bare", "none"}; see the package docstring."""
     full_len = len(pred)
-    text = pred[-TAIL_CHARS:].replace("\u2212", "-")
+    text = _clean(pred)
     boxes = _boxes(text)
+    box_ans, box_end = None, -1
     if boxes:
         if boxes[-1][1] < 0:
             return None, "none"  # the last box was cut off: the answer was never written
@@ -94,28 +141,23 @@ def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
                 group.insert(0, b)
             else:
                 break
-        return ", ".join(c.strip() for _, _, c in group), "boxed"
+        # A box repeated in a loop is one answer, not a set of copies.
+        items = list(dict.fromkeys(c.strip() for _, _, c in group))
+        box_ans, box_end = ", ".join(items), group[-1][1]
 
-    markers = list(_MARKER_RE.finditer(text))
-    if markers:
-        seg = text[markers[-1].end() : markers[-1].end() + 400]
-        # "Final Answer: The largest $n$ is 34." -> after the last "is" in the clause
-        first_line = seg.strip().split("\n", 1)[0] if seg.strip() else ""
-        if not first_line.lstrip("*: ").startswith(("$", "\\(", "\\[")):
-            iss = list(_IS_RE.finditer(first_line))
-            if iss:
-                first_line = first_line[iss[-1].end() :]
-        ans = _clip_sentence(first_line)
-        if ans:
-            return ans, "marker"
-        if not seg.strip():
-            return None, "none"  # marker then nothing: cut off
-        # marker followed by something we cannot read: fall through to the bare rules
+    ans, mark_start, mark_end = _marker_answer(text)
+    # The last explicit answer wins: a marker after the last box restates or corrects it.
+    if ans and mark_start > box_end and (box_ans is None or _is_answer_like(ans)):
+        return (ans, "marker") if not truncated or _is_final(text, mark_end) else (None, "none")
+    if box_ans is not None:
+        return (box_ans, "boxed") if not truncated or _is_final(text, box_end) else (None, "none")
+    if ans == "":
+        return None, "none"  # marker then nothing: cut off
 
     # No marker: only a short, finished output may be read by its last number / math span.
     if truncated or full_len > SHORT_CHARS or _looks_unfinished(text):
         return None, "none"
-    m = _FINAL_SPAN_RE.search(text)
+    m = _FINAL_SPAN_RE.search(text) or _SPAN_IS_ANSWER_RE.search(text)
     if m:
         span = next(g for g in m.groups() if g is not None).strip()
         if span:
@@ -124,13 +166,19 @@ def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
     m = _FINAL_NUM_RE.search(last_line)
     if m:
         return m.group(1).replace("$", ""), "bare"
-    m = _FINAL_EXPR_RE.search(last_line)
+    cues = list(_CUE_RE.finditer(last_line))
+    m = _FINAL_EXPR_RE.match(last_line, cues[-1].end()) if cues else None
     if m and re.search(r"\d", m.group(1)):
         return m.group(1).strip(), "bare"
     eqs = list(_LAST_EQ_NUM_RE.finditer(text))
     if eqs:
         return eqs[-1].group(1).replace("$", ""), "bare"
     return None, "none"
+
+
+def _is_final(text: str, end: int) -> bool:
+    """Nothing but closing punctuation follows ``text[:end]``: the length cap fell right after the answer."""
+    return bool(_FINAL_TAIL_RE.fullmatch(text[end:]))
 
 
 def extract_gsm8k_answer(text: str) -> str | None:

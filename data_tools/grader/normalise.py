@@ -3,8 +3,33 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+# Invisible characters (zero-width space/joiners, word joiner, BOM, soft hyphen): they split a number
+# or a marker without showing (inspect_ai #4283).
+_INVISIBLE_RE = re.compile("[\u00ad\u200b-\u200f\u2060-\u2064\ufeff]")
+_SUPERSCRIPTS = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b", "0123456789+-")
+_SUPER_RUN_RE = re.compile("[\u2070\u00b9\u00b2\u00b3\u2074-\u207b]+")
+_SYMBOLS = {"\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u22c5": "\\cdot ", "\u00b7": "\\cdot ", "\u00f7": "\\div ",
+            "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ", "\u2260": "\\ne ", "\u00b1": "\\pm "}
+_SYMBOL_RE = re.compile("|".join(_SYMBOLS))
+
+
+def clean_unicode(text: str) -> str:
+    """Unicode look-alikes to ASCII / LaTeX, invisible characters removed.
+
+    Superscript digits become ``^{...}`` *before* NFKC folding (which would turn ``10\u2078`` into ``108``);
+    NFKC then folds full-width forms (``\uff11\uff12`` -> ``12``, ``\uff0d`` -> ``-``) and the no-break space;
+    minus/dash, times, cdot, pi, infinity, relation signs map to their LaTeX. Linear in ``len(text)``.
+    """
+    if text.isascii():
+        return text
+    text = _INVISIBLE_RE.sub("", text)
+    text = _SUPER_RUN_RE.sub(lambda m: "^{" + m.group(0).translate(_SUPERSCRIPTS) + "}", text)
+    text = unicodedata.normalize("NFKC", text)
+    return _SYMBOL_RE.sub(lambda m: _SYMBOLS[m.group(0)], text)
 
 
 def _match_brace(s: str, open_idx: int) -> int:
@@ -70,7 +95,17 @@ def _norm_str(s: str) -> str:
         s = _TEXT_WRAP_RE.sub(r"\1", s)
     s = _DEG_RE.sub("", s)
     s = s.replace("\\%", "").replace("%", "")
+    s = _ORDINAL_RE.sub("", s)
+    s = _CURRENCY_RE.sub("", s)
+    # A gap between digits joins a thousands group ("1 000", "1\\,000") and separates items
+    # otherwise ("7\\ 9\\ 12": a list, not 7912).
+    s = _DIGIT_GAP_RE.sub(lambda m: "" if m.group(1) else ",", s)
     s = re.sub(r"\\[ ,;:!]|~", "", s)
     s = re.sub(r"\s+", "", s)
     return s.rstrip(".")
+
+
+_ORDINAL_RE = re.compile(r"(?<=\d)(?:\^\{?(?:\\(?:text|mathrm)\{)?(?:st|nd|rd|th)\}?\}?|(?:st|nd|rd|th)\b)")
+_CURRENCY_RE = re.compile(r"[\u20ac\u00a3\u00a5]|(?<=\d)\s*[a-zA-Z]{1,2}\^\{?[23]\}?$")
+_DIGIT_GAP_RE = re.compile(r"(?<=\d)(?:\\[ ,;:!]|~|\s)+(?=\d)(?=(\d{3}(?![\d.]))?)")
 

@@ -47,6 +47,19 @@ def _as_number(s: str) -> _Num | None:
     if not s or len(s) > 60:
         return None
     s = s.replace("\\$", "").lstrip("$")
+    m = _REPEAT_RE.fullmatch(s)
+    if m and len(m.group(4)) <= 12:
+        return _Num(_repeating(*m.groups()), None)
+    m = _ELLIPSIS_NUM_RE.fullmatch(s)
+    if m:
+        sign, ip, fp = m.groups()
+        for k in range(1, 7):  # the shortest block written at least twice at the end repeats
+            if len(fp) >= 2 * k and fp[-k:] == fp[-2 * k : -k]:
+                j = len(fp) - k
+                while j - k >= 0 and fp[j - k : j] == fp[-k:]:
+                    j -= k
+                return _Num(_repeating(sign, ip, fp[:j], fp[j : j + k]), None)
+        s = f"{sign}{ip}.{fp}"  # no repeating block: a plain decimal
     for rx, kind in _NUM_PATTERNS:
         m = rx.fullmatch(s)
         if not m:
@@ -141,12 +154,94 @@ def _approx_equal(approx: _Num, exact: Fraction) -> bool:
     return abs(approx.value - exact) <= unit / 2
 
 
+def _rounds_to(precise: _Num, rounded: _Num) -> bool:
+    """A computed decimal (>= APPROX_SIG_DIGITS significant digits, more places) that rounds to a
+    rounded decimal gold of >= 2 significant digits: 0.290243531202435 for 0.29 (Math-Verify #3).
+    A one-digit gold (0.5) is taken as exact."""
+    if precise.sig_digits is None or rounded.sig_digits is None:
+        return False
+    if precise.sig_digits < APPROX_SIG_DIGITS or rounded.sig_digits < 2 or precise.places <= rounded.places:
+        return False
+    return abs(precise.value - rounded.value) <= Fraction(10) ** (-rounded.places) / 2
+
+
 def _numbers_equal(a: _Num, b: _Num) -> bool:
+    """``a`` (the answer) equals ``b`` (the gold): exactly, as a correctly rounded approximation of an
+    exact gold, or as a more precise value of a rounded decimal gold."""
     if a.value == b.value:
         return True
     if a.sig_digits is not None and b.sig_digits is None:
         return _approx_equal(a, b.value)
     if b.sig_digits is not None and a.sig_digits is None:
         return _approx_equal(b, a.value)
-    return False
+    return _rounds_to(a, b)
+
+
+_REPEAT_RE = re.compile(r"([+-]?)(\d*)\.(\d*)\\(?:overline|bar|dot)\{?(\d+)\}?")
+_ELLIPSIS_NUM_RE = re.compile(r"([+-]?)(\d*)\.(\d+)\\ldots")
+
+
+def _repeating(sign: str, ip: str, prefix: str, block: str) -> Fraction:
+    """``ip.prefix(block)(block)...`` as an exact fraction (0.9(6) = 29/30)."""
+    p, r = len(prefix), len(block)
+    v = int(ip or "0") + Fraction(int(prefix + block) - int(prefix or "0"), 10**p * (10**r - 1))
+    return -v if sign == "-" else v
+
+
+_MIXED_RE = re.compile(r"([+-]?)(\d+)(?:\s+(\d+)\s*/\s*(\d+)|\s*\\[dt]?frac\s*\{(\d+)\}\s*\{(\d+)\})")
+
+
+def rewrite_mixed(s: str) -> str:
+    """A mixed number (``4 4/9``, ``3\\frac{1}{2}``: a whole part and a proper fraction) as an improper
+    ``\\frac``, the sign applying to the whole value; anything else unchanged (Math-Verify #34, #81)."""
+    m = _MIXED_RE.fullmatch(s.strip())
+    if not m:
+        return s
+    w = int(m.group(2))
+    n, d = (int(m.group(3)), int(m.group(4))) if m.group(3) else (int(m.group(5)), int(m.group(6)))
+    if not 0 <= n < d:
+        return s
+    return f"{m.group(1)}\\frac{{{w * d + n}}}{{{d}}}"
+
+
+def _split_top(s: str, seps: str) -> list[str]:
+    """s split at the separator characters that sit outside every bracket."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0 and c in seps:
+            out.append(s[start:i])
+            start = i + 1
+    out.append(s[start:])
+    return out
+
+
+_MATRIX_RE = re.compile(r"\\begin\{([pbv]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}")
+
+
+def as_number_tuple(s: str) -> tuple[str, list[_Num]] | None:
+    """(shape, numbers) of a normalised answer that is a tuple, interval, list or matrix of plain
+    numbers, or None. Shape: ``"()"`` for a parenthesised or bare list, the bracket pair for intervals,
+    ``"matrix RxC"`` for a matrix (``pmatrix`` and ``bmatrix`` alike)."""
+    m = _MATRIX_RE.fullmatch(s)
+    if m:
+        rows = [r for r in m.group(2).split("\\\\") if r]
+        cells = [r.split("&") for r in rows]
+        if not cells or len({len(r) for r in cells}) != 1:
+            return None
+        shape, items = f"matrix {len(cells)}x{len(cells[0])}", [c for r in cells for c in r]
+    elif len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _split_top(s[1:-1], ",") != [s[1:-1]]:
+        shape, items = ("()" if s[0] + s[-1] == "()" else s[0] + s[-1]), _split_top(s[1:-1], ",")
+    else:
+        items = _split_top(s, ",")
+        if len(items) < 2:
+            return None
+        shape = "()"
+    nums = [_as_number(x) for x in items]
+    if any(x is None for x in nums):
+        return None
+    return shape, nums  # type: ignore[return-value]
 

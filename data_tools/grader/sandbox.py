@@ -39,6 +39,7 @@ def _to_latex(s: str) -> str:
     s = _SCI_RE.sub(lambda m: f"{m.group(1)}\\times 10^{{{m.group(2)}}}", s)
     s = re.sub(r"(?<![\\A-Za-z])exp\(([^()]*)\)", r"e^{\1}", s)
     s = re.sub(r"(?<![\\A-Za-z])sqrt\(([^()]*)\)", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", s)  # "4\sqrt(2)" (Math-Verify #41)
     s = re.sub(r"(?<![\\A-Za-z])pi(?![A-Za-z])", r"\\pi", s)
     return s
 
@@ -49,10 +50,10 @@ def _too_risky(s: str) -> str | None:
         return "answer too long"
     depth = maxd = 0
     for c in s:
-        if c == "{" or c == "(":
+        if c in "{([":
             depth += 1
             maxd = max(maxd, depth)
-        elif c == "}" or c == ")":
+        elif c in "})]":
             depth -= 1
     if maxd > MAX_BRACE_DEPTH:
         return "nesting too deep"
@@ -64,7 +65,7 @@ def _too_risky(s: str) -> str | None:
     for m in re.finditer(r"\^\s*\{?\s*[-+]?([0-9]+)", s):
         if len(m.group(1)) > 4:
             return "huge exponent"
-    if re.search(r"[0-9]{6,}\s*!", s):
+    if re.search(r"[0-9]{6,}\s*!|\^[^!]{0,40}[)}]\s*!", s):
         return "huge factorial"
     if len(re.findall(r"[0-9]", s)) > 400:
         return "too many digits"
@@ -132,6 +133,34 @@ def _set_size(x):
     return None
 
 
+def _imaginary_unit(g: list, p: list) -> tuple[list, list]:
+    """A gold with a free symbol ``i`` is complex: read ``i`` as the imaginary unit on both sides
+    (latex2sympy keeps it a symbol, so ``14.0 + -1.0i`` != ``14 - i``: Math-Verify #69)."""
+    import sympy
+
+    def named_i(x) -> list:  # latex2sympy gives the two sides symbols "i" with different assumptions
+        return [s for s in x.free_symbols if s.name == "i"] if isinstance(x, sympy.Expr) else []
+
+    if not any(named_i(x) for x in g):
+        return g, p
+
+    def sub(xs: list) -> list:
+        return [x.subs({s: sympy.I for s in named_i(x)}) if named_i(x) else x for x in xs]
+
+    return sub(g), sub(p)
+
+
+def _complex_approx(gs, ps) -> bool:
+    """A complex gold and a decimal complex answer equal to math-verify's own 6-place rounding, which
+    its verify applies to real numbers only (``0.5 + 0.866025i`` for ``1/2 + sqrt(3)/2 i``)."""
+    import sympy
+
+    gv, pv = _scalar_value(gs), _scalar_value(ps)
+    if gv is None or pv is None or sympy.im(gv) == 0 or not ps.atoms(sympy.Float):
+        return False
+    return bool(abs(sympy.N(gv - pv, 30)) <= 5e-7 * max(1, abs(gv)))
+
+
 def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # pragma: no cover
     """math-verify parse + verify with our guards; runs inside the worker."""
     g = gold_cache.get(gold)
@@ -141,6 +170,7 @@ def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # 
         if len(gold_cache) > 4096:
             gold_cache.popitem(last=False)
     p = parse(pred, extraction_config=cfg, parsing_timeout=None)
+    g, p = _imaginary_unit(g, p)
     # parse() appends the raw matched string as a last candidate (fallback_mode="first_match"),
     # which verify() may still match as a string; "parsed" means a sympy object came out.
     res = {
@@ -151,6 +181,8 @@ def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # 
         res["ok"] = None
         return res
     ok = bool(verify(g, p, timeout_seconds=None, allow_set_relation_comp=True))
+    if not ok:
+        ok = _complex_approx(g[0], p[0])
     if ok:
         gs, ps = g[0], p[0]
         # Relative tolerance: math-verify compares numbers rounded to 6 decimal places, so any
