@@ -132,6 +132,12 @@ def test_truncated_needs_marker():
     long_trace = "We compute 3 + 4 = 7 and carry on. " * 100 + "Thus 19"
     assert grade(long_trace, "19").path == "no_answer"
     assert grade(long_trace + ". The answer is 19.", "19").correct is True
+    # Truncated: only a final answer counts; an earlier box with text after it may have been retracted.
+    boxed_then_more = "So the sum is \\boxed{19}. Wait, I dropped a term: 19 + 4 ="
+    assert grade(boxed_then_more.rsplit(" Wait", 1)[0], "19", truncated=True) == Verdict(True, "19", "exact")
+    assert grade(boxed_then_more, "19", truncated=True) == Verdict(False, None, "no_answer")
+    assert grade("So the sum is \\boxed{19}. Let me double-check: it holds.", "19", truncated=True).path == "no_answer"
+    assert grade("So the sum is \\boxed{19}. Let me double-check: it holds.", "19").correct is True
 
 
 ADVERSARIAL = {
@@ -336,3 +342,17 @@ def test_numeric_answer_filter_rejects_unevaluated_expressions():
         grade("1", "1", answer_filter="strict")
     with pytest.raises(ValueError, match="answer_filter"):
         grade_batch(["1"], ["1"], answer_filter="strict")
+
+
+def test_simplify_rewrites_exact_and_linear():
+    from data_tools.grader.simplify import cancel, peel, power_tower
+
+    assert peel("((1))") == "1" and peel("(1,2)") == "(1,2)" and peel("(1)+(2)") == "(1)+(2)"
+    assert peel("\\left(\\left(3\\right)\\right)") == "3" and peel("[[0,1]]") == "[0,1]"
+    assert cancel("a^{99} - a^{99} + 5") == "5" and cancel("a - b") == "a - b"
+    assert cancel("10^{10^{10}} \\cdot 0 + 7") == "7" and cancel("\\frac{(9!)!}{(9!)!}") == "1"
+    assert power_tower("2^{2^{2^{2^{2}}}}") == power_tower("4^{32768}") == (2, 65536)
+    assert power_tower("9^{9^{9^{9}}}") is None  # the exponent 9^(9^9) is never computed
+    t = time.monotonic()
+    assert peel("(" * 20000 + "1" + ")" * 20000) == "1"
+    assert time.monotonic() - t < 1.0

@@ -3,26 +3,44 @@
 Pipeline for one (prediction, gold) pair, each step only running when the one before could not
 decide with certainty:
 
-1. **Extraction** (ours, regex + brace matching, on the last ``TAIL_CHARS`` of the output):
-   the last ``\\boxed{}`` group (adjacent boxes ``\\boxed{3}, \\boxed{5}`` are one set answer,
-   as in math-verify >= 0.8; a box followed by more prose and another box is a correction, so
-   only the last group counts), else the text after the last "final answer" / "answer is" /
-   "Answer:" marker, else -- only for a *short, finished, non-truncated* output -- the final
-   math span / final bare number / last ``= N`` result. Long or truncated outputs without a
-   marker get no answer: the rightmost number of an unfinished trace is not an answer
-   (survey: prime_math and plain math-verify accept truncated traces this way).
-2. **Fast path** (no sympy): exact match after light normalisation (Hendrycks ``strip_string``
-   style: ``\\left``, ``\\dfrac``, ``\\text{}``, degrees, percent, units), multiple-choice
-   letters, and plain numbers (int, decimal, ``\\frac{a}{b}``, ``a/b``, ``1,000``, e-notation,
-   ``a \\times 10^{b}``) compared exactly as rationals. It returns a verdict only when both
-   sides are plain numbers or the strings are equal; everything else goes to step 3.
+1. **Extraction** (``extraction``; regex + brace matching over the last ``SCAN_CHARS`` = 2 MB of the
+   output, after ``normalise.clean_unicode`` folds look-alikes: full-width forms, invisible characters,
+   superscript digits, Unicode minus/times/pi): the last explicit answer wins. That is the last
+   ``\\boxed{}`` group (adjacent boxes ``\\boxed{3}, \\boxed{5}`` are one set answer, as in math-verify
+   >= 0.8; one box repeated in a loop is one answer), unless a "final answer" / "answer is" /
+   "Answer:" marker *after* it states something (a digit, math, an option letter), which then
+   restates or corrects it. Without box or marker -- only for a *short, finished, non-truncated*
+   output -- the final math span / final bare number (currency sign, ordinal allowed) / the
+   expression after the last "is" or "=" / last ``= N``. Long outputs without a marker get no answer:
+   the rightmost number of a trace is not an answer (survey: prime_math and plain math-verify
+   accept truncated traces this way). Chat-template tokens and Minerva's "I hope it is correct."
+   are dropped. When the gold is an option letter, the last letter stated explicitly
+   (``\\boxed{C}``, "Answer: **D**", "the answer is (B)", "I would pick B") is the answer.
+   **Truncation** (``truncated=True``, a completion that hit the length cap): an answer counts only
+   if it is final -- nothing but closing punctuation follows it. A box or marker with more text
+   after it (a retraction may follow) gives no answer (design: "truncated completions earn nothing").
+2. **Fast path** (no sympy): exact match after light normalisation (``normalise``: Hendrycks
+   ``strip_string`` style ``\\left``, ``\\dfrac``, ``\\text{}``, degrees, percent, units, ordinals;
+   a gap between digits joins only a 3-digit thousands group, else it separates items), then
+   ``_prepare``'s exact rewrites: quotes and unit words dropped, mixed numbers (``4 4/9``,
+   ``3\\frac12``) as improper fractions, redundant outer brackets peeled (``simplify.peel``).
+   Plain numbers (``numeric``: int, decimal, ``\\frac{a}{b}``, ``a/b``, ``1,000``, e-notation,
+   ``a \\times 10^{b}``, repeating decimals ``0.\\overline{3}`` / ``0.9666...``) compare exactly as
+   rationals; a decimal answer counts as an exact gold when correctly rounded to >= 6 significant
+   digits, and as a rounded decimal gold (>= 2 significant digits) when it has >= 6 significant
+   digits and rounds to it. Numeric tuples, intervals and matrices compare element by element with
+   that scalar rule. Integer power towers compare by their evaluated exponents (``simplify.power_tower``).
+   It returns a verdict only when it is certain; everything else goes to step 3.
 3. **math-verify** (``parse`` + ``verify``, LaTeX extraction only, so no model text ever
    reaches sympy's ``parse_expr``/``eval``) in a persistent worker subprocess with a per-call
    deadline; a worker that overruns is killed and replaced, and it runs under an address-space
    limit. math-verify's own ``signal.alarm`` timeouts are switched off (they raise outside the
    main thread, math-verify #50/#55). Guards on its True verdicts: relative tolerance for
    tiny/huge magnitudes (math-verify rounds to 6 decimal places, so ``1/2^99 == 1/2^98``, #14)
-   and exact set sizes for "find all" answers (#47).
+   and exact set sizes for "find all" answers (#47). A gold with ``i`` is complex: ``i`` is the
+   imaginary unit on both sides, and decimal parts are compared to 6 places (#69). An answer that
+   fails the pre-screen (power towers, huge exponents or factorials, deep nesting) is first
+   cancelled term by term (``simplify.cancel``: ``(x+1)^{100000} - (x+1)^{100000} + 5`` is ``5``).
 4. **Fallback** when math-verify parses nothing on a side: normalised-string / numeric
    comparison, then an optional pluggable judge (``set_verifier``), e.g. an LLM verifier, as
    DeepScaleR does with its ORM.
@@ -49,14 +67,15 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Sequence
 
 from .extraction import _clean, _extract, _is_final, extract_gsm8k_answer
-from .normalise import _BOX_RE, _TEXT_WRAP_RE, _norm_str, _strip_outer
+from .normalise import _TEXT_WRAP_RE, _norm_str, _strip_outer
 from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, rewrite_mixed
-from .simplify import cancel, peel, power_tower
 from .sandbox import MAX_ANSWER_CHARS, _math_verify, _to_latex, _too_risky
+from .simplify import cancel, peel, power_tower
 
 
 __all__ = [
@@ -78,8 +97,6 @@ class Verdict:
     correct: bool
     extracted: str | None  # the answer string taken from the prediction (None if none found)
     path: str  # "exact", "numeric", "math_verify", "fallback", "no_answer", "timeout", "error", "not_a_number"
-
-
 
 
 _MC_RE = re.compile(r"\(?([A-E])\)?(?:$|[\s.:,]|\\)")
@@ -186,11 +203,13 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
     """Grade one model output against a reference answer.
 
     Args:
-        pred: the full model output (any length; only the last ``TAIL_CHARS`` characters are read).
+        pred: the full model output (any length; only the last ``SCAN_CHARS`` characters are read).
         gold: the reference answer (LaTeX or plain; GSM8K ``#### N`` accepted).
-        truncated: True when the completion hit the generation cap (finish_reason == "length"):
-            still graded as produced, but never by falling back to a trailing number without a
-            final-answer marker.
+        truncated: True when the completion hit the generation cap (finish_reason == "length").
+            Then an answer counts only if it is final: a box, marker or option letter followed by
+            nothing but closing punctuation. An earlier box with more text after it (it may have been
+            retracted) and a trailing number without a marker give ``Verdict(False, None,
+            "no_answer")``. The trainer passes this per completion (``grade_batch(truncated=...)``).
         timeout_s: wall-clock bound in seconds for the sympy (math-verify) step; on overrun the
             worker is killed and the verdict is ``Verdict(False, answer, "timeout")``. The first
             call in a process also waits for a worker to start (imports, ~1-3 s, capped at
@@ -224,9 +243,10 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
         v = _decide(_prepare(answer), _prepare(g), timeout_s, answer_filter)
     except Exception:  # noqa: BLE001
         return Verdict(False, answer, "error")
-    return replace(v, extracted=answer)
+    return Verdict(v.correct, answer, v.path)
 
 
+@lru_cache(maxsize=1 << 16)
 def _prepare(s: str) -> str:
     """Look-alikes folded, mixed numbers as improper fractions, redundant outer brackets peeled."""
     s = _strip_outer(_strip_outer(s).strip("\"\u201c\u201d"))

@@ -21,6 +21,7 @@ _BOX_SPACE_RE = re.compile(r"\\boxed[ \t]+(-?[0-9][0-9.,/]*)")
 _BOX_JOIN_RE = re.compile(r"^[\s$,;]*(?:(?:and|or|\\text\{\s*and\s*\})[\s$,]*)?$")
 # "####" is GSM8K's answer marker, which models fine-tuned on GSM8K reproduce.
 _MARKER_RE = re.compile(r"(?i)(?:final\s+answer|\banswer)\b(?:\s*\*\*)?\s*(?:is|:|=)?|####")
+_CUED_RE = re.compile(r"(?i)final|\bis\b|[:=]|####")
 _IS_RE = re.compile(r"(?i)\b(?:is|are|equals|be)\b:?")
 _NUM_TOKEN = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\\ldots)?|-?\.\d+"
 # A bare final number may carry a currency sign or an ordinal suffix ("1,000.99\u20ac", "3rd").
@@ -107,7 +108,8 @@ def _is_answer_like(ans: str) -> bool:
 
 
 def _marker_answer(text: str) -> tuple[str | None, int, int]:
-    """(answer, marker start, answer end) after the last final-answer marker; (None, -1, -1) if none."""
+    """(answer, marker start, answer end) after the last final-answer marker; (None, -1, -1) if none.
+    The start is -1 for a marker without a cue, which never overrides a box."""
     markers = list(_MARKER_RE.finditer(text))
     if not markers:
         return None, -1, -1
@@ -123,7 +125,10 @@ def _marker_answer(text: str) -> tuple[str | None, int, int]:
     if not ans:
         return ("" if not seg.strip() else None), m.start(), -1
     end = text.find(ans, m.end())
-    return ans, m.start(), (end + len(ans) if end >= 0 else m.end())
+    # Only a marker with a cue ("answer is", "Answer:", "final answer") may override a box before it:
+    # "... which gives the correct answer of 63." restates nothing.
+    cued = bool(_CUED_RE.search(m.group(0)))
+    return ans, (m.start() if cued else -1), (end + len(ans) if end >= 0 else m.end())
 
 
 def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
@@ -147,7 +152,7 @@ def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
 
     ans, mark_start, mark_end = _marker_answer(text)
     # The last explicit answer wins: a marker after the last box restates or corrects it.
-    if ans and mark_start > box_end and (box_ans is None or _is_answer_like(ans)):
+    if ans and (box_ans is None or (mark_start > box_end and _is_answer_like(ans))):
         return (ans, "marker") if not truncated or _is_final(text, mark_end) else (None, "none")
     if box_ans is not None:
         return (box_ans, "boxed") if not truncated or _is_final(text, box_end) else (None, "none")

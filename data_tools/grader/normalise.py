@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from functools import lru_cache
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
@@ -54,6 +55,7 @@ _UNIT_TAIL_RE = re.compile(
 _DEG_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 
 
+@lru_cache(maxsize=1 << 16)
 def _strip_outer(s: str) -> str:
     """Remove surrounding $...$, \\(...\\), \\[...\\], \\boxed{...} and a trailing period."""
     s = s.strip()
@@ -74,6 +76,7 @@ def _strip_outer(s: str) -> str:
     return s
 
 
+@lru_cache(maxsize=1 << 16)
 def _norm_str(s: str) -> str:
     """Light, meaning-preserving normalisation for the exact-match path.
 
@@ -83,7 +86,7 @@ def _norm_str(s: str) -> str:
     math-verify: it is what makes verl accept ``11a+c`` for ``7 = 11a+c``.)
     """
     s = _strip_outer(s).replace("\u2212", "-")
-    s = re.sub(r"\\left\b|\\right\b|\\displaystyle", "", s)
+    s = _SIZING_RE.sub("", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("{,}", ",")
     # A trailing unit is dropped only after a number ("12\text{ ft}"), so a text answer
@@ -100,9 +103,14 @@ def _norm_str(s: str) -> str:
     # A gap between digits joins a thousands group ("1 000", "1\\,000") and separates items
     # otherwise ("7\\ 9\\ 12": a list, not 7912).
     s = _DIGIT_GAP_RE.sub(lambda m: "" if m.group(1) else ",", s)
-    s = re.sub(r"\\[ ,;:!]|~", "", s)
-    s = re.sub(r"\s+", "", s)
+    s = _SPACING_RE.sub("", s)
+    s = _WS_RE.sub("", s)
     return s.rstrip(".")
+
+
+_SIZING_RE = re.compile(r"\\left\b|\\right\b|\\displaystyle")
+_SPACING_RE = re.compile(r"\\[ ,;:!]|~")
+_WS_RE = re.compile(r"\s+")
 
 
 _ORDINAL_RE = re.compile(r"(?<=\d)(?:\^\{?(?:\\(?:text|mathrm)\{)?(?:st|nd|rd|th)\}?\}?|(?:st|nd|rd|th)\b)")
