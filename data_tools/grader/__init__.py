@@ -99,6 +99,7 @@ class Verdict:
     path: str  # "exact", "numeric", "math_verify", "fallback", "no_answer", "timeout", "error", "not_a_number"
 
 
+_BASE_RE = re.compile(r"([0-9][0-9A-Z]*)_\{?([0-9]+)\}?")
 _MC_RE = re.compile(r"\(?([A-E])\)?(?:$|[\s.:,]|\\)")
 
 
@@ -112,6 +113,11 @@ def _fast_path(answer: str, gold: str) -> Verdict | None:
     na, ng = _norm_str(answer), _norm_str(gold)
     if na and na == ng:
         return Verdict(True, answer, "exact")
+    ba, bg = _BASE_RE.fullmatch(na), _BASE_RE.fullmatch(ng)
+    if bg and ba:  # numerals in a base: 204_5 is not 204_6 (math-verify drops the subscript)
+        return Verdict(ba.group(1) == bg.group(1) and ba.group(2) == bg.group(2), answer, "exact")
+    if bg and re.fullmatch(r"[0-9][0-9A-Z]*", na):  # the base left off, as the question names it (lm-eval #3785)
+        return Verdict(na == bg.group(1), answer, "exact")
     letter = _mc_letter(ng)
     if letter is not None:
         # Multiple choice: the answer is the option letter, possibly followed by the option's
