@@ -14,7 +14,8 @@ decide with certainty:
    expression after the last "is" or "=" / last ``= N``. Long outputs without a marker get no answer:
    the rightmost number of a trace is not an answer (survey: prime_math and plain math-verify
    accept truncated traces this way). Chat-template tokens and Minerva's "I hope it is correct."
-   are dropped. When the gold is an option letter, the last letter stated explicitly
+   are dropped, and so is everything up to the last ``</think>`` (an output whose ``<think>`` never
+   closes has no answer). When the gold is an option letter, the last letter stated explicitly
    (``\\boxed{C}``, "Answer: **D**", "the answer is (B)", "I would pick B") is the answer.
    **Truncation** (``truncated=True``, a completion that hit the length cap): an answer counts only
    if it is final -- nothing but closing punctuation follows it. A box or marker with more text

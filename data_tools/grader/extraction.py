@@ -95,7 +95,16 @@ def _looks_unfinished(text: str) -> bool:
 
 
 def _clean(pred: str) -> str:
-    """The part of an output that is read, with look-alikes folded and chat-template debris removed."""
+    """The part of an output that is read, with look-alikes folded and chat-template debris removed.
+
+    A reasoning model's answer follows its reasoning: only the text after the last ``</think>`` is
+    read, and an output whose ``<think>`` never closes has no answer (TRL's reasoning_accuracy_reward).
+    """
+    close = pred.rfind("</think>")
+    if close >= 0:
+        pred = pred[close + len("</think>") :]
+    elif "<think>" in pred:
+        return ""
     text = clean_unicode(pred[-SCAN_CHARS:])
     text = _CHAT_TOKEN_RE.sub("\n", text)
     text = _HOPE_RE.sub("", text)
