@@ -356,3 +356,26 @@ def test_simplify_rewrites_exact_and_linear():
     t = time.monotonic()
     assert peel("(" * 20000 + "1" + ")" * 20000) == "1"
     assert time.monotonic() - t < 1.0
+
+
+# Shapes that were quadratic (or raised) in an earlier version of the rewrites; each must stay linear.
+HOSTILE_SHAPES = {
+    "20k nested boxes around the answer": ("\\boxed{" * 20000 + "7" + "}" * 20000, True),
+    "50k-term sum": ("\\boxed{" + "+".join(["x"] * 50000) + "}", False),
+    "100k superscript digits": ("\\boxed{2" + "\u00b2" * 100000 + "}", False),
+    "5k mixed bracket kinds around the answer": ("\\boxed{" + "([{" * 5000 + "7" + "}])" * 5000 + "}", True),
+    "3k cancelling term pairs": ("\\boxed{" + "".join(f"+a^{{{i}}}-a^{{{i}}}" for i in range(3000)) + "+7}", True),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_SHAPES))
+def test_hostile_shapes_linear_in_a_thread(name):
+    pred, expected = HOSTILE_SHAPES[name]
+    out: list[Verdict] = []
+    th = threading.Thread(target=lambda: out.append(grade(pred, "7", timeout_s=2.0)))
+    t = time.monotonic()
+    th.start()
+    th.join(30)
+    assert out and out[0].correct is expected, out
+    assert out[0].path != "error"
+    assert time.monotonic() - t < 5.0

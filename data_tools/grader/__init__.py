@@ -258,13 +258,15 @@ def _prepare(s: str) -> str:
     """Look-alikes folded, mixed numbers as improper fractions, redundant outer brackets peeled."""
     s = _strip_outer(_strip_outer(s).strip("\"\u201c\u201d"))
     m = _UNIT_WORDS_TAIL_RE.fullmatch(s)
-    if m and not re.search(r"\\", m.group(2)):
+    if m and not _MATH_WORD_RE.match(m.group(2)):
         s = m.group(1)
     return rewrite_mixed(peel(s))
 
 
 # "5*10^6 watts", "12 apples": plain unit words after a number.
 _UNIT_WORDS_TAIL_RE = re.compile(r"(.*[\d}])\s+([A-Za-z]{2,}(?:[ /][A-Za-z]+)*)\.?")
+# ... but "4 sin x" and "3 mod 7" are math, not units.
+_MATH_WORD_RE = re.compile(r"(?i)(?:a?(?:sin|cos|tan|cot|sec|csc)h?|log|ln|exp|sqrt|mod|pi|deg|and|or)\b")
 
 
 def _decide(answer: str, g: str, timeout_s: float, answer_filter: str) -> Verdict:

@@ -14,7 +14,7 @@ _INVISIBLE_RE = re.compile("[\u00ad\u200b-\u200f\u2060-\u2064\ufeff]")
 _SUPERSCRIPTS = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b", "0123456789+-")
 _SUPER_RUN_RE = re.compile("[\u2070\u00b9\u00b2\u00b3\u2074-\u207b]+")
 _SYMBOLS = {"\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u22c5": "\\cdot ", "\u00b7": "\\cdot ", "\u00f7": "\\div ",
-            "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ", "\u2260": "\\ne ", "\u00b1": "\\pm "}
+            "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ", "\u2260": "\\ne ", "\u00b1": "\\pm ", "\u2044": "/"}
 _SYMBOL_RE = re.compile("|".join(_SYMBOLS))
 
 
@@ -57,23 +57,42 @@ _DEG_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 
 @lru_cache(maxsize=1 << 16)
 def _strip_outer(s: str) -> str:
-    """Remove surrounding $...$, \\(...\\), \\[...\\], \\boxed{...} and a trailing period."""
-    s = s.strip()
+    """Remove surrounding $...$, \\(...\\), \\[...\\], \\boxed{...} and a trailing period.
+
+    Works on indices into ``s`` with the braces matched once, so 20,000 nested boxes stay linear.
+    """
+    lo, hi = 0, len(s)
+    pairs: dict[int, int] | None = None
     changed = True
-    while changed and s:
+    while changed and lo < hi:
         changed = False
+        while lo < hi and s[lo].isspace():
+            lo += 1
+        while hi > lo and s[hi - 1].isspace():
+            hi -= 1
         for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-            if len(s) > len(a) + len(b) - 1 and s.startswith(a) and s.endswith(b):
-                s = s[len(a) : len(s) - len(b)].strip()
-                changed = True
-        m = _BOX_RE.match(s)
-        if m and _match_brace(s, m.end() - 1) == len(s) - 1:
-            s = s[m.end() : -1].strip()
-            changed = True
-        if s.endswith(".") and not re.search(r"\d\.$", s[-2:]):
-            s = s[:-1].rstrip()
-            changed = True
-    return s
+            if hi - lo > len(a) + len(b) - 1 and s.startswith(a, lo, hi) and s.endswith(b, lo, hi):
+                lo, hi, changed = lo + len(a), hi - len(b), True
+        m = _BOX_RE.match(s, lo, hi)
+        if m:
+            if pairs is None:
+                pairs = _brace_pairs(s)
+            if pairs.get(m.end() - 1) == hi - 1:
+                lo, hi, changed = m.end(), hi - 1, True
+        if hi > lo and s[hi - 1] == "." and not (hi - lo >= 2 and s[hi - 2].isdigit()):
+            hi, changed = hi - 1, True
+    return s[lo:hi].strip()
+
+
+def _brace_pairs(s: str) -> dict[int, int]:
+    """Index of each '{' -> index of its '}' (unmatched ones left out)."""
+    stack, out = [], {}
+    for i, c in enumerate(s):
+        if c == "{":
+            stack.append(i)
+        elif c == "}" and stack:
+            out[stack.pop()] = i
+    return out
 
 
 @lru_cache(maxsize=1 << 16)

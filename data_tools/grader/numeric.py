@@ -188,7 +188,7 @@ def _repeating(sign: str, ip: str, prefix: str, block: str) -> Fraction:
     return -v if sign == "-" else v
 
 
-_MIXED_RE = re.compile(r"([+-]?)(\d+)(?:\s+(\d+)\s*/\s*(\d+)|\s*\\[dt]?frac\s*\{(\d+)\}\s*\{(\d+)\})")
+_MIXED_RE = re.compile(r"([+-]?)(\d{1,18})(?:\s+(\d{1,18})\s*/\s*(\d{1,18})|\s*\\[dt]?frac\s*\{(\d{1,18})\}\s*\{(\d{1,18})\})")
 
 
 def rewrite_mixed(s: str) -> str:

@@ -98,7 +98,7 @@ def cancel(s: str) -> str:
     terms = _terms(s)
     if len(terms) < 2 and not (terms and _frac_of_same(terms[0][1])):
         return s
-    kept: list[tuple[str, str]] = []
+    net: dict[str, int] = {}  # term -> signed count, in first-seen order
     changed = False
     for sign, t in terms:
         key = re.sub(r"\s+", "", t)
@@ -107,17 +107,14 @@ def cancel(s: str) -> str:
             continue
         if _frac_of_same(key):
             key, changed = "1", True
-        other = "-" if sign == "+" else "+"
-        if (other, key) in kept:
-            kept.remove((other, key))
-            changed = True
-            continue
-        kept.append((sign, key))
+        before = net.get(key, 0)
+        net[key] = before + (1 if sign == "+" else -1)
+        changed = changed or abs(net[key]) < abs(before)
     if not changed:
         return s
-    if not kept:
+    out = "".join(("+" if n > 0 else "-") + t for t, n in net.items() for _ in range(abs(n)))
+    if not out:
         return "0"
-    out = "".join(("-" if sg == "-" else "+") + t for sg, t in kept)
     return out[1:] if out.startswith("+") else out
 
 
@@ -129,6 +126,8 @@ def power_tower(s: str) -> tuple[int, int] | None:
     s is no such tower or its exponent would pass MAX_TOWER_EXP (2^{2^{2^{2^2}}} -> (2, 65536))."""
     s = s.strip()
     if not _TOWER_RE.fullmatch(s) or s.count("{") != s.count("}"):
+        return None
+    if re.search(r"\d{19}", s):
         return None
     nums = [int(x) for x in re.findall(r"\d+", s)]
     if len(nums) < 2 or nums[0] < 2:
