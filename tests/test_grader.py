@@ -364,6 +364,7 @@ HOSTILE_SHAPES = {
     "50k-term sum": ("\\boxed{" + "+".join(["x"] * 50000) + "}", False),
     "100k superscript digits": ("\\boxed{2" + "\u00b2" * 100000 + "}", False),
     "5k mixed bracket kinds around the answer": ("\\boxed{" + "([{" * 5000 + "7" + "}])" * 5000 + "}", True),
+    "20k brace-less boxes": ("\\boxed 7 " * 20000, True),
     "3k cancelling term pairs": ("\\boxed{" + "".join(f"+a^{{{i}}}-a^{{{i}}}" for i in range(3000)) + "+7}", True),
 }
 

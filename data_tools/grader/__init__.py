@@ -161,7 +161,6 @@ def _mc_answer(pred: str, truncated: bool) -> str | None:
     return next(g for g in last.groups() if g)
 
 
-
 # --------------------------------------------------------------------------------------------
 # Fallback verifier
 # --------------------------------------------------------------------------------------------
@@ -233,9 +232,9 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
         raise TypeError("grade(pred, gold): both must be str")
     if answer_filter not in ANSWER_FILTERS:
         raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {answer_filter!r}")
-    g = _gold_text(gold)
-    letter = _mc_letter(_norm_str(g)) if g else None
     try:
+        g = _gold_text(gold)
+        letter = _mc_letter(_norm_str(g)) if g else None
         answer = _mc_answer(pred, truncated) if letter else None
         if answer is not None:
             return Verdict(answer == letter, answer, "exact")
@@ -255,7 +254,8 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
 
 @lru_cache(maxsize=1 << 16)
 def _prepare(s: str) -> str:
-    """Look-alikes folded, mixed numbers as improper fractions, redundant outer brackets peeled."""
+    """Exact rewrites before comparing: wrappers and quotes stripped, plain unit words dropped, mixed
+    numbers as improper fractions, redundant outer brackets peeled."""
     s = _strip_outer(_strip_outer(s).strip("\"\u201c\u201d"))
     m = _UNIT_WORDS_TAIL_RE.fullmatch(s)
     if m and not _MATH_WORD_RE.match(m.group(2)):

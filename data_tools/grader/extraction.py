@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import re
 
 from .normalise import _BOX_RE, _match_brace, clean_unicode
@@ -58,11 +59,15 @@ def _boxes(text: str) -> list[tuple[int, int, str]]:
             out.append((m.start(), -1, ""))
             break  # everything after an unclosed brace is inside it
         out.append((m.start(), close + 1, text[m.end() : close]))
+    # Brace boxes are disjoint and in order: bisect for the one a `\boxed 5` might sit inside.
+    starts = [b[0] for b in out]
+    ends = [b[1] if b[1] >= 0 else len(text) for b in out]
+    spaced = []
     for m in _BOX_SPACE_RE.finditer(text):
-        if not any(s <= m.start() < (e if e >= 0 else len(text)) for s, e, _ in out):
-            out.append((m.start(), m.end(), m.group(1)))
-    out.sort()
-    return out
+        k = bisect.bisect_right(starts, m.start()) - 1
+        if k < 0 or m.start() >= ends[k]:
+            spaced.append((m.start(), m.end(), m.group(1)))
+    return sorted(out + spaced) if spaced else out
 
 
 def _clip_sentence(seg: str) -> str:
@@ -149,15 +154,15 @@ def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
     if boxes:
         if boxes[-1][1] < 0:
             return None, "none"  # the last box was cut off: the answer was never written
-        group = [boxes[-1]]
+        group = [boxes[-1]]  # built backwards from the last box
         for b in reversed(boxes[:-1]):
-            if b[1] >= 0 and _BOX_JOIN_RE.match(text[b[1] : group[0][0]]):
-                group.insert(0, b)
+            if b[1] >= 0 and _BOX_JOIN_RE.match(text[b[1] : group[-1][0]]):
+                group.append(b)
             else:
                 break
         # A box repeated in a loop is one answer, not a set of copies.
-        items = list(dict.fromkeys(c.strip() for _, _, c in group))
-        box_ans, box_end = ", ".join(items), group[-1][1]
+        items = list(dict.fromkeys(c.strip() for _, _, c in reversed(group)))
+        box_ans, box_end = ", ".join(items), group[0][1]
 
     ans, mark_start, mark_end = _marker_answer(text)
     # The last explicit answer wins: a marker after the last box restates or corrects it.
