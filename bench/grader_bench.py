@@ -13,6 +13,11 @@ Workloads
   cleared: unique competition-math answers of every kind (expressions, intervals, matrices...).
 - ``integers``: GSM8K-style plain integer answers, "... The answer is N." with right and wrong
   N (gold from ../shared/data/gsm8k_test.jsonl when present, else synthetic).
+- ``reports``: the public-report case set (tests/data/grader_reports.jsonl, each case citing the bug
+  report or test it comes from), hostile cases left out, cache cleared. Plain math-verify is not
+  told which completions were truncated; ours is.
+- ``hostile``: that set's hostile cases (megabyte outputs, deep nesting, power towers), ours only:
+  plain math-verify can hang on them for good (Math-Verify #65).
 
 Plain math-verify is ``parse("$gold$")``, ``parse(pred)``, ``verify(gold, pred)`` with default
 config (signal timeouts on, main thread), which is what design.md section 8 timed (34.6/s).
@@ -108,13 +113,24 @@ def run_plain(cases: list[dict]) -> tuple[float, float]:
     return len(cases) / dt, agree / len(cases)
 
 
+def report_cases() -> tuple[list[dict], list[dict]]:
+    """(non-hostile, hostile) cases of tests/data/grader_reports.jsonl, ``pred_build`` expanded."""
+    rows = [json.loads(line) for line in (REPO / "tests" / "data" / "grader_reports.jsonl").read_text().splitlines()
+            if line.strip()]
+    for r in rows:
+        if "pred_build" in r:
+            r["pred"] = "".join(text * n for text, n in r["pred_build"])
+    return [r for r in rows if r["kind"] != "hostile"], [r for r in rows if r["kind"] == "hostile"]
+
+
 def run_ours(cases: list[dict], clear_cache: bool) -> tuple[float, float, dict]:
     if clear_cache:
-        with grader._CACHE_LOCK:
-            grader._CACHE.clear()
+        with grader.sandbox._CACHE_LOCK:
+            grader.sandbox._CACHE.clear()
     paths: dict[str, int] = {}
     t = time.perf_counter()
-    vs = grader.grade_batch([c["pred"] for c in cases], [c["gold"] for c in cases], workers=1)
+    vs = grader.grade_batch([c["pred"] for c in cases], [c["gold"] for c in cases],
+                            truncated=[c.get("truncated", False) for c in cases], workers=1)
     dt = time.perf_counter() - t
     agree = sum(v.correct == c["expected"] for v, c in zip(vs, cases))
     for v in vs:
@@ -138,6 +154,9 @@ def main() -> None:
     }
     if math500_cases():
         workloads["math500"] = (math500_cases(args.warmup), True)
+    reports, hostile = report_cases()
+    workloads["reports"] = (reports, True)
+    workloads["hostile"] = (hostile, True)
     # Warm both sides on answers disjoint from the timed ones (MATH-500 references): ANTLR,
     # which latex2sympy parses with, builds its prediction tables lazily, so the first parses
     # of each construct are several times slower than steady state in a long curation run.
@@ -149,19 +168,24 @@ def main() -> None:
     for a in warm:
         grader.parse_gold(a)
     t_ours_warm = time.perf_counter() - t
-    with grader._CACHE_LOCK:
-        grader._CACHE.clear()
+    with grader.sandbox._CACHE_LOCK:
+        grader.sandbox._CACHE.clear()
     print(f"warm-up on {len(warm)} MATH-500 answers: plain {t_plain_warm:.1f} s, "
           f"ours {t_ours_warm:.1f} s (incl. worker start)")
 
     print(f"{'workload':<11} {'n':>5} {'plain a/s':>10} {'ours a/s':>10} {'ratio':>7} "
           f"{'plain agree':>11} {'ours agree':>10}  ours paths")
     for name, (cases, cold) in workloads.items():
+        if name == "hostile":
+            o_rate, o_agree, paths = run_ours(cases, clear_cache=cold)
+            print(f"{name:<11} {len(cases):>5} {'-':>10} {o_rate:>10.1f} {'-':>7} {'-':>11} {o_agree:>10.3f}  "
+                  f"{json.dumps(paths)}  ({len(cases) / o_rate:.1f} s in all)")
+            continue
         p_rate, p_agree = run_plain(cases)
         o_rate, o_agree, paths = run_ours(cases, clear_cache=cold)
         print(f"{name:<11} {len(cases):>5} {p_rate:>10.1f} {o_rate:>10.1f} {o_rate / p_rate:>6.1f}x "
               f"{p_agree:>11.3f} {o_agree:>10.3f}  {json.dumps(paths)}")
-    grader._POOL.close()
+    grader.sandbox._POOL.close()
 
 
 if __name__ == "__main__":

@@ -132,14 +132,22 @@ def test_truncated_needs_marker():
     long_trace = "We compute 3 + 4 = 7 and carry on. " * 100 + "Thus 19"
     assert grade(long_trace, "19").path == "no_answer"
     assert grade(long_trace + ". The answer is 19.", "19").correct is True
+    # Truncated: only a final answer counts; an earlier box with text after it may have been retracted.
+    boxed_then_more = "So the sum is \\boxed{19}. Wait, I dropped a term: 19 + 4 ="
+    assert grade(boxed_then_more.rsplit(" Wait", 1)[0], "19", truncated=True) == Verdict(True, "19", "exact")
+    assert grade(boxed_then_more, "19", truncated=True) == Verdict(False, None, "no_answer")
+    assert grade("So the sum is \\boxed{19}. Let me double-check: it holds.", "19", truncated=True).path == "no_answer"
+    assert grade("So the sum is \\boxed{19}. Let me double-check: it holds.", "19").correct is True
 
 
 ADVERSARIAL = {
     "power tower": "\\boxed{9^9^9^9}",
     "power tower unboxed": "The answer is 9^{9^{9^{9}}}",
     "huge exponent": "\\boxed{2^{100000000}}",
-    "10k nested braces": "\\boxed{" + "{" * 10000 + "1" + "}" * 10000 + "}",
-    "1k nested braces in tail": "\\boxed{" + "{" * 1000 + "1" + "}" * 1000 + "}",
+    # Redundant brackets are peeled (tests/test_grader_reports.py decides "{{{1}}}" = 1 right), so
+    # the nested value here differs from the gold.
+    "10k nested braces": "\\boxed{" + "{" * 10000 + "2" + "}" * 10000 + "}",
+    "1k nested braces in tail": "\\boxed{" + "{" * 1000 + "2" + "}" * 1000 + "}",
     "unclosed boxes": "\\boxed{" * 5000,
     "dollar storm": "$" * 100000,
     "truncated": "Let x = 3. Then \\boxed{\\frac{1}{",
@@ -153,7 +161,7 @@ def test_adversarial_bounded(name):
     v = grade(ADVERSARIAL[name], "1", timeout_s=2.0)
     assert time.monotonic() - t < 10.0
     assert v.correct is False
-    assert v.path in {"fallback", "no_answer", "timeout"}
+    assert v.path in {"fallback", "no_answer", "timeout", "numeric", "exact"}
 
 
 def test_megabyte_output_with_answer():
@@ -165,12 +173,12 @@ def test_megabyte_output_with_answer():
 
 
 def test_timeout_kills_and_recovers():
-    # Passes the cheap pre-screen but makes sympy compute (2^999)!: only the deadline stops it.
+    # Passes the cheap pre-screen but makes sympy sum 9999 huge powers: only the deadline stops it.
     t = time.monotonic()
-    v = grade("\\boxed{(2^{999})!}", "1", timeout_s=1.0)
+    v = grade("\\boxed{\\sum_{k=1}^{9999} k^{9999}}", "1", timeout_s=1.0)
     elapsed = time.monotonic() - t
-    assert v == Verdict(False, "(2^{999})!", "timeout")
-    assert elapsed < 1.0 + grader.WORKER_START_TIMEOUT_S
+    assert v == Verdict(False, "\\sum_{k=1}^{9999} k^{9999}", "timeout")
+    assert elapsed < 1.0 + grader.sandbox.WORKER_START_TIMEOUT_S
     assert elapsed >= 1.0
     # the killed worker was replaced: the sympy path works afterwards
     assert grade("\\boxed{\\frac{x}{7}+\\frac{2}{7}}", "\\frac{x+2}{7}") == Verdict(
@@ -334,3 +342,41 @@ def test_numeric_answer_filter_rejects_unevaluated_expressions():
         grade("1", "1", answer_filter="strict")
     with pytest.raises(ValueError, match="answer_filter"):
         grade_batch(["1"], ["1"], answer_filter="strict")
+
+
+def test_simplify_rewrites_exact_and_linear():
+    from data_tools.grader.simplify import cancel, peel, power_tower
+
+    assert peel("((1))") == "1" and peel("(1,2)") == "(1,2)" and peel("(1)+(2)") == "(1)+(2)"
+    assert peel("\\left(\\left(3\\right)\\right)") == "3" and peel("[[0,1]]") == "[0,1]"
+    assert cancel("a^{99} - a^{99} + 5") == "5" and cancel("a - b") == "a - b"
+    assert cancel("10^{10^{10}} \\cdot 0 + 7") == "7" and cancel("\\frac{(9!)!}{(9!)!}") == "1"
+    assert power_tower("2^{2^{2^{2^{2}}}}") == power_tower("4^{32768}") == (2, 65536)
+    assert power_tower("9^{9^{9^{9}}}") is None  # the exponent 9^(9^9) is never computed
+    t = time.monotonic()
+    assert peel("(" * 20000 + "1" + ")" * 20000) == "1"
+    assert time.monotonic() - t < 1.0
+
+
+# Shapes that were quadratic (or raised) in an earlier version of the rewrites; each must stay linear.
+HOSTILE_SHAPES = {
+    "20k nested boxes around the answer": ("\\boxed{" * 20000 + "7" + "}" * 20000, True),
+    "50k-term sum": ("\\boxed{" + "+".join(["x"] * 50000) + "}", False),
+    "100k superscript digits": ("\\boxed{2" + "\u00b2" * 100000 + "}", False),
+    "5k mixed bracket kinds around the answer": ("\\boxed{" + "([{" * 5000 + "7" + "}])" * 5000 + "}", True),
+    "20k brace-less boxes": ("\\boxed 7 " * 20000, True),
+    "3k cancelling term pairs": ("\\boxed{" + "".join(f"+a^{{{i}}}-a^{{{i}}}" for i in range(3000)) + "+7}", True),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_SHAPES))
+def test_hostile_shapes_linear_in_a_thread(name):
+    pred, expected = HOSTILE_SHAPES[name]
+    out: list[Verdict] = []
+    th = threading.Thread(target=lambda: out.append(grade(pred, "7", timeout_s=2.0)))
+    t = time.monotonic()
+    th.start()
+    th.join(30)
+    assert out and out[0].correct is expected, out
+    assert out[0].path != "error"
+    assert time.monotonic() - t < 5.0

@@ -1,0 +1,320 @@
+"""The sympy step: a cheap pre-screen, plain text -> LaTeX, and math-verify in worker subprocesses
+with a per-call deadline, an address-space cap and a verdict cache."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+from collections import OrderedDict
+
+# Answers longer / deeper than this never reach sympy: real answers are short, and
+# latex2sympy's recursive descent is where nesting bombs hurt.
+MAX_ANSWER_CHARS = 600
+MAX_BRACE_DEPTH = 40
+# Relative tolerance used to veto math-verify's True between two numbers (see _mv_check).
+REL_TOL = 1e-6
+# Worker start-up (imports sympy + math-verify) is not counted against the per-answer deadline.
+WORKER_START_TIMEOUT_S = 60.0
+# Address-space cap for a worker: a power tower that sneaks past the pre-screen dies with
+# MemoryError instead of taking the machine down.
+WORKER_MEM_BYTES = 3 * 1024**3
+_CACHE_SIZE = 65536
+
+_SCI_RE = re.compile(r"(?<![\w.\\])([0-9]+(?:\.[0-9]+)?)[eE]([+-]?[0-9]+)(?![\w])")
+
+
+def _to_latex(s: str) -> str:
+    """Rewrite plain-text math a model may write into LaTeX latex2sympy understands.
+
+    e-notation ``4.5e33`` (latex2sympy reads ``1e-5`` as ``1*E - 5``), ``exp(x)``,
+    ``sqrt(x)``, ``pi``, ``**`` (math-verify #69 lists these as rejected).
+    """
+    s = s.replace("\u2212", "-").replace("**", "^")
+    s = _SCI_RE.sub(lambda m: f"{m.group(1)}\\times 10^{{{m.group(2)}}}", s)
+    s = re.sub(r"(?<![\\A-Za-z])exp\(([^()]*)\)", r"e^{\1}", s)
+    s = re.sub(r"(?<![\\A-Za-z])sqrt\(([^()]*)\)", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", s)  # "4\sqrt(2)" (Math-Verify #41)
+    s = re.sub(r"(?<![\\A-Za-z])pi(?![A-Za-z])", r"\\pi", s)
+    return s
+
+
+def _too_risky(s: str) -> str | None:
+    """Reason an answer must not go to sympy, or None. Cheap, linear in len(s)."""
+    if len(s) > MAX_ANSWER_CHARS:
+        return "answer too long"
+    depth = maxd = 0
+    for c in s:
+        if c in "{([":
+            depth += 1
+            maxd = max(maxd, depth)
+        elif c in "})]":
+            depth -= 1
+    if maxd > MAX_BRACE_DEPTH:
+        return "nesting too deep"
+    # Power towers and big exponents: 9^9^9^9, 2^{10^{100}}, 10^{100000}!
+    # A numeric base raised to a power of a number (9^9^9, 2^{3^{4}}, 2^(3)^4) can be astronomically
+    # large; x^2+y^2 and e^{-x^2} are fine. 2^{3^2} is refused too: rare, and cheaper than a timeout.
+    if re.search(r"[0-9)}]\s*\^\s*[{(]?\s*[-+]?\s*[{(]?[0-9.]+[)}]?\s*\^", s):
+        return "power tower"
+    for m in re.finditer(r"\^\s*\{?\s*[-+]?([0-9]+)", s):
+        if len(m.group(1)) > 4:
+            return "huge exponent"
+    if re.search(r"[0-9]{6,}\s*!|\^[^!]{0,40}[)}]\s*!", s):
+        return "huge factorial"
+    if len(re.findall(r"[0-9]", s)) > 400:
+        return "too many digits"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Worker subprocess running math-verify
+# --------------------------------------------------------------------------------------------
+
+
+def _worker_loop() -> None:  # pragma: no cover - runs in the child process
+    """Child side: read JSON requests on stdin, answer one JSON line each on stdout."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEM_BYTES, WORKER_MEM_BYTES))
+    except (ImportError, ValueError, OSError):
+        pass
+    import logging
+
+    logging.disable(logging.WARNING)  # math-verify warns once that its timeout is off: we know
+    sys.setrecursionlimit(4000)
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    gold_cache: OrderedDict[str, list] = OrderedDict()
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            res = _mv_check(req["gold"], req["pred"], parse, verify, cfg, gold_cache)
+        except MemoryError:
+            res = {"error": "MemoryError"}
+        except Exception as e:  # noqa: BLE001 - a bad answer must never kill the worker loop
+            res = {"error": f"{type(e).__name__}: {e}"[:300]}
+        out.write(json.dumps(res) + "\n")
+        out.flush()
+
+
+def _scalar_value(x):
+    """High-precision complex value of a symbol-free sympy scalar, or None."""
+    import sympy
+
+    if not isinstance(x, sympy.Expr) or x.free_symbols or not x.is_number:
+        return None
+    try:
+        v = sympy.N(x, 30)
+        complex(v)  # raises for values sympy cannot evaluate to a number
+    except Exception:  # noqa: BLE001
+        return None
+    return v
+
+
+def _set_size(x):
+    import sympy
+    from latex2sympy2_extended.sets import FiniteSet
+
+    if isinstance(x, (FiniteSet, sympy.FiniteSet)):
+        return len(x.args)
+    if isinstance(x, sympy.Expr) and not isinstance(x, (sympy.Set,)):
+        return 1
+    return None
+
+
+def _imaginary_unit(g: list, p: list) -> tuple[list, list]:
+    """A gold with a free symbol ``i`` is complex: read ``i`` as the imaginary unit on both sides
+    (latex2sympy keeps it a symbol, so ``14.0 + -1.0i`` != ``14 - i``: Math-Verify #69)."""
+    import sympy
+
+    def named_i(x) -> list:  # latex2sympy gives the two sides symbols "i" with different assumptions
+        return [s for s in x.free_symbols if s.name == "i"] if isinstance(x, sympy.Expr) else []
+
+    if not any(named_i(x) for x in g):
+        return g, p
+
+    def sub(xs: list) -> list:
+        return [x.subs({s: sympy.I for s in named_i(x)}) if named_i(x) else x for x in xs]
+
+    return sub(g), sub(p)
+
+
+def _complex_approx(gs, ps) -> bool:
+    """A complex gold and a decimal complex answer equal to math-verify's own 6-place rounding, which
+    its verify applies to real numbers only (``0.5 + 0.866025i`` for ``1/2 + sqrt(3)/2 i``)."""
+    import sympy
+
+    gv, pv = _scalar_value(gs), _scalar_value(ps)
+    if gv is None or pv is None or sympy.im(gv) == 0 or not ps.atoms(sympy.Float):
+        return False
+    return bool(abs(sympy.N(gv - pv, 30)) <= 5e-7 * max(1, abs(gv)))
+
+
+def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # pragma: no cover
+    """math-verify parse + verify with our guards; runs inside the worker."""
+    g = gold_cache.get(gold)
+    if g is None:
+        g = parse(gold, extraction_config=cfg, parsing_timeout=None)
+        gold_cache[gold] = g
+        if len(gold_cache) > 4096:
+            gold_cache.popitem(last=False)
+    p = parse(pred, extraction_config=cfg, parsing_timeout=None)
+    g, p = _imaginary_unit(g, p)
+    # parse() appends the raw matched string as a last candidate (fallback_mode="first_match"),
+    # which verify() may still match as a string; "parsed" means a sympy object came out.
+    res = {
+        "gold_parsed": any(not isinstance(x, str) for x in g),
+        "pred_parsed": any(not isinstance(x, str) for x in p),
+    }
+    if not g or not p:
+        res["ok"] = None
+        return res
+    ok = bool(verify(g, p, timeout_seconds=None, allow_set_relation_comp=True))
+    if not ok:
+        ok = _complex_approx(g[0], p[0])
+    if ok:
+        gs, ps = g[0], p[0]
+        # Relative tolerance: math-verify compares numbers rounded to 6 decimal places, so any
+        # two values below 5e-7 are "equal" (1/2004! == 1/2006!, math-verify #14).
+        gv, pv = _scalar_value(gs), _scalar_value(ps)
+        if gv is not None and pv is not None:
+            import sympy
+
+            diff = abs(sympy.N(gv - pv, 30))
+            scale = max(abs(gv), abs(pv))
+            if scale != 0 and diff > REL_TOL * scale:
+                ok = False
+                res["veto"] = "relative tolerance"
+        # Exact set semantics: a proper subset of a "find all" answer is wrong (#47).
+        gn, pn = _set_size(gs), _set_size(ps)
+        if ok and gn is not None and pn is not None and gn != pn and (gn > 1 or pn > 1):
+            ok = False
+            res["veto"] = "set size"
+    res["ok"] = ok
+    return res
+
+
+class _Worker:
+    def __init__(self) -> None:
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+        # A fresh interpreter (not fork): safe when the parent has threads, and no re-import of
+        # the caller's __main__ as multiprocessing's spawn would do.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from data_tools.grader.sandbox import _worker_loop; _worker_loop()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            close_fds=True,
+        )
+        msg = self._read(WORKER_START_TIMEOUT_S)
+        if not msg or not msg.get("ready"):
+            self.kill()
+            raise RuntimeError("grader worker failed to start (is math-verify installed?)")
+
+    def _read(self, timeout: float) -> dict | None:
+        assert self.proc.stdout is not None
+        r, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0.0))
+        if not r:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EOFError("grader worker died")
+        return json.loads(line)
+
+    def call(self, req: dict, timeout: float) -> dict | None:
+        """The worker's answer, or None on timeout (the worker is then dead)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        res = self._read(timeout)
+        if res is None:
+            self.kill()
+        return res
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                if f:
+                    f.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class _Pool:
+    """Idle workers shared by all threads; each call takes one exclusively."""
+
+    def __init__(self) -> None:
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+
+    def call(self, req: dict, timeout: float) -> dict | None:
+        with self._lock:
+            w = self._idle.pop() if self._idle else None
+        if w is None or not w.alive():
+            w = _Worker()
+        try:
+            res = w.call(req, timeout)
+        except (EOFError, OSError, ValueError):
+            w.kill()
+            return {"error": "worker died"}
+        if res is None:
+            return None
+        with self._lock:
+            if len(self._idle) < max(2, (os.cpu_count() or 2) * 2):
+                self._idle.append(w)
+                w = None
+        if w is not None:
+            w.kill()
+        return res
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for w in idle:
+            w.kill()
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+_CACHE: OrderedDict[tuple[str, str], dict] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+
+
+def _math_verify(gold_latex: str, pred_latex: str, timeout_s: float) -> dict | None:
+    """Cached worker call: {'ok': bool|None, ...}, or None on timeout. Timeouts are not cached."""
+    key = (gold_latex, pred_latex)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    res = _POOL.call({"gold": gold_latex, "pred": pred_latex}, timeout_s)
+    if res is not None and "error" not in res:
+        with _CACHE_LOCK:
+            _CACHE[key] = res
+            if len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    return res
+
