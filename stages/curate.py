@@ -204,8 +204,8 @@ class ChunkBudget:
     Also totals the measured generation (tokens, seconds) that evaluation estimates read.
     """
 
-    def __init__(self, deadline: float | None, samples: dict[str, int], clock=time.time):
-        self.deadline, self.samples, self.clock = deadline, samples, clock
+    def __init__(self, deadline: float | None, samples: dict[str, int], clock=None):
+        self.deadline, self.samples, self.clock = deadline, samples, clock or time.time
         self.durations: dict[str, list[float]] = {role: [] for role in samples}
         self.tokens, self.gen_s = 0, 0.0
         self.stop_reason: str | None = None

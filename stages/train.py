@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 # No hub at run time (design.md section 8): never try the network for models, datasets or telemetry.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +43,7 @@ def run(args) -> dict:
     from transformers import PrinterCallback, ProgressCallback
 
     from data_tools.runio import write_json
-    from trainers.callbacks import find_resume_checkpoint, process_start_time
+    from trainers.callbacks import HardStopCallback, HorizonReached, find_resume_checkpoint, process_start_time
     from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
 
     start = process_start_time()
@@ -53,6 +54,9 @@ def run(args) -> dict:
                          processing_class=tok, teacher_processing_class=t_tok, start_time=start)
     deadline = trainer.deadline
     trainer.add_callback(_Console())
+    hard_stop = HardStopCallback(deadline) if trainer.accelerator.num_processes == 1 else None
+    if hard_stop is not None:
+        trainer.add_callback(hard_stop)  # last: it must see the other callbacks' should_save
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)  # _Console prints one short line per step instead
 
@@ -72,7 +76,13 @@ def run(args) -> dict:
         print(f"[train] {deadline.stop_reason}: exporting the start model as checkpoint-0", flush=True)
         trainer.export_checkpoint()
     else:
-        trainer.train(resume_from_checkpoint=resume)
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except HorizonReached as e:
+            deadline.stop_reason = str(e)
+            print(f"[train] {e}: exporting step {trainer.state.global_step}", flush=True)
+            if not (Path(args.ckpt_dir) / f"checkpoint-{trainer.state.global_step}").is_dir():
+                trainer.export_checkpoint()  # the weights of the last finished optimizer step
     summary = {
         "global_step": trainer.state.global_step,
         "stop_reason": deadline.stop_reason,

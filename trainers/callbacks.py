@@ -9,6 +9,8 @@
   ``SaveStrategy`` has no time-based option, transformers#29984) until the first hedge fraction of
   the training window, then once at each hedge fraction, so the exports kept (the highest three)
   are spread over the end of the window instead of sitting in its last minutes.
+- ``HardStopCallback``: a step still running when the horizon passes is cut short (SIGALRM), so the
+  final export still fits in the reserve when one step is longer than the time left.
 - ``MetricsJsonlCallback``: one JSON line per optimizer step in ``metrics/train.jsonl``.
 - ``export_checkpoint`` / ``rotate_exports`` / ``find_resume_checkpoint``: HF exports written to a
   temp dir then renamed, the three highest steps kept; resume state found by its completeness marker.
@@ -200,6 +202,81 @@ class DeadlineCallback(TrainerCallback):
             control.should_training_stop = True
             log.info("stopping at step %d: %s", state.global_step, reason)
         return control
+
+
+class HorizonReached(BaseException):
+    """Raised in the main thread by ``HardStopCallback`` when the horizon passes during a step.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so no ``except Exception`` inside a step swallows it."""
+
+
+class HardStopCallback(TrainerCallback):
+    """Cut a step short when the horizon passes mid-step (the deadline's estimate cannot know the first step).
+
+    ``DeadlineCallback`` stops *between* steps; a step longer than the time left (the first one, or any
+    on a machine that slowed down) would end past the horizon and push the final export past the
+    reserve. This callback arms ``SIGALRM`` for the horizon at ``on_train_begin``; when it fires inside
+    a step, :class:`HorizonReached` propagates out of ``trainer.train()`` and the caller exports the
+    weights of the last finished optimizer step (``stages.train`` does). The alarm waits while the
+    optimizer updates the weights (so an export never holds a half-applied update) and while a save
+    runs (it is raised once the save is done, whose export then is the final one). Add it after every
+    other callback, so it sees their ``should_save``. Main thread, one process only (a rank leaving a
+    collective would hang the others): elsewhere it does nothing.
+    """
+
+    def __init__(self, deadline: DeadlineCallback):
+        self.deadline = deadline
+        self.armed = False
+        self._defer = False
+        self._pending = False
+
+    def _on_alarm(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        if self._defer:
+            self._pending = True
+            return
+        self._raise()
+
+    def _raise(self):
+        self.disarm()
+        raise HorizonReached(f"horizon {self.deadline.horizon_s:.0f}s reached during a step "
+                             f"(elapsed {self.deadline.elapsed():.0f}s)")
+
+    def disarm(self) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self.armed = False
+
+    def _resume(self) -> None:
+        self._defer = False
+        if self._pending:
+            self._pending = False
+            self._raise()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        try:
+            signal.signal(signal.SIGALRM, self._on_alarm)
+        except ValueError:  # not the main thread
+            return
+        signal.setitimer(signal.ITIMER_REAL, max(self.deadline.remaining(), 1e-3))
+        self.armed = True
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._defer = True
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._resume()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_training_stop:
+            self.disarm()  # the stop's final save starts before the horizon and is paid for by the reserve
+        elif control.should_save:
+            self._defer = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self._resume()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.disarm()
 
 
 class SaveCadenceCallback(TrainerCallback):
