@@ -119,7 +119,8 @@ if [ "${eval_policy%%:*}" = reserve ]; then
     e=$(eval_estimate "$proto" 2) || e=$(( EVAL_RESERVE_S / $(wc -w <<<"$EVAL_PROTOCOLS") ))
     eval_s=$(( eval_s + e ))
   done
-  most=$(( CLOCK_S - RESERVE_S - $(elapsed) - 1 ))  # a reserve beyond the time left would leave training no valid clock
+  # at most half of what is left: on a slow machine evaluation must not take all of training's time
+  most=$(( (CLOCK_S - RESERVE_S - $(elapsed)) / 2 ))
   [ $most -lt 0 ] && most=0
   [ $eval_s -gt $most ] && eval_s=$most
   say "evaluation reserve ${eval_s}s (from stage one's measured rates; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
@@ -139,9 +140,9 @@ run_eval() {  # run_eval PROTOCOL MODEL LABEL: only if the clock's time left cov
   fi
   stage "eval $3 (~${need}s estimated, ${left}s left)" $PY -m stages.evaluate --protocol "$1" --model "$2" --label "$3"
 }
-for proto in $EVAL_PROTOCOLS; do
-  run_eval "$proto" "$start_model" "start__$proto"
+for proto in $EVAL_PROTOCOLS; do  # the final export first: when time runs short it is the one that matters
   run_eval "$proto" "$last_ckpt" "final__$proto"
+  run_eval "$proto" "$start_model" "start__$proto"
 done
 stage report $PY -m stages.report --run "$OUTPUT_DIR"
 say "done at $(elapsed)s of the ${CLOCK_S}s clock; final export $last_ckpt"

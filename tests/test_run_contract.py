@@ -322,3 +322,139 @@ def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypa
     # chunks 0 (15 s), 1 (25 s), 2 (35 s); then the student over those 3 chunks (engine 40 s; 50, 60, 70 s)
     assert calls == [f"teacher chunk {i}" for i in range(3)] + [f"student chunk {i}" for i in range(3)]
     assert m["budget"]["chunks_measured"] == 3 and m["budget"]["ended_at_s"] == 70.0
+
+
+def _spin(seconds: float) -> None:
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+
+
+def test_hard_stop_cuts_a_step_at_the_horizon_but_never_an_optimizer_update_or_a_save():
+    from trainers.callbacks import DeadlineCallback, HardStopCallback, HorizonReached
+
+    def armed(horizon_s):
+        d = DeadlineCallback(horizon_s, time.time(), handle_sigterm=False)
+        h = HardStopCallback(d)
+        h.on_train_begin(None, None, None)
+        return h
+
+    h = armed(0.2)
+    t0 = time.time()
+    with pytest.raises(HorizonReached, match="reached during a step"):
+        _spin(5.0)  # a step longer than the time left
+    assert time.time() - t0 < 2.0 and not h.armed
+    # during the optimizer update the alarm waits, and fires when the update is done
+    h = armed(0.2)
+    h.on_pre_optimizer_step(None, None, None)
+    _spin(0.5)
+    with pytest.raises(HorizonReached):
+        h.on_optimizer_step(None, None, None)
+    # a save that runs past the horizon finishes first; the stop comes after it
+    h = armed(0.2)
+    h.on_step_end(None, None, SimpleNamespace(should_training_stop=False, should_save=True))
+    _spin(0.5)
+    with pytest.raises(HorizonReached):
+        h.on_save(None, None, None)
+    # the deadline's own stop disarms it: the final save is the reserve's
+    h = armed(0.2)
+    h.on_step_end(None, None, SimpleNamespace(should_training_stop=True, should_save=True))
+    _spin(0.5)
+    h.on_save(None, None, None)
+    assert not h.armed
+
+
+# ------------------------------------------------------------------------- slow: the real run.sh
+
+def _contract_env(out: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "EVAL_DATA", "CKPT_DIR", "EXPERIMENT_NAME", "OPD_RUN_START",
+        "OPD_LOCK_OWNER", "CURATE_CONFIG", "TRAIN_CONFIG", "EVAL_PROTOCOLS")}
+    env.update(OUTPUT_DIR=str(out), **{k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """``bash run.sh`` (the embedded demo) under a 300 s clock, evaluation off so the clock goes to stage
+    one and training: its output directory, exit code, log and wall time."""
+    out = tmp_path_factory.mktemp("run_sh") / "out"
+    env = _contract_env(out, MAX_WALL_TIME_SECONDS=300, DEADLINE_RESERVE_SECONDS=45, EVAL_PROTOCOLS="")
+    t0 = time.time()
+    r = subprocess.run(["bash", str(REPO / "run.sh")], env=env, capture_output=True, text=True, timeout=900)
+    return SimpleNamespace(out=out, rc=r.returncode, log=r.stdout + r.stderr, wall=time.time() - t0)
+
+
+def _last_export(out: Path) -> Path:
+    from trainers.callbacks import checkpoint_steps
+
+    steps = checkpoint_steps(out / "checkpoints")
+    assert steps, f"no checkpoint-<step> in {out / 'checkpoints'}"
+    return steps[-1][1]
+
+
+@pytest.mark.slow
+def test_run_sh_fits_the_whole_run_in_its_clock(demo_run):
+    assert demo_run.rc == 0, demo_run.log[-3000:]
+    assert demo_run.wall < 300, f"run.sh took {demo_run.wall:.0f}s of a 300 s clock"
+    log = demo_run.log
+    assert "recipe demo_cpu (STUDENT_MODEL is not set)" in log and "[curate] budget: until" in log
+    assert "[curate] clock:" in log and "[train] clock: training from" in log and "done at" in log
+    budget = json.loads((demo_run.out / "curate" / "manifest.json").read_text())["budget"]
+    assert budget["budget_end_s"] == pytest.approx(0.3 * 255, abs=0.1) and budget["problems_measured"] >= 10
+    summary = json.loads((demo_run.out / "train_summary.json").read_text())
+    assert summary["horizon_s"] == 255 and summary["wall_s"] <= 300  # training and its final export inside the clock
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_last_export(demo_run.out))
+    assert model.num_parameters() > 10**8
+
+
+@pytest.mark.slow
+def test_final_export_loads_and_generates_in_vllm(demo_run):
+    assert demo_run.rc == 0, demo_run.log[-3000:]
+    code = ("import json, sys\nfrom data_tools.engine import Engine\n"
+            "e = Engine(sys.argv[1], max_model_len=256)\n"
+            "s = [x for b in e.generate(['What is 2 + 3?'], n=2, max_tokens=8) for x in b]\n"
+            "e.close()\nprint(json.dumps([[x.n_tokens, x.finish_reason] for x in s]))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(_last_export(demo_run.out))], cwd=REPO, capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(samples) == 2 and all(1 <= n <= 8 and reason in ("stop", "length") for n, reason in samples)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_saves_stops_and_releases_the_lock(demo_run, tmp_path):
+    """SIGINT to run.sh mid-training (as Ctrl-C sends it) acts like SIGTERM: training saves after its
+    current step and stops, run.sh exits 130 and releases the lock. The run resumes demo_run's, and
+    stage one's budget is spent at once, so it reuses the measured chunks without an engine."""
+    assert demo_run.rc == 0, demo_run.log[-3000:]
+    cfg = tmp_path / "curate.yaml"
+    cfg.write_text((REPO / "configs" / "curate_demo_cpu.yaml").read_text() + "time_share: 0.001\n")
+    metrics = demo_run.out / "metrics" / "train.jsonl"
+    before = len(metrics.read_text().splitlines())
+    env = _contract_env(demo_run.out, MAX_WALL_TIME_SECONDS=900, DEADLINE_RESERVE_SECONDS=45, EVAL_PROTOCOLS="",
+                        CURATE_CONFIG=cfg)
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(["bash", str(REPO / "run.sh")], env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 600
+        while len(metrics.read_text().splitlines()) == before:  # a new training step: training is running
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(2)
+        stage = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        os.kill(p.pid, signal.SIGINT)
+        rc = p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log.read_text()
+    assert rc == 130, text[-3000:]
+    assert "got SIGINT; stopping the current stage" in text and "budget spent before stage one began" in text
+    summary = json.loads((demo_run.out / "train_summary.json").read_text())
+    assert summary["stop_reason"] == "sigterm" and summary["global_step"] > before
+    assert _last_export(demo_run.out).name == f"checkpoint-{summary['global_step']}"
+    assert not list(demo_run.out.rglob(".opd.lock"))  # released
+    assert stage and all(not Path(f"/proc/{pid}").exists() for pid in stage)  # the stage is gone, not orphaned
