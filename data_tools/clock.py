@@ -35,10 +35,10 @@ from typing import Any, Mapping
 RUN_START_ENV = "OPD_RUN_START"
 
 #: Stage one's default share of the clock before training (CurateConfig.time_share). Why 0.2 for the
-#: formal recipe: README "The formal run" works it out -- on one H200 it measures ~2,900 problems
-#: (~1,450 curriculum rows), enough that the ~1,700 training steps left revisit a row about every
-#: 38 steps of 32 prompts; a larger share buys diversity the on-policy steps do not need at the
-#: price of steps they do.
+#: formal recipe (README "The formal run" has the arithmetic, from estimated H200 rates): it measures
+#: ~2,300 problems (~1,150 curriculum rows) and ends after ~1.4 h, leaving ~1,250-1,850 training steps
+#: that revisit a row about every 36 steps; each further 0.1 costs ~100 steps (7% of training) for
+#: ~580 rows, diversity that on-policy steps, which sample afresh at every visit, need less than steps.
 DEFAULT_CURATE_SHARE = 0.2
 #: OPDConfig's own defaults, used when a recipe's train YAML does not set the clock.
 DEFAULT_MAX_WALL_S = 43200.0
