@@ -31,7 +31,7 @@ set_recipe() {
     demo_cpu)        recipe configs/curate_demo_cpu.yaml configs/demo_cpu.yaml synth_heldout default reserve:240 ;;
     r1_distill_1p5b) recipe configs/curate_r1_distill_1p5b.yaml configs/opd_r1_distill_1p5b.yaml \
                        "math500_pass_at_1 aime24_25_at32" opd_r1_distill_1p5b if_time ;;
-    *) echo "run.sh: unknown recipe '$1' (demo_cpu or r1_distill_1p5b)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown recipe '$1' (recipes: $(sed -n 's/^    \([a-z0-9_]*\)) *recipe .*/\1/p' "$0" | xargs))" >&2; exit 2 ;;
   esac
 }
 

@@ -11,6 +11,11 @@
    from those, a reward-only method does not; opd_literature.md section 5).
 4. Curriculum: kept rows ordered by difficulty (easy -> hard by default) into ``n_buckets`` buckets.
 
+Under a clock (``max_wall_time_seconds``, set by run.sh), stage one has a time budget, ``time_share`` of
+the clock before training: chunks of problems are visited in a seeded random order, none is started
+that is expected to end past the budget, every finished chunk is kept and the curriculum is built
+from the problems measured (``ChunkBudget``; the manifest's ``budget`` block records it).
+
 Tables land in ``${OUTPUT_DIR}/curate/``: rollouts, problems, curriculum, rejects (parquet) and
 manifest.json. Work is saved per chunk of prompts (``curate/parts/``), so an interrupted run
 resumes where it stopped; every file is written under a temporary name and renamed.
