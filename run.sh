@@ -115,15 +115,20 @@ stage curate $PY -m stages.curate --config "$CURATE_CONFIG" --deadline_reserve_s
 
 eval_s=0
 if [ "${eval_policy%%:*}" = reserve ]; then
+  one=0  # the final export's evaluation alone
   for proto in $EVAL_PROTOCOLS; do
     e=$(eval_estimate "$proto" 2) || e=$(( EVAL_RESERVE_S / $(wc -w <<<"$EVAL_PROTOCOLS") ))
-    eval_s=$(( eval_s + e ))
+    o=$(eval_estimate "$proto" 1) || o=$(( e / 2 ))
+    eval_s=$(( eval_s + e )); one=$(( one + o ))
   done
-  # at most half of what is left: on a slow machine evaluation must not take all of training's time
-  most=$(( (CLOCK_S - RESERVE_S - $(elapsed)) / 2 ))
+  # on a slow machine evaluation must not take all of training's time: at most half of what is left,
+  # unless the final export's evaluation alone needs more (then that much, if it is left at all)
+  left=$(( CLOCK_S - RESERVE_S - $(elapsed) ))
+  most=$(( left / 2 > one ? left / 2 : one ))
+  [ $most -gt $left ] && most=$left
   [ $most -lt 0 ] && most=0
   [ $eval_s -gt $most ] && eval_s=$most
-  say "evaluation reserve ${eval_s}s (from stage one's measured rates; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
+  say "evaluation reserve ${eval_s}s (from stage one's measured rates: ~${one}s for the final export alone; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
 fi
 stage train $PY -m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s ))
 
