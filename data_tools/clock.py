@@ -174,6 +174,8 @@ def eval_estimate(manifest: Mapping[str, Any], size: Mapping[str, Any], n_models
 
 def _plan(ns: argparse.Namespace) -> dict[str, Any]:
     kind, e = parse_eval_policy(ns.eval)
+    if not ns.protocols.split():
+        e = 0.0  # nothing to evaluate: nothing to keep
     t, r = resolve_clock(ns.train)
     share = float(_yaml(ns.curate).get("time_share", DEFAULT_CURATE_SHARE))
     return {"recipe": ns.recipe, "curate_config": ns.curate, "train_config": ns.train, "protocols": ns.protocols.split(),
