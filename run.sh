@@ -1,54 +1,92 @@
 #!/usr/bin/env bash
-# opd end to end: curate -> train -> evaluate (start model and last checkpoint) -> report.
+# opd end to end on one wall clock: set-up -> curate -> train -> evaluate -> report.
 #
-#   bash run.sh                      # embedded CPU demo: SmolLM2-135M, privileged self-teacher, generated problems
-#   bash run.sh r1_distill_1p5b      # formal recipe on a GPU node (set the environment below)
+#   bash run.sh                    # the formal recipe when STUDENT_MODEL is set and CUDA is visible, else the CPU demo
+#   bash run.sh RECIPE             # demo_cpu | r1_distill_1p5b
+#   bash run.sh --plan [RECIPE]    # print the recipe, its config files and each stage's time budget; run nothing
 #
 # Environment (the run contract; values here win over the recipe's config defaults):
 #   STUDENT_MODEL TEACHER_MODEL TRAIN_DATA EVAL_DATA MAX_WALL_TIME_SECONDS DEADLINE_RESERVE_SECONDS
 #   OUTPUT_DIR CKPT_DIR EXPERIMENT_NAME
-# and, to swap a stage's recipe: CURATE_CONFIG TRAIN_CONFIG EVAL_PROTOCOLS (space-separated).
-# Exit codes: a failing stage's own code; 75 when another run holds OUTPUT_DIR or CKPT_DIR.
+# and, to swap a stage's recipe: CURATE_CONFIG TRAIN_CONFIG EVAL_PROTOCOLS (space-separated; empty = none).
+# MAX_WALL_TIME_SECONDS counts from this script's start (set-up included); training stops at
+# MAX_WALL_TIME_SECONDS - DEADLINE_RESERVE_SECONDS (less the evaluation reserve of a recipe that keeps
+# one) and its final export is done within the reserve.
+# Exit codes: a failing stage's own code; 75 when another run holds OUTPUT_DIR or CKPT_DIR; 2 for a bad
+# recipe or clock; 130 / 143 after Ctrl-C / SIGTERM (the running stage stops first; training saves).
 set -uo pipefail
 cd "$(dirname "$0")"
+t0=$(date +%s.%N)
+export OPD_RUN_START=$t0   # every stage counts the clock from here (data_tools/clock.py)
+PY=.venv/bin/python
 
-recipe="${1:-demo_cpu}"
-case "$recipe" in
-  demo_cpu)
-    : "${CURATE_CONFIG:=configs/curate_demo_cpu.yaml}" "${TRAIN_CONFIG:=configs/demo_cpu.yaml}"
-    : "${EVAL_PROTOCOLS:=synth_heldout}" "${EXPERIMENT_NAME:=default}" ;;  # = make's default run dir
-  r1_distill_1p5b)
-    : "${CURATE_CONFIG:=configs/curate_r1_distill_1p5b.yaml}" "${TRAIN_CONFIG:=configs/opd_r1_distill_1p5b.yaml}"
-    : "${EVAL_PROTOCOLS:=math500_pass_at_1 aime24_25_at32}" "${EXPERIMENT_NAME:=opd_r1_distill_1p5b}" ;;
-  -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-  *) echo "run.sh: unknown recipe '$recipe' (demo_cpu or r1_distill_1p5b)" >&2; exit 2 ;;
-esac
+# The recipe table, one entry per recipe:
+#   NAME) recipe CURATE_CONFIG TRAIN_CONFIG "EVAL_PROTOCOLS" EXPERIMENT_NAME EVAL_POLICY ;;
+# EVAL_POLICY reserve:<s>: keep <s> seconds of the clock for evaluation (re-estimated from stage one's
+# measured rates before training starts); if_time: keep none, evaluate only if the time left covers it
+# (the formal run's orchestrator scores the exports itself).
+recipe() { : "${CURATE_CONFIG:=$1}" "${TRAIN_CONFIG:=$2}" "${EVAL_PROTOCOLS=$3}" "${EXPERIMENT_NAME:=$4}"; eval_policy=$5; }
+set_recipe() {
+  case "$1" in
+    demo_cpu)        recipe configs/curate_demo_cpu.yaml configs/demo_cpu.yaml synth_heldout default reserve:240 ;;
+    r1_distill_1p5b) recipe configs/curate_r1_distill_1p5b.yaml configs/opd_r1_distill_1p5b.yaml \
+                       "math500_pass_at_1 aime24_25_at32" opd_r1_distill_1p5b if_time ;;
+    *) echo "run.sh: unknown recipe '$1' (recipes: $(sed -n 's/^    \([a-z0-9_]*\)) *recipe .*/\1/p' "$0" | xargs))" >&2; exit 2 ;;
+  esac
+}
+
+cuda_visible() {  # cheap: nvidia-smi lists a GPU (and CUDA_VISIBLE_DEVICES hides none), else the venv's torch says so
+  case "${CUDA_VISIBLE_DEVICES-unset}" in ""|-1) return 1 ;; esac
+  if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -q '^GPU'; return; fi
+  [ -x "$PY" ] && "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
+}
+
+plan=0
+[ "${1:-}" = "--plan" ] && { plan=1; shift; }
+case "${1:-}" in -h|--help) sed -n '2,17p' "$0"; exit 0 ;; esac
+if [ -n "${1:-}" ]; then name=$1; why="named on the command line"
+elif [ -z "${STUDENT_MODEL:-}" ]; then name=demo_cpu; why="STUDENT_MODEL is not set"
+elif cuda_visible; then name=r1_distill_1p5b; why="STUDENT_MODEL is set and CUDA is visible"
+else name=demo_cpu; why="STUDENT_MODEL is set but no CUDA device is visible; the demo recipe runs on STUDENT_MODEL"
+fi
+set_recipe "$name"
 # same root as data_tools.runio.cache_root: $OPD_CACHE, else $XDG_CACHE_HOME/opd, else ~/.cache/opd
 : "${OUTPUT_DIR:=${OPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/opd}/runs/$EXPERIMENT_NAME}"
 : "${CKPT_DIR:=$OUTPUT_DIR/checkpoints}"
 export EXPERIMENT_NAME OUTPUT_DIR CKPT_DIR
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
-t0=$(date +%s)
-say() { printf '\n=== [%4ds] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
+elapsed() { echo $(( $(date +%s) - ${t0%.*} )); }
+say() { printf '\n=== [%4ds] %s\n' "$(elapsed)" "$*"; }
 
-PY=.venv/bin/python
-if ! make -s setup >/tmp/opd-setup.$$.log 2>&1; then
-  tail -20 /tmp/opd-setup.$$.log; echo "run.sh: make setup failed (log: /tmp/opd-setup.$$.log)" >&2; exit 1
+if [ $plan = 0 ] || [ ! -x $PY ]; then
+  if ! make -s setup >/tmp/opd-setup.$$.log 2>&1; then
+    tail -20 /tmp/opd-setup.$$.log; echo "run.sh: make setup failed (log: /tmp/opd-setup.$$.log)" >&2; exit 1
+  fi
+  rm -f /tmp/opd-setup.$$.log
 fi
-rm -f /tmp/opd-setup.$$.log
+clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
+if [ $plan = 1 ]; then
+  echo "run.sh: recipe $name ($why); OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
+  exec $PY -m data_tools.clock plan "${clock_args[@]}"
+fi
+clock=$($PY -m data_tools.clock shell "${clock_args[@]}") || exit 2
+eval "$clock"  # CLOCK_S RESERVE_S EVAL_RESERVE_S CURATE_BUDGET_S TRAIN_END_S CURATE_SHARE
+export MAX_WALL_TIME_SECONDS=$CLOCK_S DEADLINE_RESERVE_SECONDS=$RESERVE_S  # one clock for every stage
 
 # One run per OUTPUT_DIR / CKPT_DIR: the lock records this shell's pid; the stages see
 # OPD_LOCK_OWNER and run under it. A lock left by a dead process is taken over.
 $PY -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
 export OPD_LOCK_OWNER=$$
 trap '$PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
-# On SIGTERM / SIGINT: pass the signal to the running stage and wait until it has stopped (training
-# saves a checkpoint first), so the lock is released only once nothing writes to the run any more.
+# Stages run in the background of this non-interactive shell, so they start with SIGINT ignored
+# (POSIX: asynchronous commands without job control). SIGTERM is what every stage handles (training
+# saves a checkpoint and stops after its current step), so SIGINT (Ctrl-C) and SIGTERM are both passed
+# on as SIGTERM, and the lock is released only once nothing writes to the run any more.
 child=""
 on_signal() {
-  echo "run.sh: got $1; stopping the current stage (pid ${child:-none}) and waiting for it" >&2
-  [ -n "$child" ] && kill -"$1" "$child" 2>/dev/null && wait "$child"
+  echo "run.sh: got SIG$1; stopping the current stage (pid ${child:-none}) with SIGTERM and waiting for it" >&2
+  if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi
   exit $(( 128 + $2 ))
 }
 trap 'on_signal TERM 15' TERM
@@ -56,6 +94,7 @@ trap 'on_signal INT 2' INT
 
 stage() {  # stage NAME CMD...: run it; on failure stop with its exit code and a one-line reason
   local name=$1; shift
+  local began; began=$(elapsed)
   say "$name: $*"
   "$@" & child=$!
   wait "$child"; local rc=$?
@@ -64,18 +103,51 @@ stage() {  # stage NAME CMD...: run it; on failure stop with its exit code and a
     echo "run.sh: stage '$name' failed with exit code $rc; outputs so far are kept in $OUTPUT_DIR" >&2
     exit $rc
   fi
+  say "$name: done in $(( $(elapsed) - began ))s"
+}
+eval_estimate() {  # eval_estimate PROTOCOL N_MODELS: seconds, from stage one's measured rates (fails without them)
+  $PY -m data_tools.clock eval-estimate --manifest "$OUTPUT_DIR/curate/manifest.json" --protocol "$1" --models "$2" 2>/dev/null
 }
 
-say "recipe $recipe -> OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
-stage curate $PY -m stages.curate --config "$CURATE_CONFIG"
-stage train $PY -m stages.train --config "$TRAIN_CONFIG"
+say "recipe $name ($why) -> OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
+say "clock: ${CLOCK_S}s from this script's start, reserve ${RESERVE_S}s; stage one until ${CURATE_BUDGET_S}s (share $CURATE_SHARE), training until ${TRAIN_END_S}s, evaluation ${eval_policy}"
+stage curate $PY -m stages.curate --config "$CURATE_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + EVAL_RESERVE_S ))
 
-last_ckpt=$(ls -d "$CKPT_DIR"/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
+eval_s=0
+if [ "${eval_policy%%:*}" = reserve ]; then
+  one=0  # the final export's evaluation alone
+  for proto in $EVAL_PROTOCOLS; do
+    e=$(eval_estimate "$proto" 2) || e=$(( EVAL_RESERVE_S / $(wc -w <<<"$EVAL_PROTOCOLS") ))
+    o=$(eval_estimate "$proto" 1) || o=$(( e / 2 ))
+    eval_s=$(( eval_s + e )); one=$(( one + o ))
+  done
+  # on a slow machine evaluation must not take all of training's time: at most half of what is left,
+  # unless the final export's evaluation alone needs more (then that much, if it is left at all)
+  left=$(( CLOCK_S - RESERVE_S - $(elapsed) ))
+  most=$(( left / 2 > one ? left / 2 : one ))
+  [ $most -gt $left ] && most=$left
+  [ $most -lt 0 ] && most=0
+  [ $eval_s -gt $most ] && eval_s=$most
+  say "evaluation reserve ${eval_s}s (from stage one's measured rates: ~${one}s for the final export alone; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
+fi
+stage train $PY -m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s ))
+
+last_ckpt=$(ls "$CKPT_DIR" 2>/dev/null | grep -E '^checkpoint-[0-9]+$' | sort -t- -k2 -n | tail -1)
 [ -n "$last_ckpt" ] || { echo "run.sh: training left no checkpoint in $CKPT_DIR" >&2; exit 1; }
+last_ckpt=$CKPT_DIR/$last_ckpt
 start_model=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['models']['student']['path'])" "$OUTPUT_DIR/curate/manifest.json")
-for proto in $EVAL_PROTOCOLS; do
-  stage "eval $proto (start model)" $PY -m stages.evaluate --protocol "$proto" --model "$start_model" --label "start__$proto"
-  stage "eval $proto ($(basename "$last_ckpt"))" $PY -m stages.evaluate --protocol "$proto" --model "$last_ckpt" --label "final__$proto"
+run_eval() {  # run_eval PROTOCOL MODEL LABEL: only if the clock's time left covers its estimate
+  local need left=$(( CLOCK_S - $(elapsed) ))
+  need=$(eval_estimate "$1" 1) || need=$(( EVAL_RESERVE_S / 2 ))
+  if [ "$need" -gt "$left" ]; then
+    say "eval $3 skipped: it needs ~${need}s and ${left}s of the clock are left"
+    return 0
+  fi
+  stage "eval $3 (~${need}s estimated, ${left}s left)" $PY -m stages.evaluate --protocol "$1" --model "$2" --label "$3"
+}
+for proto in $EVAL_PROTOCOLS; do  # the final export first: when time runs short it is the one that matters
+  run_eval "$proto" "$last_ckpt" "final__$proto"
+  run_eval "$proto" "$start_model" "start__$proto"
 done
 stage report $PY -m stages.report --run "$OUTPUT_DIR"
-say "done"
+say "done at $(elapsed)s of the ${CLOCK_S}s clock; final export $last_ckpt"

@@ -11,6 +11,11 @@
    from those, a reward-only method does not; opd_literature.md section 5).
 4. Curriculum: kept rows ordered by difficulty (easy -> hard by default) into ``n_buckets`` buckets.
 
+Under a clock (``max_wall_time_seconds``, set by run.sh), stage one has a time budget, ``time_share`` of
+the clock before training: chunks of problems are visited in a seeded random order, none is started
+that is expected to end past the budget, every finished chunk is kept and the curriculum is built
+from the problems measured (``ChunkBudget``; the manifest's ``budget`` block records it).
+
 Tables land in ``${OUTPUT_DIR}/curate/``: rollouts, problems, curriculum, rejects (parquet) and
 manifest.json. Work is saved per chunk of prompts (``curate/parts/``), so an interrupted run
 resumes where it stopped; every file is written under a temporary name and renamed.
@@ -18,6 +23,7 @@ resumes where it stopped; every file is written under a temporary name and renam
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_tools import prompts as P
+from data_tools.clock import DEFAULT_CURATE_SHARE, run_start_time
 from data_tools.config import parse_config
 from data_tools.grader import grade_batch
 from data_tools.models import resolve_model
@@ -88,6 +95,9 @@ class CurateConfig:
     order: str = field(default="easy_to_hard", metadata={"help": "Curriculum order: easy_to_hard, hard_to_easy or mixed."})
     output_dir: str = field(default="", metadata={"help": "Run scratch directory (env OUTPUT_DIR); default under ~/.cache/opd/runs/."})
     experiment_name: str = field(default="default", metadata={"help": "Run name (env EXPERIMENT_NAME)."})
+    max_wall_time_seconds: float = field(default=0.0, metadata={"help": "The run's clock T in seconds, counted from run.sh's start (OPD_RUN_START) or this process's (env MAX_WALL_TIME_SECONDS); 0 = no clock: measure every problem."})
+    deadline_reserve_seconds: float = field(default=0.0, metadata={"help": "Seconds of the clock kept after training (env DEADLINE_RESERVE_SECONDS; run.sh adds the evaluation reserve)."})
+    time_share: float = field(default=DEFAULT_CURATE_SHARE, metadata={"help": "Stage one ends at time_share x (max_wall_time_seconds - deadline_reserve_seconds) on the run's clock, set-up included: it starts no chunk it expects to finish later, keeps every finished chunk and builds the curriculum from the problems measured. Default 0.2: README 'The formal run' has the arithmetic."})
 
     def __post_init__(self):
         if self.teacher_context not in ("teacher", "privileged"):
@@ -115,6 +125,13 @@ class CurateConfig:
             raise ValueError(f"order must be easy_to_hard, hard_to_easy or mixed, got {self.order!r}")
         if not 0.0 < self.temperature <= 2.0 or not 0.0 < self.top_p <= 1.0:
             raise ValueError("temperature must lie in (0, 2] and top_p in (0, 1]")
+        if not 0.0 < self.time_share <= 1.0:
+            raise ValueError(f"time_share must lie in (0, 1], got {self.time_share}")
+        if self.max_wall_time_seconds < 0 or self.deadline_reserve_seconds < 0:
+            raise ValueError("max_wall_time_seconds and deadline_reserve_seconds must be >= 0")
+        if self.max_wall_time_seconds and self.deadline_reserve_seconds >= self.max_wall_time_seconds:
+            raise ValueError(f"deadline_reserve_seconds ({self.deadline_reserve_seconds}) must be below "
+                             f"max_wall_time_seconds ({self.max_wall_time_seconds})")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         self.output_dir = str(check_outside_repo(Path(self.output_dir) if self.output_dir else default_output_dir(self.experiment_name)))
@@ -150,36 +167,78 @@ def _fingerprint(cfg: CurateConfig, models: dict) -> str:
     """What makes finished chunks reusable: data, models, prompts and sampling (not filter settings)."""
     keys = ("train_data", "limit", "teacher_context", "privileged_reference", "prompt_style", "teacher_samples", "student_samples",
             "max_tokens", "temperature", "top_p", "seed", "chunk_size")
-    blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models}, sort_keys=True)
+    # chunk i holds the i-th slice of the seeded visiting order (curate()), not of the input file
+    blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models, "visit_order": "seeded_shuffle"}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def generate_role(engine, role: str, rows: list[dict], prompts: list[str], cfg: CurateConfig, parts: Path,
-                  n: int, model_name: str) -> None:
-    """Generate and grade ``n`` samples per prompt, chunk by chunk, skipping chunks already on disk."""
-    for c0 in range(0, len(rows), cfg.chunk_size):
-        chunk_id = c0 // cfg.chunk_size
-        dest = parts / f"{role}-{chunk_id:05d}.parquet"
-        if dest.exists():
-            continue
-        started = time.strftime("%Y-%m-%dT%H:%M:%S")
-        sub_rows, sub_prompts = rows[c0 : c0 + cfg.chunk_size], prompts[c0 : c0 + cfg.chunk_size]
-        samples = [s for batch in engine.generate(sub_prompts, n=n, max_tokens=cfg.max_tokens,
-                                                  temperature=cfg.temperature, top_p=cfg.top_p,
-                                                  chunk_size=len(sub_prompts), desc=f"{role} chunk {chunk_id}")
-                   for s in batch]
-        verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
-                               truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter)
-        finished = time.strftime("%Y-%m-%dT%H:%M:%S")
-        out = [{"problem_id": sub_rows[s.prompt_index]["problem_id"], "role": role, "sample_index": s.sample_index,
-                "prompt": sub_prompts[s.prompt_index], "completion": s.completion,
-                "n_prompt_tokens": s.n_prompt_tokens, "n_tokens": s.n_tokens, "finish_reason": s.finish_reason,
-                "extracted": v.extracted, "correct": v.correct, "grader_path": v.path, "model": model_name,
-                "chunk": chunk_id, "started_at": started, "finished_at": finished}
-               for s, v in zip(samples, verdicts)]
-        write_parquet(pa.Table.from_pylist(out, schema=ROLLOUT_SCHEMA), dest)
-        acc = sum(v.correct for v in verdicts) / max(len(verdicts), 1)
-        print(f"[{role}] chunk {chunk_id}: {len(sub_rows)} problems, accuracy {acc:.3f}", flush=True)
+def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: list[str], cfg: CurateConfig,
+                   parts: Path, n: int, model_name: str) -> int:
+    """Generate and grade ``n`` samples for each prompt of chunk ``chunk_id`` (rows ``chunk_id * chunk_size``
+    onwards) into ``parts/<role>-<chunk_id>.parquet``; returns the completion tokens generated."""
+    c0 = chunk_id * cfg.chunk_size
+    dest = parts / f"{role}-{chunk_id:05d}.parquet"
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    sub_rows, sub_prompts = rows[c0 : c0 + cfg.chunk_size], prompts[c0 : c0 + cfg.chunk_size]
+    samples = [s for batch in engine.generate(sub_prompts, n=n, max_tokens=cfg.max_tokens,
+                                              temperature=cfg.temperature, top_p=cfg.top_p,
+                                              chunk_size=len(sub_prompts), desc=f"{role} chunk {chunk_id}")
+               for s in batch]
+    verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
+                           truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter)
+    finished = time.strftime("%Y-%m-%dT%H:%M:%S")
+    out = [{"problem_id": sub_rows[s.prompt_index]["problem_id"], "role": role, "sample_index": s.sample_index,
+            "prompt": sub_prompts[s.prompt_index], "completion": s.completion,
+            "n_prompt_tokens": s.n_prompt_tokens, "n_tokens": s.n_tokens, "finish_reason": s.finish_reason,
+            "extracted": v.extracted, "correct": v.correct, "grader_path": v.path, "model": model_name,
+            "chunk": chunk_id, "started_at": started, "finished_at": finished}
+           for s, v in zip(samples, verdicts)]
+    write_parquet(pa.Table.from_pylist(out, schema=ROLLOUT_SCHEMA), dest)
+    acc = sum(v.correct for v in verdicts) / max(len(verdicts), 1)
+    print(f"[{role}] chunk {chunk_id}: {len(sub_rows)} problems, accuracy {acc:.3f}", flush=True)
+    return sum(s.n_tokens for s in samples)
+
+
+class ChunkBudget:
+    """Admits stage one's chunks while their expected end stays before ``deadline`` (Unix time; None = no clock).
+
+    The expected time of a role's next chunk is the larger of its last and its mean measured chunk
+    time (as ``DeadlineCallback`` estimates steps); a role not timed yet borrows another role's mean
+    scaled by the sample counts, else it is unknown (0). ``forced`` admits regardless: the first
+    chunk of each role always runs, so a curriculum exists even when engine start-up ate the budget.
+    Also totals the measured generation (tokens, seconds) that evaluation estimates read.
+    """
+
+    def __init__(self, deadline: float | None, samples: dict[str, int], clock=None):
+        self.deadline, self.samples, self.clock = deadline, samples, clock or time.time
+        self.durations: dict[str, list[float]] = {role: [] for role in samples}
+        self.tokens, self.gen_s = 0, 0.0
+        self.stop_reason: str | None = None
+
+    def expected(self, role: str) -> float:
+        d = self.durations[role]
+        if d:
+            return max(d[-1], sum(d) / len(d))
+        for other, od in self.durations.items():
+            if od:
+                return sum(od) / len(od) * self.samples[role] / self.samples[other]
+        return 0.0
+
+    def admits(self, roles: list[str], *, forced: bool = False, deadline: float | None = None) -> bool:
+        deadline = self.deadline if deadline is None else deadline
+        if deadline is None or forced:
+            return True
+        need = sum(self.expected(r) for r in roles)
+        if self.clock() + need <= deadline:
+            return True
+        self.stop_reason = (f"budget: next {'+'.join(roles)} chunk needs ~{need:.0f}s, "
+                            f"{max(deadline - self.clock(), 0):.0f}s left")
+        return False
+
+    def record(self, role: str, seconds: float, tokens: int) -> None:
+        self.durations[role].append(seconds)
+        self.tokens += tokens
+        self.gen_s += seconds
 
 
 def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig) -> tuple[list[dict], list[dict]]:
@@ -244,6 +303,39 @@ def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig
     return out, rejects
 
 
+def _budget_record(cfg: CurateConfig, budget: ChunkBudget, timings: dict, rollouts: pa.Table, manifest_path: Path, *,
+                   clock0: float, t_start: float, deadline: float | None, n_chunks: int, measured: int,
+                   chunks: dict[str, int], problems: tuple[int, int]) -> dict:
+    """The manifest's ``budget`` block: the clock stage one had and used, what it measured, and the
+    measured rates (completion tokens/s, engine start-up, mean length) that run.sh's evaluation
+    estimate reads; a run that generated nothing keeps the rates of the manifest it resumed."""
+    student = rollouts.filter(pa.compute.equal(rollouts["role"], "student"))
+    prev = {}
+    if manifest_path.exists():
+        with contextlib.suppress(ValueError, OSError):
+            prev = json.loads(manifest_path.read_text()).get("budget") or {}
+    return {"clock_start": clock0, "time_share": cfg.time_share, "max_wall_time_seconds": cfg.max_wall_time_seconds,
+           "deadline_reserve_seconds": cfg.deadline_reserve_seconds,
+           "budget_end_s": None if deadline is None else round(deadline - clock0, 1),
+           "ended_at_s": round(time.time() - clock0, 1), "setup_s": round(t_start - clock0, 1),
+           "chunks": n_chunks, "chunks_measured": measured, "teacher_chunks": chunks["teacher"],
+           "student_chunks": chunks["student"], "problems_measured": problems[0], "problems_unmeasured": problems[1] - problems[0],
+           "stop_reason": budget.stop_reason or "every problem measured",
+           "completion_tokens": budget.tokens, "generation_s": round(budget.gen_s, 1),
+           "completion_tokens_per_s": round(budget.tokens / budget.gen_s, 1) if budget.gen_s > 0 else prev.get("completion_tokens_per_s"),
+           "engine_startup_s": timings.get("engine_startup_s", prev.get("engine_startup_s")),
+           "mean_completion_tokens": round(pa.compute.mean(student["n_tokens"]).as_py() or 0.0, 1) if student.num_rows else None}
+
+
+def _budget_line(b: dict) -> str:
+    end = "no clock" if b["budget_end_s"] is None else f"budget until {b['budget_end_s']:.0f}s"
+    tps = b["completion_tokens_per_s"]
+    return (f"[curate] clock: {end}, stage one ended at {b['ended_at_s']:.0f}s on the run's clock (set-up {b['setup_s']:.0f}s, "
+            f"engine start-up {b['engine_startup_s'] or 0:.0f}s, generation {b['generation_s']:.0f}s at "
+            f"{tps or 0:.0f} completion tok/s); measured {b['chunks_measured']}/{b['chunks']} chunks = "
+            f"{b['problems_measured']} problems ({b['problems_unmeasured']} not visited); {b['stop_reason']}")
+
+
 def curate(cfg: CurateConfig) -> dict:
     """Run stage one end to end; returns the manifest (also written to ``curate/manifest.json``)."""
     t_start = time.time()
@@ -272,44 +364,93 @@ def curate(cfg: CurateConfig) -> dict:
 
     from data_tools.engine import Engine
 
+    # Chunks are visited in a seeded random order of the problems, so the problems measured before
+    # the budget ends are a uniform sample, whatever the input file's order (MATH train is by subject).
+    visit = list(rows)
+    random.Random(cfg.seed).shuffle(visit)
+    n_chunks = (len(visit) + cfg.chunk_size - 1) // cfg.chunk_size
+    have = lambda role, i: (parts / f"{role}-{i:05d}.parquet").exists()  # noqa: E731
+    any_have = lambda role: any(have(role, i) for i in range(n_chunks))  # noqa: E731
+    clock0 = run_start_time()
+    window = cfg.max_wall_time_seconds - cfg.deadline_reserve_seconds
+    deadline = clock0 + cfg.time_share * window if cfg.max_wall_time_seconds else None
+    if deadline is not None:
+        print(f"[curate] budget: until {deadline - clock0:.0f}s on the run's clock (time_share {cfg.time_share:g} x "
+              f"{window:.0f}s), {t_start - clock0:.0f}s of it already used", flush=True)
+    budget = ChunkBudget(deadline, {"teacher": cfg.teacher_samples, "student": cfg.student_samples})
+    n_of = {"teacher": cfg.teacher_samples, "student": cfg.student_samples}
+    model_of = {"teacher": teacher, "student": student}
     timings: dict[str, float] = {}
-    def run_role(engine, role: str, prompts: list[str], n: int, model: str) -> None:
-        t0 = time.time()
-        generate_role(engine, role, rows, prompts, cfg, parts, n, model)
-        timings[f"{role}_s"] = round(time.time() - t0, 1)
-
-    def need(role: str) -> bool:
-        n_chunks = (len(rows) + cfg.chunk_size - 1) // cfg.chunk_size
-        return any(not (parts / f"{role}-{i:05d}.parquet").exists() for i in range(n_chunks))
-
     engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len,
                      gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
     engine = None
-    try:  # the engine's worker processes must go down on errors and SIGTERM too (see exit_on_sigterm)
-        if need("teacher"):
-            engine = Engine(teacher, **engine_kw)
-            if cfg.teacher_context == "privileged":
-                tprompts = [P.render(engine.tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference), cfg.prompt_style)) for r in rows]
-            else:
-                tprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
-            run_role(engine, "teacher", tprompts, cfg.teacher_samples, teacher)
-        if need("student"):
-            if engine is None or teacher != student:
-                if engine is not None:
-                    engine.close()
-                engine = Engine(student, **engine_kw)
-            sprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
-            run_role(engine, "student", sprompts, cfg.student_samples, student)
+
+    def open_engine(model: str):
+        nonlocal engine
+        if engine is not None and engine.model == model:
+            return engine
         if engine is not None:
-            timings["engine_startup_s"] = round(engine.startup_s, 1)
+            engine.close()
+        engine = Engine(model, **engine_kw)
+        timings["engine_startup_s"] = round(timings.get("engine_startup_s", 0.0) + engine.startup_s, 1)
+        return engine
+
+    def prompts_for(role: str, eng) -> list[str]:
+        if role == "teacher" and cfg.teacher_context == "privileged":
+            return [P.render(eng.tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference), cfg.prompt_style)) for r in visit]
+        return [P.render(eng.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in visit]
+
+    def run_chunk(eng, role: str, i: int, prompts: list[str]) -> None:
+        t0 = time.time()
+        tokens = generate_chunk(eng, role, i, visit, prompts, cfg, parts, n_of[role], model_of[role])
+        budget.record(role, time.time() - t0, tokens)
+        timings[f"{role}_s"] = round(timings.get(f"{role}_s", 0.0) + time.time() - t0, 1)
+
+    try:  # the engine's worker processes must go down on errors and SIGTERM too (see exit_on_sigterm)
+        if deadline is not None and time.time() >= deadline and any(have("teacher", i) and have("student", i) for i in range(n_chunks)):
+            budget.stop_reason = "budget spent before stage one began; the chunks measured earlier are used"
+        elif teacher == student:  # one engine for both roles: each chunk is measured whole, teacher then student
+            todo = [i for i in range(n_chunks) if not (have("teacher", i) and have("student", i))]
+            if todo:
+                eng = open_engine(student)
+                prompts = {role: prompts_for(role, eng) for role in n_of}
+                for i in todo:
+                    roles = [r for r in ("teacher", "student") if not have(r, i)]
+                    if not budget.admits(roles, forced=not any_have("student")):
+                        break
+                    for r in roles:
+                        run_chunk(eng, r, i, prompts[r])
+        else:  # two engines, one after the other: the teacher gets its samples' share of the time left
+            todo = [i for i in range(n_chunks) if not have("teacher", i)]
+            if todo:
+                eng = open_engine(teacher)
+                t_deadline = None
+                if deadline is not None:  # the student's engine will take about as long to start as this one
+                    left = deadline - time.time() - eng.startup_s
+                    t_deadline = time.time() + left * cfg.teacher_samples / (cfg.teacher_samples + cfg.student_samples)
+                prompts = prompts_for("teacher", eng)
+                for i in todo:
+                    if not budget.admits(["teacher"], forced=not any_have("teacher"), deadline=t_deadline):
+                        break
+                    run_chunk(eng, "teacher", i, prompts)
+            todo = [i for i in range(n_chunks) if have("teacher", i) and not have("student", i)]
+            if todo:
+                eng = open_engine(student)
+                prompts = prompts_for("student", eng)
+                for i in todo:
+                    if not budget.admits(["student"], forced=not any_have("student")):
+                        break
+                    run_chunk(eng, "student", i, prompts)
     finally:
         if engine is not None:
             engine.close()
 
+    measured = [i for i in range(n_chunks) if have("teacher", i) and have("student", i)]
+    measured_rows = [r for i in measured for r in visit[i * cfg.chunk_size : (i + 1) * cfg.chunk_size]]
     part_files = sorted(parts.glob("*.parquet"))
     rollouts = pa.concat_tables([pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in part_files])
     write_parquet(rollouts, out / "rollouts.parquet")
-    curriculum, filter_rejects = build_curriculum(rows, rollouts, cfg)
+    curriculum, filter_rejects = build_curriculum(measured_rows, rollouts, cfg)
     write_parquet(pa.Table.from_pylist(curriculum, schema=CURRICULUM_SCHEMA), out / "curriculum.parquet")
     load_rejects = [{**r, "stage": "load"} for r in loaded.rejects]
     write_parquet(pa.Table.from_pylist(load_rejects + filter_rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
@@ -321,12 +462,18 @@ def curate(cfg: CurateConfig) -> dict:
     for role, t in roles.items():
         counts[f"{role}_accuracy"] = round(pa.compute.mean(t["correct"].cast(pa.float64())).as_py() or 0.0, 4)
         counts[f"{role}_clip_rate"] = round(pa.compute.mean(pa.compute.equal(t["finish_reason"], "length").cast(pa.float64())).as_py() or 0.0, 4)
+    counts["problems_measured"] = len(measured_rows)
     timings["total_s"] = round(time.time() - t_start, 1)
+    budget_rec = _budget_record(cfg, budget, timings, rollouts, out / "manifest.json", clock0=clock0, t_start=t_start,
+                                deadline=deadline, n_chunks=n_chunks, measured=len(measured),
+                                chunks={r: sum(have(r, i) for i in range(n_chunks)) for r in n_of},
+                                problems=(len(measured_rows), len(rows)))
     manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": models,
-                "fingerprint": fp, "versions": _versions(), "counts": counts, "timings": timings,
+                "fingerprint": fp, "versions": _versions(), "counts": counts, "timings": timings, "budget": budget_rec,
                 "tables": {k: str(out / f"{k}.parquet") for k in ("rollouts", "problems", "curriculum", "rejects")},
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(manifest, out / "manifest.json")
+    print(_budget_line(budget_rec), flush=True)
     print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum, "
           f"{counts['load_rejects'] + counts['filter_rejects']} rejects; teacher acc {counts['teacher_accuracy']}, "
           f"student acc {counts['student_accuracy']}; tables in {out}", flush=True)

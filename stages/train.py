@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 # No hub at run time (design.md section 8): never try the network for models, datasets or telemetry.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +43,7 @@ def run(args) -> dict:
     from transformers import PrinterCallback, ProgressCallback
 
     from data_tools.runio import write_json
-    from trainers.callbacks import find_resume_checkpoint, process_start_time
+    from trainers.callbacks import HardStopCallback, HorizonReached, find_resume_checkpoint, process_start_time
     from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
 
     start = process_start_time()
@@ -53,20 +54,40 @@ def run(args) -> dict:
                          processing_class=tok, teacher_processing_class=t_tok, start_time=start)
     deadline = trainer.deadline
     trainer.add_callback(_Console())
+    hard_stop = HardStopCallback(deadline) if trainer.accelerator.num_processes == 1 else None
+    if hard_stop is not None:
+        trainer.add_callback(hard_stop)  # last: it must see the other callbacks' should_save
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)  # _Console prints one short line per step instead
 
     resume = find_resume_checkpoint(args.resume_dir) if args.resume else None
+    began = time.time() - start
     print(f"[train] engine={trainer.engine} rows={len(dataset)} G={args.num_generations} "
           f"completions/step={trainer.generation_batch_size} kl_mode={args.kl_mode} "
           f"teacher={'self(frozen initial student)' if teacher is None else args.teacher_model} "
-          f"context={args.teacher_context} horizon={args.horizon_seconds:.0f}s "
-          f"(already {time.time() - start:.0f}s in) resume={resume}", flush=True)
-    trainer.train(resume_from_checkpoint=resume)
+          f"context={args.teacher_context} resume={resume}", flush=True)
+    print(f"[train] clock: training from {began:.0f}s to the horizon at {args.horizon_seconds:.0f}s on the run's clock "
+          f"(max_wall_time_seconds {args.max_wall_time_seconds:.0f} - reserve {args.deadline_reserve_seconds:.0f}), "
+          f"{max(args.horizon_seconds - began, 0):.0f}s of training; exports at {args.ckpt_hedge_fractions} of that window "
+          f"and at its end", flush=True)
+    if resume is None and deadline.remaining() <= 0:
+        # one step would end past the horizon: the start model is the only export that fits
+        deadline.stop_reason = f"no training time left at start ({began:.0f}s > horizon {args.horizon_seconds:.0f}s)"
+        print(f"[train] {deadline.stop_reason}: exporting the start model as checkpoint-0", flush=True)
+        trainer.export_checkpoint()
+    else:
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except HorizonReached as e:
+            deadline.stop_reason = str(e)
+            print(f"[train] {e}: exporting step {trainer.state.global_step}", flush=True)
+            if not (Path(args.ckpt_dir) / f"checkpoint-{trainer.state.global_step}").is_dir():
+                trainer.export_checkpoint()  # the weights of the last finished optimizer step
     summary = {
         "global_step": trainer.state.global_step,
         "stop_reason": deadline.stop_reason,
-        "wall_s": round(time.time() - start, 1),
+        "wall_s": round(time.time() - start, 1),  # on the run's clock: the end of training and its final export
+        "began_at_s": round(began, 1),
         "horizon_s": args.horizon_seconds,
         "resumed_from": resume,
         "engine": trainer.engine,

@@ -1,11 +1,16 @@
 """Run-contract callbacks and checkpoint helpers (design.md section 6).
 
 - ``DeadlineCallback``: the horizon is the wall clock. Training stops before a step that would end
-  past ``max_wall_time_seconds - deadline_reserve_seconds`` counted from *process start*, and the
-  stop always saves (the reserve pays for that final checkpoint). SIGTERM and a debug step cap stop
-  the same way.
+  past ``max_wall_time_seconds - deadline_reserve_seconds`` counted from the *run's start*
+  (``run.sh``'s ``OPD_RUN_START``, else this process's start: ``data_tools.clock``), and the stop
+  always saves (the reserve pays for that final checkpoint). SIGTERM and a debug step cap stop the
+  same way.
 - ``SaveCadenceCallback``: checkpoint every N steps and/or every M minutes (transformers'
-  ``SaveStrategy`` has no time-based option, transformers#29984).
+  ``SaveStrategy`` has no time-based option, transformers#29984) until the first hedge fraction of
+  the training window, then once at each hedge fraction, so the exports kept (the highest three)
+  are spread over the end of the window instead of sitting in its last minutes.
+- ``HardStopCallback``: a step still running when the horizon passes is cut short (SIGALRM), so the
+  final export still fits in the reserve when one step is longer than the time left.
 - ``MetricsJsonlCallback``: one JSON line per optimizer step in ``metrics/train.jsonl``.
 - ``export_checkpoint`` / ``rotate_exports`` / ``find_resume_checkpoint``: HF exports written to a
   temp dir then renamed, the three highest steps kept; resume state found by its completeness marker.
@@ -33,16 +38,11 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def process_start_time() -> float:
-    """Unix time at which this process started (the run contract counts the horizon from it)."""
-    try:
-        import psutil
+    """Unix time the run contract's clock counts from: ``$OPD_RUN_START`` (set by run.sh), else this
+    process's start (``data_tools.clock.run_start_time``; raises ValueError on a bad value)."""
+    from data_tools.clock import run_start_time
 
-        return psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 - psutil missing: fall back to this module's import time
-        return _IMPORT_TIME
-
-
-_IMPORT_TIME = time.time()
+    return run_start_time()
 
 
 def checkpoint_steps(directory: Path) -> list[tuple[int, Path]]:
@@ -149,6 +149,7 @@ class DeadlineCallback(TrainerCallback):
         # else one rank would leave the loop while the others wait in a collective
         self.sync = sync
         self.stop_reason: str | None = None
+        self.train_began: float | None = None
         self._sigterm = False
         self._step_began: float | None = None
         self._durations: list[float] = []
@@ -167,6 +168,17 @@ class DeadlineCallback(TrainerCallback):
 
     def remaining(self) -> float:
         return self.horizon_s - self.elapsed()
+
+    def window_fraction(self) -> float:
+        """Share of the training window used, in [0, 1]: 0 at ``on_train_begin`` (this process's), 1 at
+        the horizon. The window starts where training starts, not at the run's start: stage one's
+        time is not training time."""
+        began = self.clock() if self.train_began is None else self.train_began
+        span = self.start_time + self.horizon_s - began
+        return 1.0 if span <= 0 else min(1.0, max(0.0, (self.clock() - began) / span))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.train_began = self.clock()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_began = self.clock()
@@ -192,19 +204,117 @@ class DeadlineCallback(TrainerCallback):
         return control
 
 
-class SaveCadenceCallback(TrainerCallback):
-    """Request a checkpoint every ``every_steps`` optimizer steps and/or every ``every_minutes`` (0 = off)."""
+class HorizonReached(BaseException):
+    """Raised in the main thread by ``HardStopCallback`` when the horizon passes during a step.
 
-    def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, clock: Callable[[], float] = time.time,
-                 sync: Callable[[bool], bool] | None = None):
-        self.every_steps, self.every_minutes, self.clock, self.sync = every_steps, every_minutes, clock, sync
-        self._last_save = clock()
+    A ``BaseException``, like ``KeyboardInterrupt``, so no ``except Exception`` inside a step swallows it."""
+
+
+class HardStopCallback(TrainerCallback):
+    """Cut a step short when the horizon passes mid-step (the deadline's estimate cannot know the first step).
+
+    ``DeadlineCallback`` stops *between* steps; a step longer than the time left (the first one, or any
+    on a machine that slowed down) would end past the horizon and push the final export past the
+    reserve. This callback arms ``SIGALRM`` for the horizon at ``on_train_begin``; when it fires inside
+    a step, :class:`HorizonReached` propagates out of ``trainer.train()`` and the caller exports the
+    weights of the last finished optimizer step (``stages.train`` does). The alarm waits while the
+    optimizer updates the weights (so an export never holds a half-applied update) and while a save
+    runs (it is raised once the save is done, whose export then is the final one). Add it after every
+    other callback, so it sees their ``should_save``. Main thread, one process only (a rank leaving a
+    collective would hang the others): elsewhere it does nothing.
+    """
+
+    def __init__(self, deadline: DeadlineCallback):
+        self.deadline = deadline
+        self.armed = False
+        self._defer = False
+        self._pending = False
+
+    def _on_alarm(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        if self._defer:
+            self._pending = True
+            return
+        self._raise()
+
+    def _raise(self):
+        self.disarm()
+        raise HorizonReached(f"horizon {self.deadline.horizon_s:.0f}s reached during a step "
+                             f"(elapsed {self.deadline.elapsed():.0f}s)")
+
+    def disarm(self) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self.armed = False
+
+    def _resume(self) -> None:
+        self._defer = False
+        if self._pending:
+            self._pending = False
+            self._raise()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        try:
+            signal.signal(signal.SIGALRM, self._on_alarm)
+        except ValueError:  # not the main thread
+            return
+        signal.setitimer(signal.ITIMER_REAL, max(self.deadline.remaining(), 1e-3))
+        self.armed = True
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._defer = True
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._resume()
 
     def on_step_end(self, args, state, control, **kwargs):
-        due = bool(self.every_minutes) and self.clock() - self._last_save >= 60.0 * self.every_minutes
+        if control.should_training_stop:
+            self.disarm()  # the stop's final save starts before the horizon and is paid for by the reserve
+        elif control.should_save:
+            self._defer = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self._resume()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.disarm()
+
+
+class SaveCadenceCallback(TrainerCallback):
+    """Request checkpoints: every ``every_steps`` optimizer steps and/or every ``every_minutes`` (0 = off)
+    while the training window's used share is below the first of ``hedge_fractions``, then once as
+    the share crosses each hedge fraction; the deadline's own stop adds the final export.
+
+    The orchestrator scores the highest three ``checkpoint-<step>`` exports and keeps the best, so with
+    ``hedge_fractions=(0.8, 0.9)`` and three exports kept these are the ones at ~0.8, ~0.9 and 1.0 of
+    the window: a late collapse still leaves earlier candidates. ``fraction`` returns that share
+    (``DeadlineCallback.window_fraction``); an empty ``hedge_fractions`` keeps the cadence to the end.
+    """
+
+    def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, clock: Callable[[], float] = time.time,
+                 sync: Callable[[bool], bool] | None = None, hedge_fractions: tuple[float, ...] = (),
+                 fraction: Callable[[], float] | None = None):
+        self.every_steps, self.every_minutes, self.clock, self.sync = every_steps, every_minutes, clock, sync
+        self.hedges = sorted(hedge_fractions)
+        if self.hedges and (fraction is None or not all(0.0 < h < 1.0 for h in self.hedges)):
+            raise ValueError(f"hedge_fractions must lie in (0, 1) and need a fraction() clock, got {hedge_fractions}")
+        self.fraction = fraction
+        self._last_save = clock()
+        self._hedges_done = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        f = self.fraction() if self.fraction is not None else 0.0
+        crossed = 0
+        while self._hedges_done + crossed < len(self.hedges) and f >= self.hedges[self._hedges_done + crossed]:
+            crossed += 1  # a step longer than a hedge gap crosses several: one export covers them
+        if self.hedges and f >= self.hedges[0]:
+            due = crossed > 0
+        else:
+            due = bool(self.every_minutes) and self.clock() - self._last_save >= 60.0 * self.every_minutes
+            due = due or bool(self.every_steps and state.global_step % self.every_steps == 0)
         if self.sync is not None:
             due = self.sync(due)  # saving has collectives: all ranks must agree (see DeadlineCallback)
-        if due or (self.every_steps and state.global_step % self.every_steps == 0):
+        self._hedges_done += crossed
+        if due:
             control.should_save = True
         return control
 

@@ -122,6 +122,10 @@ class OPDConfig(DistillationConfig):
     ckpt_every_steps: int = field(default=0, metadata={"help": "Export a checkpoint every N optimizer steps (0 = off)."})
     ckpt_every_minutes: float = field(default=30.0, metadata={"help": "Export a checkpoint every M minutes (0 = off)."})
     ckpt_keep: int = field(default=3, metadata={"help": "Exports kept in ckpt_dir (highest steps)."})
+    ckpt_hedge_fractions: list[float] = field(default_factory=lambda: [0.8, 0.9], metadata={
+        "help": "Shares of the training window (its start to the horizon) at which to export once each; from the first "
+                "on, the ckpt_every_* cadence stops, so the ckpt_keep exports kept are these plus the final one, spread "
+                "over the end of the window (the orchestrator scores the highest three). [] = cadence to the end."})
     resume: bool = field(default=True, metadata={
         "help": "Resume from the newest complete state in <output_dir>/resume if there is one."})
     save_rollouts: bool = field(default=True, metadata={"help": "Write every rollout to <output_dir>/rollouts/step-*.parquet."})
@@ -214,6 +218,11 @@ class OPDConfig(DistillationConfig):
              f"({self.max_wall_time_seconds}))")
         need(self.ckpt_every_steps >= 0 and self.ckpt_every_minutes >= 0, "checkpoint cadences must be >= 0")
         need(self.ckpt_keep >= 1, "ckpt_keep must be >= 1")
+        hedges = list(self.ckpt_hedge_fractions or [])
+        need(all(0.0 < h < 1.0 for h in hedges) and hedges == sorted(set(hedges)),
+             f"ckpt_hedge_fractions must be increasing shares in (0, 1), got {hedges}")
+        need(len(hedges) < self.ckpt_keep, f"ckpt_keep ({self.ckpt_keep}) must exceed the {len(hedges)} "
+                                           "ckpt_hedge_fractions, else rotation deletes the hedge exports")
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
         need(self.debug_max_steps >= 0, "debug_max_steps must be >= 0")
         need(self.grader_timeout_s > 0, "grader_timeout_s must be > 0")

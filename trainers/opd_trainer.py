@@ -251,7 +251,9 @@ class OPDTrainer(DistillationTrainer):
         self.deadline = DeadlineCallback(args.horizon_seconds, self.start_time, max_steps=args.debug_max_steps,
                                          sync=sync)
         self.add_callback(self.deadline)
-        self.add_callback(SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes, sync=sync))
+        self.add_callback(SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes, sync=sync,
+                                              hedge_fractions=tuple(args.ckpt_hedge_fractions or ()),
+                                              fraction=self.deadline.window_fraction))
         self.add_callback(MetricsJsonlCallback(args.metrics_path, self.start_time,
                                                static={"engine": self.engine, "experiment": args.experiment_name,
                                                        "kl_mode": args.kl_mode,
@@ -263,7 +265,7 @@ class OPDTrainer(DistillationTrainer):
         Schedules over the wall clock (learning rate, objective mix) read this, never the step count:
         a formal run's step count is unknown in advance.
         """
-        return min(1.0, max(0.0, self.deadline.elapsed() / max(self.deadline.horizon_s, 1e-9)))
+        return self.deadline.window_fraction()  # the window starts at training, not at run.sh's start
 
     # ---- learning-rate schedule on the clock ----
     def create_scheduler(self, num_training_steps: int, optimizer=None):

@@ -1,0 +1,467 @@
+"""The run contract's clock: run.sh's recipe choice and --plan, the split of MAX_WALL_TIME_SECONDS between
+stages, stage one's time budget, export spacing over the end of the training window, and (slow) the whole
+``bash run.sh`` under a short clock, Ctrl-C during training, and vLLM loading the final export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+
+from data_tools import clock
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_sh(*args, env=None, timeout=60):
+    e = {k: v for k, v in os.environ.items() if k not in ("STUDENT_MODEL", "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS")}
+    e.update(env or {})
+    return subprocess.run(["bash", str(REPO / "run.sh"), *args], capture_output=True, text=True, env=e, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------- clock
+
+def test_run_start_time_reads_opd_run_start_and_rejects_bad_values():
+    assert clock.run_start_time({"OPD_RUN_START": "1700000000.5"}) == 1700000000.5
+    assert abs(clock.run_start_time({}) - time.time()) < 3600  # this process's start: within the test session
+    with pytest.raises(ValueError, match="not a Unix time"):
+        clock.run_start_time({"OPD_RUN_START": "yesterday"})
+    with pytest.raises(ValueError, match="future"):
+        clock.run_start_time({"OPD_RUN_START": str(time.time() + 3600)})
+
+
+def test_process_start_time_of_the_trainer_is_the_run_start(monkeypatch):
+    from trainers.callbacks import process_start_time
+
+    monkeypatch.setenv("OPD_RUN_START", "1700000123")
+    assert process_start_time() == 1700000123.0
+
+
+def test_split_formal_recipe():
+    s = clock.split(43200, 900, 0, 0.2)
+    assert s["curate_end_s"] == pytest.approx(0.2 * 42300) and s["train_end_s"] == 42300
+    assert s["train_budget_s"] == pytest.approx(0.8 * 42300) and s["export_end_s"] == 43200
+    d = clock.split(600, 60, 240, 0.3)  # the demo keeps its evaluation inside the clock
+    assert (d["train_end_s"], d["export_end_s"], d["curate_end_s"]) == (300, 360, pytest.approx(90))
+    with pytest.raises(ValueError, match="leaves nothing"):
+        clock.split(300, 60, 240, 0.3)
+    with pytest.raises(ValueError, match="time_share"):
+        clock.split(600, 60, 0, 0.0)
+
+
+def test_resolve_clock_env_wins_over_yaml(tmp_path):
+    y = tmp_path / "t.yaml"
+    y.write_text("max_wall_time_seconds: 900\ndeadline_reserve_seconds: 60\n")
+    assert clock.resolve_clock(y, {}) == (900.0, 60.0)
+    assert clock.resolve_clock(y, {"MAX_WALL_TIME_SECONDS": "600", "DEADLINE_RESERVE_SECONDS": "30"}) == (600.0, 30.0)
+    with pytest.raises(ValueError, match="MAX_WALL_TIME_SECONDS > DEADLINE_RESERVE_SECONDS"):
+        clock.resolve_clock(y, {"MAX_WALL_TIME_SECONDS": "50"})
+    with pytest.raises(ValueError, match="number"):
+        clock.resolve_clock(y, {"MAX_WALL_TIME_SECONDS": "ten"})
+
+
+def test_eval_estimate_from_measured_rates():
+    size = clock.protocol_size("synth_heldout", REPO)
+    assert size == {"n_problems": 48, "n_samples": 4, "max_tokens": 24}
+    manifest = {"budget": {"completion_tokens_per_s": 80.0, "engine_startup_s": 50.0, "mean_completion_tokens": 10.0}}
+    per_model = 50.0 + 48 * 4 * min(24, 15.0) / 80.0
+    assert clock.eval_estimate(manifest, size, 2) == pytest.approx(clock.EVAL_SAFETY * 2 * per_model + clock.REPORT_S)
+    with pytest.raises(ValueError, match="no measured"):
+        clock.eval_estimate({"budget": {}}, size, 1)
+    assert clock.protocol_size("math500_pass_at_1", REPO)["n_problems"] == 500
+
+
+# --------------------------------------------------------------------------------- run.sh --plan
+
+def test_plan_formal_recipe_prints_every_config_and_budget():
+    r = _run_sh("--plan", "r1_distill_1p5b", env={"MAX_WALL_TIME_SECONDS": "43200", "DEADLINE_RESERVE_SECONDS": "900"})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for f in ("configs/curate_r1_distill_1p5b.yaml", "configs/opd_r1_distill_1p5b.yaml",
+              "configs/eval/math500_pass_at_1.yaml", "configs/eval/aime24_25_at32.yaml"):
+        assert f in out
+    assert "set-up + stage one     8460 s" in out and "training              33840 s" in out
+    assert "final export            900 s" in out and "only if the time left covers" in out
+
+
+def test_plan_without_argument_picks_the_demo_and_says_why(tmp_path):
+    r = _run_sh("--plan")
+    assert r.returncode == 0 and "recipe demo_cpu (STUDENT_MODEL is not set)" in r.stdout
+    # STUDENT_MODEL set but CUDA hidden: still the demo, with the reason
+    r = _run_sh("--plan", env={"STUDENT_MODEL": "/models/s", "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0 and "recipe demo_cpu (STUDENT_MODEL is set but no CUDA device is visible" in r.stdout
+    # a visible GPU (nvidia-smi lists one) with STUDENT_MODEL: the formal recipe
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-x)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {"STUDENT_MODEL": "/models/s", "PATH": f"{fake}:{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    e = dict(os.environ, **env)
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    r = subprocess.run(["bash", str(REPO / "run.sh"), "--plan"], capture_output=True, text=True, env=e, timeout=60)
+    assert r.returncode == 0 and "recipe r1_distill_1p5b (STUDENT_MODEL is set and CUDA is visible)" in r.stdout
+
+
+def test_plan_without_evaluation_keeps_no_evaluation_time():
+    r = _run_sh("--plan", "demo_cpu", env={"MAX_WALL_TIME_SECONDS": "300", "DEADLINE_RESERVE_SECONDS": "45",
+                                           "EVAL_PROTOCOLS": ""})
+    assert r.returncode == 0 and "set-up + stage one       76 s  (share 0.3 of 255 s" in r.stdout
+
+
+def test_plan_refuses_a_clock_without_room_and_an_unknown_recipe():
+    r = _run_sh("--plan", "demo_cpu", env={"MAX_WALL_TIME_SECONDS": "200", "DEADLINE_RESERVE_SECONDS": "60"})
+    assert r.returncode == 2 and "clock: error:" in r.stderr and "leaves nothing" in r.stderr
+    r = _run_sh("--plan", "nope")
+    assert r.returncode == 2 and "unknown recipe 'nope'" in r.stderr
+
+
+# ------------------------------------------------------------------------- checkpoint spacing
+
+def _drive(cb, deadline, t, steps, step_s):
+    """Run ``steps`` fake optimizer steps of ``step_s`` seconds; return the steps at which a save was asked."""
+    saves = []
+    args = SimpleNamespace()
+    for step in range(1, steps + 1):
+        state = SimpleNamespace(global_step=step, is_world_process_zero=True)
+        control = SimpleNamespace(should_save=False, should_training_stop=False)
+        deadline.on_step_begin(args, state, control)
+        t[0] += step_s
+        deadline.on_step_end(args, state, control)
+        cb.on_step_end(args, state, control)
+        if control.should_save:
+            saves.append(step)
+            cb.on_save(args, state, control)
+        if control.should_training_stop:
+            break
+    return saves
+
+
+def test_exports_spread_over_the_end_of_the_window():
+    from trainers.callbacks import DeadlineCallback, SaveCadenceCallback
+
+    t = [1000.0]
+    now = lambda: t[0]  # noqa: E731
+    # run started at 1000; training begins at 1200 (stage one took 200 s); horizon 1200 s after the run start
+    deadline = DeadlineCallback(1200.0, 1000.0, clock=now, handle_sigterm=False)
+    t[0] = 1200.0
+    deadline.on_train_begin(None, None, None)
+    cb = SaveCadenceCallback(every_minutes=2.0, clock=now, hedge_fractions=(0.8, 0.9), fraction=deadline.window_fraction)
+    saves = _drive(cb, deadline, t, steps=200, step_s=10.0)
+    # window = 1000 s of training: cadence every 120 s until 0.8 (step 80), then 0.8 and 0.9, then the final stop
+    assert saves == [12, 24, 36, 48, 60, 72, 80, 90, 100]
+    assert deadline.stop_reason.startswith("deadline") and deadline.window_fraction() == 1.0
+    # the three kept (highest steps) sit at 0.8, 0.9 and the end: none of them in the cadence's last minutes
+    assert [s / 100 for s in saves[-3:]] == [0.8, 0.9, 1.0]
+
+
+def test_one_long_step_crossing_both_hedges_saves_once():
+    from trainers.callbacks import DeadlineCallback, SaveCadenceCallback
+
+    t = [0.0]
+    deadline = DeadlineCallback(100.0, 0.0, clock=lambda: t[0], handle_sigterm=False)
+    deadline.on_train_begin(None, None, None)
+    cb = SaveCadenceCallback(clock=lambda: t[0], hedge_fractions=(0.8, 0.9), fraction=deadline.window_fraction)
+    state = SimpleNamespace(global_step=1)
+    control = SimpleNamespace(should_save=False)
+    t[0] = 95.0
+    cb.on_step_end(None, state, control)
+    assert control.should_save and cb._hedges_done == 2
+    control.should_save = False
+    t[0] = 97.0
+    cb.on_step_end(None, state, control)
+    assert not control.should_save
+    with pytest.raises(ValueError, match="hedge_fractions"):
+        SaveCadenceCallback(hedge_fractions=(0.8, 1.2), fraction=lambda: 0.0)
+
+
+def test_hedge_fractions_validated_against_ckpt_keep(tmp_path):
+    from trainers.opd_trainer import OPDConfig
+
+    with pytest.raises(ValueError, match="ckpt_keep"):
+        OPDConfig(output_dir=str(tmp_path), ckpt_keep=2, ckpt_hedge_fractions=[0.8, 0.9], report_to="none")
+    with pytest.raises(ValueError, match="increasing"):
+        OPDConfig(output_dir=str(tmp_path), ckpt_hedge_fractions=[0.9, 0.8], report_to="none")
+    assert OPDConfig(output_dir=str(tmp_path), ckpt_hedge_fractions=[], report_to="none").ckpt_hedge_fractions == []
+
+
+# ------------------------------------------------------------------------------ stage one's budget
+
+def test_chunk_budget_admits_while_the_expected_end_fits():
+    from stages.curate import ChunkBudget
+
+    t = [0.0]
+    b = ChunkBudget(100.0, {"teacher": 4, "student": 8}, clock=lambda: t[0])
+    assert b.admits(["teacher", "student"])  # nothing timed: unknown, admitted
+    b.record("teacher", 10.0, 100)
+    assert b.expected("student") == pytest.approx(20.0)  # borrowed: teacher's time x 8/4 samples
+    b.record("student", 30.0, 300)
+    t[0] = 55.0
+    assert b.admits(["teacher", "student"])  # 55 + 10 + 30 = 95 <= 100
+    t[0] = 65.0
+    assert not b.admits(["teacher", "student"]) and b.stop_reason.startswith("budget: next teacher+student chunk needs ~40s")
+    assert b.admits(["student"], forced=True)
+    assert (b.tokens, b.gen_s) == (400, 40.0)
+    assert ChunkBudget(None, {"teacher": 1, "student": 1}).admits(["teacher"])
+
+
+class _FakeClock:
+    def __init__(self, start: float):
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    @staticmethod
+    def strftime(fmt, *a):
+        return time.strftime(fmt, *a)
+
+
+def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
+    """A stand-in for vLLM that answers at once and advances the fake clock by ``per_chunk_s`` a chunk (5 s
+    to start): the privileged teacher reads 'The correct answer is X.' from its prompt and answers X;
+    every other prompt gets 0."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from data_tools.engine import Sample
+    from data_tools.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+
+    class FakeEngine:
+        def __init__(self, model, **kw):
+            self.model, self.tokenizer, self.startup_s = model, tok, 5.0
+            fake.now += 5.0
+
+        def close(self):
+            pass
+
+        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc):
+            calls.append(desc)
+            fake.now += per_chunk_s
+            out = []
+            for i, p in enumerate(prompts):
+                m = re.search(r"The correct answer is (.+?)\.", p)
+                ans = m.group(1) if m else "0"
+                out += [Sample(i, j, f"\\boxed{{{ans}}}", 5, 20, "stop") for j in range(n)]
+            yield out
+
+    return FakeEngine
+
+
+def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, monkeypatch):
+    import data_tools.engine
+    import stages.curate as C
+    from data_tools.config import parse_config
+
+    fake = _FakeClock(time.time())
+    calls: list[str] = []
+    monkeypatch.setattr(C, "time", fake)
+    monkeypatch.setattr(data_tools.engine, "Engine", _fake_engine(fake, 10.0, calls))
+    monkeypatch.setenv("OPD_RUN_START", str(fake.now))
+    out = tmp_path / "run"
+    argv = ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
+            "--chunk_size", "2", "--output_dir", str(out)]
+    # clock 200 s, share 0.3 -> stage one until 60 s: engine 5 s, chunk pairs of 20 s: 0 (25 s), 1 (45 s), then 65 > 60
+    (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "200", "--time_share", "0.3"], env={})
+    m = C.curate(cfg)
+    b = m["budget"]
+    assert calls == ["teacher chunk 0", "student chunk 0", "teacher chunk 1", "student chunk 1"]
+    assert (b["chunks"], b["chunks_measured"], b["problems_measured"], b["problems_unmeasured"]) == (6, 2, 4, 8)
+    assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 45.0 and b["stop_reason"].startswith("budget: next teacher+student")
+    assert b["completion_tokens"] == 4 * 5 * 12 and b["generation_s"] == 40.0
+    rollouts = pq.read_table(out / "curate" / "rollouts.parquet")
+    cur = pq.read_table(out / "curate" / "curriculum.parquet").to_pylist()
+    assert rollouts.num_rows == 4 * 12  # 4 problems x (4 teacher + 8 student samples)
+    measured = set(rollouts.column("problem_id").to_pylist())
+    assert {r["problem_id"] for r in cur} <= measured and len(measured) == 4
+    # the seeded visiting order, not the file's: the 4 measured are the first 4 of the seeded shuffle
+    import random
+
+    ids = pq.read_table(out / "curate" / "problems.parquet").column("problem_id").to_pylist()
+    order = list(ids)
+    random.Random(0).shuffle(order)
+    assert measured == set(order[:4]) and measured != set(ids[:4])
+    # resume under a new clock with more room: the two finished chunks are kept, the rest measured
+    calls.clear()
+    fake.now = time.time()
+    monkeypatch.setenv("OPD_RUN_START", str(fake.now))
+    (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "1000", "--time_share", "0.5"], env={})
+    m = C.curate(cfg)
+    assert calls == [f"{r} chunk {i}" for i in range(2, 6) for r in ("teacher", "student")]
+    assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
+    assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
+
+
+def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypatch):
+    import data_tools.engine
+    import stages.curate as C
+    from data_tools.config import parse_config
+    from data_tools.models import resolve_model
+
+    fake = _FakeClock(time.time())
+    calls: list[str] = []
+    monkeypatch.setattr(C, "time", fake)
+    monkeypatch.setattr(data_tools.engine, "Engine", _fake_engine(fake, 10.0, calls))
+    monkeypatch.setenv("OPD_RUN_START", str(fake.now))
+    teacher = tmp_path / "teacher"  # another directory holding the same model's files: a second engine
+    teacher.mkdir()
+    for f in Path(resolve_model("smollm2-135m")).iterdir():
+        (teacher / f.name).symlink_to(f)
+    argv = ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
+            "--chunk_size", "2", "--output_dir", str(tmp_path / "run"), "--teacher_context", "teacher",
+            "--teacher_model", str(teacher), "--teacher_samples", "4", "--student_samples", "8",
+            "--max_wall_time_seconds", "200", "--time_share", "0.5"]
+    (cfg,) = parse_config([C.CurateConfig], argv, env={})
+    m = C.curate(cfg)
+    # budget until 100 s; teacher engine up at 5 s; its share: (100 - 5 - 5) x 4/12 = 30 s -> until 35 s:
+    # chunks 0 (15 s), 1 (25 s), 2 (35 s); then the student over those 3 chunks (engine 40 s; 50, 60, 70 s)
+    assert calls == [f"teacher chunk {i}" for i in range(3)] + [f"student chunk {i}" for i in range(3)]
+    assert m["budget"]["chunks_measured"] == 3 and m["budget"]["ended_at_s"] == 70.0
+
+
+def _spin(seconds: float) -> None:
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+
+
+def test_hard_stop_cuts_a_step_at_the_horizon_but_never_an_optimizer_update_or_a_save():
+    from trainers.callbacks import DeadlineCallback, HardStopCallback, HorizonReached
+
+    def armed(horizon_s):
+        d = DeadlineCallback(horizon_s, time.time(), handle_sigterm=False)
+        h = HardStopCallback(d)
+        h.on_train_begin(None, None, None)
+        return h
+
+    h = armed(0.2)
+    t0 = time.time()
+    with pytest.raises(HorizonReached, match="reached during a step"):
+        _spin(5.0)  # a step longer than the time left
+    assert time.time() - t0 < 2.0 and not h.armed
+    # during the optimizer update the alarm waits, and fires when the update is done
+    h = armed(0.2)
+    h.on_pre_optimizer_step(None, None, None)
+    _spin(0.5)
+    with pytest.raises(HorizonReached):
+        h.on_optimizer_step(None, None, None)
+    # a save that runs past the horizon finishes first; the stop comes after it
+    h = armed(0.2)
+    h.on_step_end(None, None, SimpleNamespace(should_training_stop=False, should_save=True))
+    _spin(0.5)
+    with pytest.raises(HorizonReached):
+        h.on_save(None, None, None)
+    # the deadline's own stop disarms it: the final save is the reserve's
+    h = armed(0.2)
+    h.on_step_end(None, None, SimpleNamespace(should_training_stop=True, should_save=True))
+    _spin(0.5)
+    h.on_save(None, None, None)
+    assert not h.armed
+
+
+# ------------------------------------------------------------------------- slow: the real run.sh
+
+def _contract_env(out: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "EVAL_DATA", "CKPT_DIR", "EXPERIMENT_NAME", "OPD_RUN_START",
+        "OPD_LOCK_OWNER", "CURATE_CONFIG", "TRAIN_CONFIG", "EVAL_PROTOCOLS")}
+    env.update(OUTPUT_DIR=str(out), **{k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """``bash run.sh`` (the embedded demo) under a 300 s clock, evaluation off so the clock goes to stage
+    one and training: its output directory, exit code, log and wall time."""
+    out = tmp_path_factory.mktemp("run_sh") / "out"
+    env = _contract_env(out, MAX_WALL_TIME_SECONDS=300, DEADLINE_RESERVE_SECONDS=45, EVAL_PROTOCOLS="")
+    t0 = time.time()
+    r = subprocess.run(["bash", str(REPO / "run.sh")], env=env, capture_output=True, text=True, timeout=900)
+    return SimpleNamespace(out=out, rc=r.returncode, log=r.stdout + r.stderr, wall=time.time() - t0)
+
+
+def _last_export(out: Path) -> Path:
+    from trainers.callbacks import checkpoint_steps
+
+    steps = checkpoint_steps(out / "checkpoints")
+    assert steps, f"no checkpoint-<step> in {out / 'checkpoints'}"
+    return steps[-1][1]
+
+
+@pytest.mark.slow
+def test_run_sh_fits_the_whole_run_in_its_clock(demo_run):
+    assert demo_run.rc == 0, demo_run.log[-3000:]
+    assert demo_run.wall < 300, f"run.sh took {demo_run.wall:.0f}s of a 300 s clock"
+    log = demo_run.log
+    assert "recipe demo_cpu (STUDENT_MODEL is not set)" in log and "[curate] budget: until" in log
+    assert "[curate] clock:" in log and "[train] clock: training from" in log and "done at" in log
+    budget = json.loads((demo_run.out / "curate" / "manifest.json").read_text())["budget"]
+    assert budget["budget_end_s"] == pytest.approx(0.3 * 255, abs=0.1) and budget["problems_measured"] >= 10
+    summary = json.loads((demo_run.out / "train_summary.json").read_text())
+    assert summary["horizon_s"] == 255 and summary["wall_s"] <= 300  # training and its final export inside the clock
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_last_export(demo_run.out))
+    assert model.num_parameters() > 10**8
+
+
+@pytest.mark.slow
+def test_final_export_loads_and_generates_in_vllm(demo_run):
+    assert demo_run.rc == 0, demo_run.log[-3000:]
+    code = ("import json, sys\nfrom data_tools.engine import Engine\n"
+            "e = Engine(sys.argv[1], max_model_len=256)\n"
+            "s = [x for b in e.generate(['What is 2 + 3?'], n=2, max_tokens=8) for x in b]\n"
+            "e.close()\nprint(json.dumps([[x.n_tokens, x.finish_reason] for x in s]))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(_last_export(demo_run.out))], cwd=REPO, capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(samples) == 2 and all(1 <= n <= 8 and reason in ("stop", "length") for n, reason in samples)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_saves_stops_and_releases_the_lock(demo_run, tmp_path):
+    """SIGINT to run.sh mid-training (as Ctrl-C sends it) acts like SIGTERM: training saves after its
+    current step and stops, run.sh exits 130 and releases the lock. The run resumes demo_run's, and
+    stage one's budget is spent at once, so it reuses the measured chunks without an engine."""
+    assert demo_run.rc == 0, demo_run.log[-3000:]
+    cfg = tmp_path / "curate.yaml"
+    cfg.write_text((REPO / "configs" / "curate_demo_cpu.yaml").read_text() + "time_share: 0.001\n")
+    metrics = demo_run.out / "metrics" / "train.jsonl"
+    lines = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
+    before = lines()
+    env = _contract_env(demo_run.out, MAX_WALL_TIME_SECONDS=900, DEADLINE_RESERVE_SECONDS=45, EVAL_PROTOCOLS="",
+                        CURATE_CONFIG=cfg)
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(["bash", str(REPO / "run.sh")], env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 600
+        while lines() == before:  # a new training step: training is running
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(2)
+        stage = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        os.kill(p.pid, signal.SIGINT)
+        rc = p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log.read_text()
+    assert rc == 130, text[-3000:]
+    assert "got SIGINT; stopping the current stage" in text and "budget spent before stage one began" in text
+    summary = json.loads((demo_run.out / "train_summary.json").read_text())
+    assert summary["stop_reason"] == "sigterm" and summary["global_step"] > before
+    assert _last_export(demo_run.out).name == f"checkpoint-{summary['global_step']}"
+    assert not list(demo_run.out.rglob(".opd.lock"))  # released
+    assert stage and all(not Path(f"/proc/{pid}").exists() for pid in stage)  # the stage is gone, not orphaned
