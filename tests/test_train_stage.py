@@ -16,7 +16,7 @@ from tests.test_trainer import curriculum_path, tiny_model_dir, tokenizer  # noq
 
 REPO = Path(__file__).resolve().parents[1]
 #: The stage-two recipes in configs/ (other stages' configs are tested with their stages).
-TRAIN_CONFIGS = ["demo_cpu.yaml", "opd_r1_distill_1p5b.yaml"]
+TRAIN_CONFIGS = ["demo_cpu.yaml", "demo_gpu.yaml", "opd_r1_distill_1p5b.yaml"]
 
 
 @pytest.mark.parametrize("name", TRAIN_CONFIGS)
