@@ -21,16 +21,15 @@ MATH500=${MATH500:-../shared/data/math500_test.jsonl}
 MATH_CAP=${MATH_CAP:-1536}
 ENGINE=${ENGINE:-auto}
 mkdir -p "$res"
-export OUTPUT_DIR="$res/run" EXPERIMENT_NAME=demo_gpu PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export CKPT_DIR="$OUTPUT_DIR/checkpoints"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 printf 'stage\texit\tseconds\n' > "$res/stage_times.tsv"
 
 stage() {  # stage NAME CMD...: run, log to RESULTS_DIR/NAME.log, record exit code and seconds
   local name=$1; shift
-  local t0; t0=$(date +%s.%N)
+  local t0; t0=$(date +%s%N)
   "$@" > "$res/$name.log" 2>&1; local rc=$?
-  local dt; dt=$(echo "$(date +%s.%N) - $t0" | bc)
-  printf '%s\t%s\t%.1f\n' "$name" "$rc" "$dt" | tee -a "$res/stage_times.tsv"
+  local ds=$(( ($(date +%s%N) - t0) / 100000000 ))  # tenths of a second
+  printf '%s\t%s\t%d.%d\n' "$name" "$rc" $((ds / 10)) $((ds % 10)) | tee -a "$res/stage_times.tsv"
   tail -3 "$res/$name.log"
   return $rc
 }
@@ -40,6 +39,9 @@ $PY -c "import torch, transformers, trl; print('torch', torch.__version__, 'cuda
 stage model "$PY" -c "from data_tools.models import resolve_model; print(resolve_model(None))"
 
 stage gpu_tests "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+
+export OUTPUT_DIR="$res/run" EXPERIMENT_NAME=demo_gpu
+export CKPT_DIR="$OUTPUT_DIR/checkpoints"
 
 stage curate "$PY" -m stages.curate --config configs/curate_demo_gpu.yaml --engine "$ENGINE" &&
 stage train "$PY" -m stages.train --config configs/demo_gpu.yaml && {
