@@ -97,7 +97,8 @@ class HFEngine:
     def _finish(self, prompt_index: int, sample_index: int, ids: list[int], n_prompt: int, max_tokens: int) -> Sample:
         stopped = bool(ids) and ids[-1] in self.eos_ids
         # vLLM leaves the stop token out of the text (also a non-special one from generation_config)
-        text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)  # vLLM's detokenizer cleans nothing up
         return Sample(prompt_index, sample_index, text, len(ids), n_prompt, "stop" if stopped else "length")
 
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,

@@ -65,8 +65,9 @@ def test_hf_engine_greedy_matches_hf_generate_on_smollm2():
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
     ids = [eng.tokenizer(t)["input_ids"] for t in texts]
     ref = hf_greedy(hf, ids, 20, eng.tokenizer.pad_token_id, eng.eos_ids)
-    assert [s.completion for s in got] == [eng.tokenizer.decode(r[:-1] if r[-1] in eng.eos_ids else r,
-                                                                skip_special_tokens=True) for r in ref]
+    decode = lambda r: eng.tokenizer.decode(r[:-1] if r[-1] in eng.eos_ids else r, skip_special_tokens=True,  # noqa: E731
+                                            clean_up_tokenization_spaces=False)
+    assert [s.completion for s in got] == [decode(r) for r in ref]
     assert [s.n_tokens for s in got] == [len(r) for r in ref]
     assert [s.finish_reason for s in got] == ["stop" if r[-1] in eng.eos_ids else "length" for r in ref]
     assert [s.n_prompt_tokens for s in got] == [len(i) for i in ids]

@@ -40,7 +40,8 @@ def test_greedy_samples_match_hf_generate(stop_model_dir):
         stopped = r[-1] in eng.eos_ids
         assert s.n_tokens == len(r) and s.n_prompt_tokens == len(ids[s.prompt_index])
         assert s.finish_reason == ("stop" if stopped else "length")
-        assert s.completion == eng.tokenizer.decode(r[:-1] if stopped else r, skip_special_tokens=True)
+        assert s.completion == eng.tokenizer.decode(r[:-1] if stopped else r, skip_special_tokens=True,
+                                                    clean_up_tokenization_spaces=False)
     assert got[0].finish_reason == "stop" and got[0].n_tokens < 10
     assert eng.tokenizer.decode([eng.eos_ids[1]]) not in got[0].completion  # the stop token is not in the text
     assert got[2].finish_reason == "length" and got[2].n_tokens == 10  # a random model runs to the cap

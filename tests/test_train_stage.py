@@ -51,7 +51,8 @@ def _env(tmp_path, model_dir, data, **extra):
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(data, dest)
     env = dict(os.environ, OUTPUT_DIR=str(tmp_path / "run"), STUDENT_MODEL=model_dir, TRAIN_DATA="synth:train:8",
-               PYTHONPATH=str(REPO), OPD_LOG_LEVEL="WARNING")
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OPD_LOG_LEVEL="WARNING")  # keeps a PYTHONPATH that holds the dependencies (GPU machine: --target dir)
     env.pop("TEACHER_MODEL", None)
     env.pop("CKPT_DIR", None)
     env.update({k: str(v) for k, v in extra.items()})
