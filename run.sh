@@ -2,7 +2,7 @@
 # opd end to end on one wall clock: set-up -> curate -> train -> evaluate -> report.
 #
 #   bash run.sh                    # the formal recipe when STUDENT_MODEL is set and CUDA is visible, else the CPU demo
-#   bash run.sh RECIPE             # demo_cpu | r1_distill_1p5b
+#   bash run.sh RECIPE             # demo_cpu | demo_gpu | r1_distill_1p5b
 #   bash run.sh --plan [RECIPE]    # print the recipe, its config files and each stage's time budget; run nothing
 #
 # Environment (the run contract; values here win over the recipe's config defaults):
@@ -29,6 +29,7 @@ recipe() { : "${CURATE_CONFIG:=$1}" "${TRAIN_CONFIG:=$2}" "${EVAL_PROTOCOLS=$3}"
 set_recipe() {
   case "$1" in
     demo_cpu)        recipe configs/curate_demo_cpu.yaml configs/demo_cpu.yaml synth_heldout default reserve:240 ;;
+    demo_gpu)        recipe configs/curate_demo_gpu.yaml configs/demo_gpu.yaml synth_heldout_gpu demo_gpu reserve:90 ;;
     r1_distill_1p5b) recipe configs/curate_r1_distill_1p5b.yaml configs/opd_r1_distill_1p5b.yaml \
                        "math500_pass_at_1 aime24_25_at32" opd_r1_distill_1p5b if_time ;;
     *) echo "run.sh: unknown recipe '$1' (recipes: $(sed -n 's/^    \([a-z0-9_]*\)) *recipe .*/\1/p' "$0" | xargs))" >&2; exit 2 ;;

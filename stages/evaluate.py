@@ -119,6 +119,9 @@ class EvalConfig:
     answer_filter: str | None = field(default=None, metadata={
         "help": "Answer extraction + grading filter name (opd_math_grader: equal as mathematics; opd_numeric_grader: a number gold needs a number literal)."})
     # ---- engine and runtime: no effect on the measurement
+    engine: str = field(default="auto", metadata={
+        "help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for "
+                "GPUs without vLLM) or auto (vllm where it imports, else hf). Recorded per sample."})
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
     chunk_size: int = field(default=512, metadata={
@@ -139,6 +142,10 @@ class EvalConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        from data_tools.engine import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if not (0 < self.gpu_memory_utilization <= 1):
@@ -380,6 +387,7 @@ SAMPLES_SCHEMA = pa.schema([
     ("gold", pa.string()),
     ("source", pa.string()),
     ("level", pa.string()),
+    ("engine", pa.string()),
 ])
 
 PROBLEMS_SCHEMA = pa.schema([
@@ -445,7 +453,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     """Generate, grade and write one model's results; returns its summary dict."""
     from transformers import AutoTokenizer
 
-    from data_tools.engine import Engine
+    from data_tools.engine import make_engine
     from data_tools.prompts import STYLES, prompt_ids, render, student_messages
 
     t0 = time.time()
@@ -464,7 +472,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
         raise EvalError(f"longest prompt {longest} + max_tokens {eff['max_tokens']} exceeds the context of "
                         f"{target.path} ({limit} tokens); lower --max_tokens (a deviation) or use another model")
 
-    engine = Engine(target.path, seed=eff["seed"], max_model_len=max_model_len,
+    engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
                     gpu_memory_utilization=cfg.gpu_memory_utilization,
                     tensor_parallel_size=cfg.tensor_parallel_size)
     engine_name, engine_dtype, startup_s = engine.name, engine.dtype, engine.startup_s
@@ -491,7 +499,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
                     "correct": bool(v.correct), "grader_path": v.path, "n_tokens": s.n_tokens,
                     "n_prompt_tokens": s.n_prompt_tokens, "finish_reason": s.finish_reason,
                     "gold": str(r["answer"]), "source": None if r.get("source") is None else str(r["source"]),
-                    "level": None if r.get("level") is None else str(r["level"])})
+                    "level": None if r.get("level") is None else str(r["level"]), "engine": engine_name})
             t_gen = time.time()
     finally:
         engine.close()

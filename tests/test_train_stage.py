@@ -16,7 +16,7 @@ from tests.test_trainer import curriculum_path, tiny_model_dir, tokenizer  # noq
 
 REPO = Path(__file__).resolve().parents[1]
 #: The stage-two recipes in configs/ (other stages' configs are tested with their stages).
-TRAIN_CONFIGS = ["demo_cpu.yaml", "opd_r1_distill_1p5b.yaml"]
+TRAIN_CONFIGS = ["demo_cpu.yaml", "demo_gpu.yaml", "opd_r1_distill_1p5b.yaml"]
 
 
 @pytest.mark.parametrize("name", TRAIN_CONFIGS)
@@ -52,7 +52,8 @@ def _env(tmp_path, model_dir, data, **extra):
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(data, dest)
     env = dict(os.environ, OUTPUT_DIR=str(tmp_path / "run"), STUDENT_MODEL=model_dir, TRAIN_DATA="synth:train:8",
-               PYTHONPATH=str(REPO), OPD_LOG_LEVEL="WARNING")
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OPD_LOG_LEVEL="WARNING")  # keeps a PYTHONPATH that holds the dependencies (GPU machine: --target dir)
     env.pop("TEACHER_MODEL", None)
     env.pop("CKPT_DIR", None)
     env.update({k: str(v) for k, v in extra.items()})
