@@ -19,6 +19,13 @@ cd "$(dirname "$0")"
 t0=$(date +%s.%N)
 export OPD_RUN_START=$t0   # every stage counts the clock from here (data_tools/clock.py)
 PY=.venv/bin/python
+# A machine with no .venv whose python3 already has the stack (a GPU node's image, no package index) runs
+# on that python3 and skips set-up; OPD_PYTHON names another interpreter the same way.
+pkgs='import torch, transformers, trl, datasets, math_verify, duckdb, pyarrow, yaml'
+if [ -n "${OPD_PYTHON:-}" ]; then PY=$OPD_PYTHON; skip_setup=1
+elif [ ! -x "$PY" ] && python3 -c "$pkgs" 2>/dev/null; then PY=$(command -v python3); skip_setup=1
+else skip_setup=0
+fi
 
 # The recipe table, one entry per recipe:
 #   NAME) recipe CURATE_CONFIG TRAIN_CONFIG "EVAL_PROTOCOLS" EXPERIMENT_NAME EVAL_POLICY ;;
@@ -60,7 +67,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 elapsed() { echo $(( $(date +%s) - ${t0%.*} )); }
 say() { printf '\n=== [%4ds] %s\n' "$(elapsed)" "$*"; }
 
-if [ $plan = 0 ] || [ ! -x $PY ]; then
+if [ $skip_setup = 1 ]; then
+  [ $plan = 1 ] || echo "run.sh: using $PY (it has the packages); make setup skipped"
+elif [ $plan = 0 ] || [ ! -x $PY ]; then
   if ! make -s setup >/tmp/opd-setup.$$.log 2>&1; then
     tail -20 /tmp/opd-setup.$$.log; echo "run.sh: make setup failed (log: /tmp/opd-setup.$$.log)" >&2; exit 1
   fi
