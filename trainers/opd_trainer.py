@@ -41,7 +41,7 @@ from transformers import Trainer, TrainerCallback
 from trl import DistillationConfig, DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
-from trainers import losses
+from trainers import losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time)
 from trainers.sampler import MODES as CURRICULUM_MODES
@@ -118,6 +118,19 @@ class OPDConfig(DistillationConfig):
     teacher_context: str = field(default="privileged", metadata={
         "help": "teacher: the teacher reads the student's prompt; privileged: it reads the problem plus the "
                 "curriculum's reference solution / answer (data_tools.prompts.privileged_messages)."})
+
+    # ---- off-policy term: stage one's verified teacher solutions (trainers.offpolicy) ----
+    w_sft: float = field(default=0.0, metadata={
+        "help": "Weight of the cross-entropy on the curriculum's teacher_solution of each prompt in an on-policy step "
+                "(per token over the step's solution tokens; 0 = off). Rows without a verified solution add nothing."})
+    sft_share_start: float = field(default=0.0, metadata={
+        "help": "Share of training seconds spent in off-policy steps (cross-entropy on teacher solutions only: no "
+                "generation, no teacher) at the start of the training window, in [0, 1]."})
+    sft_share_end: float = field(default=0.0, metadata={
+        "help": "The same share at the end of the window; linear in time_fraction() in between."})
+    sft_batch_size: int = field(default=64, metadata={
+        "help": "Teacher solutions per off-policy optimizer step (all processes; a multiple of world size x "
+                "gradient_accumulation_steps)."})
 
     # ---- data ----
     prompt_style: str | None = field(default=None, metadata={
@@ -202,7 +215,12 @@ class OPDConfig(DistillationConfig):
         need(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}")
         need(self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}")
         need(self.w_kl >= 0 and self.w_reward >= 0, "w_kl and w_reward must be >= 0")
-        need(self.w_kl > 0 or self.w_reward > 0, "w_kl and w_reward are both 0: nothing to train")
+        need(self.w_kl > 0 or self.w_reward > 0 or self.w_sft > 0 or self.sft_share_start > 0 or self.sft_share_end > 0,
+             "w_kl, w_reward, w_sft and the sft shares are all 0: nothing to train")
+        need(self.w_sft >= 0 and 0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1,
+             "need w_sft >= 0 and sft_share_start, sft_share_end in [0, 1]")
+        need(self.sft_batch_size >= 1 and self.sft_batch_size % self.gradient_accumulation_steps == 0,
+             f"sft_batch_size ({self.sft_batch_size}) must be a positive multiple of gradient_accumulation_steps")
         need(self.full_topk >= 0, f"full_topk must be >= 0, got {self.full_topk}")
         need(0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0, "need 0 <= epsilon_low < 1 and epsilon_high >= 0")
         need(self.advantage_eps > 0, "advantage_eps must be > 0")
@@ -293,7 +311,8 @@ def build_train_dataset(table, tokenizer, *, prompt_style: str | None = None):
     Columns: ``prompt`` (the student's chat-rendered prompt string, ``data_tools.prompts.render`` of
     ``student_messages``: the same text stage one and evaluation use), ``teacher_prompt`` (render of
     ``privileged_messages`` with the ``reference`` column), ``answer``, ``problem_id``, ``bucket``,
-    ``curriculum_index``, ``prompt_style``. Rows are in curriculum order.
+    ``curriculum_index``, ``prompt_style``, ``teacher_solution`` (stage one's verified teacher solution,
+    "" when the row has none or the table lacks the column). Rows are in curriculum order.
 
     Raises:
         ValueError: unknown prompt style, or a tokenizer without a chat template.
@@ -317,6 +336,7 @@ def build_train_dataset(table, tokenizer, *, prompt_style: str | None = None):
         out["bucket"].append(int(r["bucket"] or 0))
         out["curriculum_index"].append(int(r["curriculum_index"] or 0))
         out["prompt_style"].append(style)
+        out["teacher_solution"].append(r.get("teacher_solution") or "")  # stage one's verified solution; "" = none
     return Dataset.from_dict(dict(out))
 
 
@@ -514,6 +534,7 @@ class OPDTrainer(DistillationTrainer):
         self._bad_loss = False
         self._skipped_steps = 0
         self._nonfinite_streak = 0
+        self._init_offpolicy()
         self.add_callback(_StepHooks(self))
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
@@ -574,7 +595,9 @@ class OPDTrainer(DistillationTrainer):
             return super()._prepare_inputs(generation_batch)
         ga = self.args.gradient_accumulation_steps
         if self._step % (ga * self.args.num_iterations) == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)
+            self._off_policy_step = self._choose_off_policy()
+            batch = (self._offpolicy_batch() if self._off_policy_step
+                     else self._generate_and_score_completions(generation_batch))
             batch = shuffle_sequence_dict(batch)
             self._buffered_inputs = split_tensor_dict(batch, ga)
         return self._buffered_inputs[self._step % ga]
@@ -628,6 +651,8 @@ class OPDTrainer(DistillationTrainer):
         out["rollout_index"] = torch.arange(B, device=device)
         if a.num_iterations > 1:
             out["old_logps"] = self._policy_logps(out)
+        if a.w_sft > 0:
+            out.update(self._solution_rows(inputs, B))
         self._last_gen_tokens = int(out["num_items_in_batch"].item())
 
         if a.save_rollouts:
@@ -682,6 +707,8 @@ class OPDTrainer(DistillationTrainer):
     # ---- loss ----
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         a = self.args
+        if "off_policy" in inputs:
+            return self._sft_loss(unwrapped_student, inputs, 1.0)
         cids, cmask = inputs["completion_ids"], inputs["completion_mask"]
         K = cids.size(1)
         s_ids = torch.cat([inputs["prompt_ids"], cids], dim=1)
@@ -752,7 +779,108 @@ class OPDTrainer(DistillationTrainer):
             for idx, v in zip(inputs["rollout_index"].tolist(), seq.sum(dim=1).tolist()):
                 if math.isnan(pend["rows"][idx]["seq_kl"]):
                     pend["rows"][idx]["seq_kl"] = v
+        if a.w_sft > 0:
+            loss = loss + self._sft_loss(unwrapped_student, inputs, a.w_sft)[0]
         return loss, entropy.detach().sum(), valid.sum()
+
+    # ---- off-policy term (trainers.offpolicy) ----
+    def _init_offpolicy(self) -> None:
+        a = self.args
+        self._time_share = offpolicy.TimeShare()
+        self._off_policy_step = False
+        self._share_now = 0.0
+        self._sft_pool: list[int] = []
+        self._sft_pos = 0
+        self._acc_sft: dict[str, float] = defaultdict(float)
+        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
+            return
+        ds = self.train_dataset
+        sols = ds["teacher_solution"] if ds is not None and "teacher_solution" in ds.column_names else []
+        self._sft_pool = [i for i, s in enumerate(sols) if s]
+        if not self._sft_pool:
+            raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum "
+                             "has no non-empty teacher_solution (run stage one with teacher_samples >= 1)")
+        world = self.accelerator.num_processes
+        if a.sft_batch_size % (world * a.gradient_accumulation_steps):
+            raise ValueError(f"sft_batch_size ({a.sft_batch_size}) must be a multiple of world size x "
+                             f"gradient_accumulation_steps ({world * a.gradient_accumulation_steps})")
+
+    def _choose_off_policy(self) -> bool:
+        """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``."""
+        a = self.args
+        self._share_now = offpolicy.sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
+        off = self._time_share.choose(self._share_now)
+        return self._any_process(off) if self.accelerator.num_processes > 1 else off
+
+    def _offpolicy_batch(self) -> dict[str, Any]:
+        """``sft_batch_size`` teacher solutions (this process's share), each epoch of the pool in a seeded order."""
+        a = self.args
+        n, pool = a.sft_batch_size, self._sft_pool
+        idx = []
+        for j in range(self._sft_pos, self._sft_pos + n):
+            order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(a.seed + j // len(pool)))
+            idx.append(pool[order[j % len(pool)]])  # recomputed per row: pools are small next to a step's cost
+        self._sft_pos += n
+        mine = idx[self.accelerator.process_index :: self.accelerator.num_processes]
+        rows = self.train_dataset.select(mine)
+        batch = offpolicy.solution_batch(self.processing_class, rows["prompt"], rows["teacher_solution"],
+                                         device=self.accelerator.device)
+        batch["sft_num_items"] = self.accelerator.gather(batch["sft_completion_mask"].sum()).sum().float()
+        batch["off_policy"] = torch.ones(len(mine), device=self.accelerator.device)
+        self._last_gen_tokens = int(batch["sft_num_items"].item())
+        return batch
+
+    def _solution_rows(self, inputs: list[dict[str, Any]], B: int) -> dict[str, torch.Tensor]:
+        """The ``w_sft`` term's data in an on-policy batch: each prompt's teacher solution on its group's first row."""
+        G, first = self.args.num_generations, self.accelerator.process_index * B
+        sols = [x.get("teacher_solution") if (first + i) % G == 0 else None for i, x in enumerate(inputs)]
+        out = offpolicy.solution_batch(self.processing_class, [x["prompt"] for x in inputs], sols,
+                                       device=self.accelerator.device)
+        out["sft_num_items"] = self.accelerator.gather(out["sft_completion_mask"].sum()).sum().float()
+        return out
+
+    def _sft_loss(self, unwrapped_student, inputs, weight: float):
+        """``(weight * CE, entropy sum, token count)`` of the micro-batch's teacher solutions.
+
+        CE = -sum_t log pi_theta(y_t | x, y_<t) over solution tokens / the step's global solution-token
+        count (per process under DDP averaging, as TRL divides ``num_items_in_batch``), at temperature 1
+        (TRL ``SFTTrainer``'s completion-only loss). A micro-batch without solution tokens gives 0.
+        """
+        cids, cmask = inputs["sft_completion_ids"], inputs["sft_completion_mask"]
+        rows = cmask.bool().any(dim=1)
+        if not bool(rows.any()):
+            return cids.new_zeros((), dtype=torch.float32), cids.new_zeros((), dtype=torch.float32), rows.sum()
+        cids, cmask = cids[rows], cmask[rows]
+        ids = torch.cat([inputs["sft_prompt_ids"][rows], cids], dim=1)
+        mask = torch.cat([inputs["sft_prompt_mask"][rows], cmask], dim=1)
+        h = self._get_last_hidden_state(unwrapped_student, ids, mask, cids.size(1))
+        (w, b), _ = self._heads(unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
+        scale, cap = logit_transform(unwrapped_student.config)
+        valid = cmask.bool().to(w.device)
+        lp, entropy = losses.token_logprobs(h.to(w.device)[valid], w, b, cids.to(w.device)[valid], logit_scale=scale,
+                                            softcap=cap, with_entropy=True)
+        N = inputs["sft_num_items"].clamp(min=1.0).to(lp.device) / self.accelerator.num_processes
+        ce = -lp.sum() / N
+        self._acc_sft["loss"] += float(ce.detach())
+        self._acc_sft["tokens"] += float(valid.sum())
+        return weight * ce, entropy.detach().sum(), valid.sum()
+
+    def _finish_offpolicy(self, step_s: float) -> None:
+        """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""
+        a = self.args
+        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
+            return
+        self._time_share.record(self._share_now, self._off_policy_step, step_s)
+        vec = torch.tensor([self._acc_sft["loss"], self._acc_sft["tokens"]], dtype=torch.float64,
+                           device=self.accelerator.device)
+        self._acc_sft.clear()
+        loss_sft, tokens = self.accelerator.reduce(vec, reduction="sum").tolist()
+        m = self._metrics["train"]
+        m["loss/sft"].append(loss_sft)  # mean CE per solution token (the term before its weight)
+        m["sft/tokens"].append(tokens)
+        m["sft/share"].append(self._share_now)
+        m["sft/off_policy_step"].append(float(self._off_policy_step))
+        m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
 
     # ---- step bookkeeping ----
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -817,6 +945,7 @@ class OPDTrainer(DistillationTrainer):
         else:  # CPU: the process's peak resident set (ru_maxrss is KiB on Linux)
             m["memory/peak_gib"].append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         m["nonfinite/total_skipped"].append(float(self._skipped_steps))
+        self._finish_offpolicy(step_s)
         self._flush_rollouts()
 
     def _flush_rollouts(self) -> None:
