@@ -11,7 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench.learning import ARMS, LearningConfig, MarkClock, merge_settings, paired_difference, report
+from bench.learning import ARMS, LearningConfig, MarkClock, merge_settings
+from bench.learning_report import paired_difference, report
 from data_tools.runio import write_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,3 +182,44 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     # other settings in the same directory are refused (exit 2), nothing overwritten
     p3 = subprocess.run(cmd + ["--lr", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p3.returncode == 2 and "other settings" in p3.stderr
+
+
+def test_arm_runs_rates_and_seeds(tmp_path):
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="d,f@3e-5,c", arm_lr="d=5e-5", seeds="0,2")
+    assert cfg.instances == ["d@5e-05", "d@5e-05-s2", "f@3e-05", "f@3e-05-s2", "c", "c-s2"]
+    assert cfg.parse_run("f@3e-05-s2") == ("f", 3e-5, 2) and cfg.parse_run("c") == ("c", 1e-5, 0)
+    assert cfg.label("d@5e-05") == ARMS["d"] + ", lr 5e-05"
+    for bad in (dict(arms="f@x"), dict(arm_lr="z=1e-5"), dict(arm_lr="d=0"), dict(seeds="a"), dict(arms="c-s1")):
+        with pytest.raises(ValueError):
+            LearningConfig(out=str(tmp_path / "r"), **bad)
+    with pytest.raises(ValueError, match="not an arm run"):
+        cfg.parse_run("teacher")
+
+
+def test_arm_curriculum_carries_verified_solutions_and_stated_answer(tmp_path):
+    from bench.learning import arm_curriculum
+
+    cfg = LearningConfig(out=str(tmp_path / "r"))
+    base = [dict(problem_id=p, problem=f"q{p}", answer=a, reference=f"ref {p}", bucket=0, curriculum_index=i,
+                 prompt_style="reasoning", source="synth") for i, (p, a) in enumerate([("p1", "3"), ("p2", "7")])]
+    write_parquet(base, cfg.dir / "data" / "curriculum.parquet")
+    verified = [dict(problem_id="p1", completion="a longer solution, 3"), dict(problem_id="p1", completion="3")]
+    f = pq.read_table(arm_curriculum(cfg, "f", "f", verified)).to_pylist()
+    assert [r["teacher_solution"] for r in f] == ["3", None]  # shortest verified; p2 has none
+    g = pq.read_table(arm_curriculum(cfg, "g", "g-s1", None)).to_pylist()
+    assert g[1]["reference"] == "ref p2\nThe final answer is 7."
+    assert arm_curriculum(cfg, "c", "c", None) == cfg.dir / "data" / "curriculum.parquet"
+
+
+def test_report_pools_seeds_of_one_arm(tmp_path):
+    cfg = LearningConfig(out=str(tmp_path / "run"), arms="c", seeds="0,1", marks="10", budget_s=10, n_test=2,
+                         eval_samples=2)
+    ev = cfg.dir / "evals"
+    write_parquet(_rows("student", {"p1": [0, 0], "p2": [0, 0]}), ev / "student.parquet")
+    write_parquet(_rows("c", {"p1": [1, 1], "p2": [0, 0]}, 10, 3), ev / "c.parquet")
+    write_parquet(_rows("c-s1", {"p1": [1, 0], "p2": [1, 0]}, 10, 3), ev / "c-s1.parquet")
+    res = report(cfg)
+    assert set(res["arms"]) == {"c"} and res["arms"]["c"]["runs"] == ["c", "c-s1"]
+    assert res["arms"]["c"]["marks"]["10.0"]["avg_at_k"] == pytest.approx(0.5)
+    assert res["arms"]["c"]["last_mark_by_run"] == {"c": 0.5, "c-s1": 0.5}
+    assert res["comparisons_at_last_mark"]["c"]["gain_over_start"] == pytest.approx(0.5)
