@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -116,6 +117,11 @@ class LearningConfig:
     marks: str = field(default="15,30,60,100,150", metadata={
         "help": "Training-clock seconds at which each arm is evaluated (the last one ends the arm; <= budget_s)."})
     teacher_sft_s: float = field(default=90.0, metadata={"help": "Training seconds of the teacher's fine-tuning."})
+    start_sft_steps: int = field(default=0, metadata={
+        "help": "> 0: the start's SFT runs this many optimizer steps instead of start_sft_s seconds. A step count is "
+                "reproducible for a seed, so pieces of one experiment run on different (fresh) machines rebuild the "
+                "same start."})
+    teacher_sft_steps: int = field(default=0, metadata={"help": "> 0: the same for the teacher (instead of teacher_sft_s)."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
     lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW, constant)."})
     sft_batch_size: int = field(default=64, metadata={"help": "Sequences per optimizer step for SFT (teacher and arm d)."})
@@ -172,6 +178,8 @@ class LearningConfig:
         if any(k not in ARMS or v <= 0 for k, v in rates.items()) or min(seeds) < 0:
             raise ValueError(f"arm_lr names arms of {sorted(ARMS)} with rates > 0, seeds are >= 0; got "
                              f"{self.arm_lr!r}, {self.seeds!r}")
+        if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
+            raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
             raise ValueError("need start_sft_s >= 0, w_sft >= 0 and sft shares in [0, 1]")
         m = self.mark_list
@@ -456,8 +464,10 @@ def _clock_callback(clock: MarkClock):
 # ------------------------------------------------------------------------------------------- SFT
 
 
-def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path, lr: float, clock: MarkClock):
-    """Fine-tune ``model`` in place with TRL's ``SFTTrainer`` on prompt/completion ``examples`` until ``clock`` stops.
+def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path, lr: float, clock: MarkClock,
+        max_steps: int = -1):
+    """Fine-tune ``model`` in place with TRL's ``SFTTrainer`` on prompt/completion ``examples`` until ``clock``
+    stops (or after ``max_steps`` optimizer steps when > 0).
 
     Prompts are the student's chat-rendered prompt strings (the same text as rollouts and evaluation),
     completions the solutions; the loss is on completion tokens only (TRL ``completion_only_loss``),
@@ -472,7 +482,7 @@ def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path,
                      lr_scheduler_type="constant", num_train_epochs=10_000, logging_steps=25, save_strategy="no",
                      report_to="none", bf16=False, max_length=512, completion_only_loss=True, seed=cfg.seed,
                      disable_tqdm=True, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
-                     max_grad_norm=1.0)
+                     max_grad_norm=1.0, max_steps=max_steps)
     ds = Dataset.from_list([{"prompt": e["prompt"], "completion": e["completion"]} for e in examples])
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
                          callbacks=[_clock_callback(clock)])
@@ -527,9 +537,10 @@ def _write_evals(rows: list[dict], name: str, cfg: LearningConfig) -> Path:
 
 
 def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name: str, eval_name: str,
-              seconds: float) -> Path:
-    """Fine-tune ``src`` on the training problems' reference solutions for ``seconds`` -> ``<out>/<dest_name>``;
-    its evaluation -> ``evals/<eval_name>.parquet``. Used for the teacher and for a mid-trained start."""
+              seconds: float, steps: int = 0) -> Path:
+    """Fine-tune ``src`` on the training problems' reference solutions for ``seconds`` (or ``steps`` optimizer
+    steps when > 0) -> ``<out>/<dest_name>``; its evaluation -> ``evals/<eval_name>.parquet``. Used for the
+    teacher and for a mid-trained start."""
     import shutil
 
     dest = cfg.dir / dest_name
@@ -543,10 +554,13 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     def on_mark(m, mark, t, step):
         evals.extend(evaluate(m, tok, test, cfg, name=eval_name, mark_s=mark, train_s=t, step=step))
 
-    clock = MarkClock([seconds], on_mark)
+    clock = MarkClock([math.inf if steps else seconds], on_mark)
     t0 = time.time()
-    sft(model, tok, sft_examples(tok, read_rows(data["train"]), cfg), cfg, out_dir=cfg.dir / "work" / f"{dest_name}_sft",
-        lr=cfg.teacher_lr, clock=clock)
+    trainer = sft(model, tok, sft_examples(tok, read_rows(data["train"]), cfg), cfg,
+                  out_dir=cfg.dir / "work" / f"{dest_name}_sft", lr=cfg.teacher_lr, clock=clock, max_steps=steps or -1)
+    if steps:
+        seconds = clock.elapsed()
+        on_mark(model, seconds, seconds, trainer.state.global_step)
     tmp = cfg.dir / f".{dest_name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -884,7 +898,7 @@ def run_all(cfg: LearningConfig) -> int:
     t_start = time.time()
     settings_path = cfg.dir / "settings.json"
     student_path = resolve_model(cfg.student_model)
-    start_path = str(cfg.dir / "start") if cfg.start_sft_s > 0 else student_path
+    start_path = str(cfg.dir / "start") if cfg.start_sft_s > 0 or cfg.start_sft_steps else student_path
     settings = {**dataclasses.asdict(cfg), "preset": "", "student_path": student_path, "start_path": start_path}
     old = json.loads(settings_path.read_text()) if settings_path.exists() else None
     settings = merge_settings(old, settings, cfg.arm_list)
@@ -895,12 +909,14 @@ def run_all(cfg: LearningConfig) -> int:
     data = build_data(cfg)
     print(f"[learning] data: {len(read_rows(data['train']))} train / {len(read_rows(data['test']))} test ({cfg.task}); "
           f"out {cfg.dir}", flush=True)
-    if cfg.start_sft_s > 0:  # a mid-trained start: its evaluation is every arm's mark 0
-        fine_tune(cfg, student_path, data, dest_name="start", eval_name="student", seconds=cfg.start_sft_s)
+    if start_path != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
+        fine_tune(cfg, student_path, data, dest_name="start", eval_name="student", seconds=cfg.start_sft_s,
+                  steps=cfg.start_sft_steps)
     else:
         eval_student(cfg, student_path, data)
     if any(cfg.parse_run(n)[0] in "bcdf" for n in cfg.instances):
-        fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s)
+        fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
+                  steps=cfg.teacher_sft_steps)
     skipped = {}
     for arm in cfg.instances:
         if (cfg.dir / "evals" / f"{arm}.parquet").exists():

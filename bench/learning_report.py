@@ -147,7 +147,8 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
     lines.append(f"- start (the student): avg@{k} {_fmt(s['avg_at_k'])} ± {_fmt(s['stderr'])}, clip {_fmt(s['clip_rate'], 2)}, "
                  f"{s['mean_tokens']:.1f} tokens")
     if t:
-        lines.append(f"- teacher (student + {cfg.teacher_sft_s:.0f} s SFT on reference solutions, lr {cfg.teacher_lr}): "
+        amount = f"{cfg.teacher_sft_steps} steps" if cfg.teacher_sft_steps else f"{cfg.teacher_sft_s:.0f} s"
+        lines.append(f"- teacher (start + {amount} of SFT on reference solutions, lr {cfg.teacher_lr}): "
                      f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
                      f"{t['mean_tokens']:.1f} tokens")
     lines += ["", "| arm | " + " | ".join(f"{m:g} s" for m in cfg.mark_list) + " | last mark at s | steps | clip | tokens |",

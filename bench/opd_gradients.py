@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     sums = {n: None for n in names}
     prev = {n: None for n in names}
     stat = {n: {"norm": [], "cos_prev": []} for n in names}
-    within, bias, scale = [], {}, {"k1_abs": [], "k1_std": [], "kl_full": [], "reward": [], "adv_abs": [],
+    within, bias, scale = [], {}, {"k1_abs": [], "k1_std": [], "k1_q01_q50_q99_min": [], "kl_full": [], "reward": [], "adv_abs": [],
                                    "tokens": [], "sft_verified": [], "groups_with_signal": []}
     one_right = losses.group_advantages(torch.tensor(([1.0] + [0.0] * (a.G - 1)) * a.prompts, device=dev), a.G)
     checkpoints = sorted({max(1, a.resamples // 4), max(1, a.resamples // 2), a.resamples})
@@ -215,6 +215,8 @@ def main(argv=None) -> int:
         k1 = parts.k1
         scale["k1_abs"].append(float(k1.abs().mean()))
         scale["k1_std"].append(float(k1.std()))
+        q = torch.quantile(k1.float().cpu(), torch.tensor([0.01, 0.5, 0.99]))
+        scale["k1_q01_q50_q99_min"].append([*map(float, q), float(k1.min())])
         scale["kl_full"].append(float(l_full.detach()))
         scale["reward"].append(float(rewards.mean()))
         scale["adv_abs"].append(float(adv.abs().mean()))
@@ -257,6 +259,8 @@ def main(argv=None) -> int:
           f"full KL {mean(scale['kl_full']):.3f} nats; reward {mean(scale['reward']):.3f}, groups with signal "
           f"{mean(scale['groups_with_signal']):.2f}, |A| {mean(scale['adv_abs']):.3f} (one-right pattern: "
           f"{float(one_right.abs().mean()):.3f}); teacher samples verified {mean(scale['sft_verified']):.2f}")
+    qs = [sum(x[i] for x in scale["k1_q01_q50_q99_min"]) / a.resamples for i in range(4)]
+    print(f"k1 quantiles (mean over batches): 1% {qs[0]:.2f}, median {qs[1]:.2f}, 99% {qs[2]:.2f}, min {qs[3]:.2f}")
     print(f"ratios of mean per-batch norms: sft / sampled {mean(stat['sft']['norm']) / mean(stat['sampled']['norm']):.2f}, "
           f"reward/one-right / sampled {mean(stat['reward/one-right']['norm']) / mean(stat['sampled']['norm']):.2f}")
     print(f"[grad] done in {time.time() - t0:.0f}s")

@@ -151,12 +151,12 @@ def test_report_tables_and_comparisons(tmp_path):
 def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     """The whole experiment at toy size on the embedded SmolLM2 (CPU): every table written, then a re-run resumes."""
     out = tmp_path / "learn"
-    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d"]
+    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d,f"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cfg = LearningConfig(out=str(out), preset="cpu_smoke")
     per_mark = cfg.n_test * cfg.eval_samples
-    for arm in ("a", "c", "d"):
+    for arm in ("a", "c", "d", "f"):
         t = pq.read_table(out / "evals" / f"{arm}.parquet").to_pylist()
         assert len(t) == per_mark * len(cfg.mark_list), arm
         assert sorted({r["mark_s"] for r in t}) == cfg.mark_list
@@ -168,17 +168,22 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     assert rec["kl/sampled_mean"] != 0  # c reads the fine-tuned teacher
     rec_a = json.loads((out / "arms" / "a" / "metrics" / "train.jsonl").read_text().splitlines()[0])
     assert rec_a["kl/sampled_mean"] == 0  # a never runs the teacher
+    s1_seconds = json.loads((out / "data" / "stage_one.json").read_text())["seconds"]
+    if s1_seconds < cfg.budget_s * 0.5:  # f trained (under heavy load stage one can use f's whole budget, as for d)
+        recs_f = [json.loads(x) for x in (out / "arms" / "f" / "metrics" / "train.jsonl").read_text().splitlines()]
+        assert recs_f[0]["sft/off_policy_step"] == 1.0 and recs_f[0]["loss/sft"] > 0  # share ~0.8 at the start
+    assert pq.read_table(out / "arms" / "f" / "curriculum.parquet").column("teacher_solution").null_count == 0
     res = json.loads((out / "results.json").read_text())
-    assert set(res["arms"]) == {"a", "c", "d"} and res["best_arm"] in ARMS
+    assert set(res["arms"]) == {"a", "c", "d", "f"} and res["best_arm"] in ARMS
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "teacher").num_parameters() > 100_000_000
     assert (out / "arms" / "d" / "metrics" / "train.jsonl").exists()  # the SFT arm logs its steps too
     # a re-run with the same settings skips every finished piece; one asking for fewer arms keeps the others
     p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p2.returncode == 0 and p2.stdout.count("already done") == 3, p2.stdout[-2000:]
+    assert p2.returncode == 0 and p2.stdout.count("already done") == 4, p2.stdout[-2000:]
     p2b = subprocess.run(cmd[:-1] + ["a"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p2b.returncode == 0 and set(json.loads((out / "results.json").read_text())["arms"]) == {"a", "c", "d"}
+    assert p2b.returncode == 0 and set(json.loads((out / "results.json").read_text())["arms"]) == {"a", "c", "d", "f"}
     # other settings in the same directory are refused (exit 2), nothing overwritten
     p3 = subprocess.run(cmd + ["--lr", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p3.returncode == 2 and "other settings" in p3.stderr
