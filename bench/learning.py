@@ -3,9 +3,11 @@
     python -m bench.learning --out DIR                       # the GPU experiment (all arms, defaults below)
     python -m bench.learning --out DIR --task gsm8k          # the same on GSM8K (needs ../shared/data)
     python -m bench.learning --out DIR --preset cpu_smoke    # seconds-long budgets, to check the plumbing on a CPU
+    python -m bench.learning --out DIR --start_sft_steps 60 --arms d,d@3e-5,f,f@3e-5 --seeds 0,1 --deadline_s 460
+                                         # regime (i) start, an lr sweep, two seeds; re-run until nothing is left
 
 Student: SmolLM2-135M-Instruct (the embedded default, float32). One task, one set of held-out
-problems, one seed; every arm is given the same *training* seconds (its own clock, evaluation paused)
+problems; every arm is given the same *training* seconds (its own clock, evaluation paused)
 and is evaluated at the same marks on that clock:
 
     a  reward only              OPDTrainer, w_kl = 0, w_reward = 1 (GRPO-style group advantage)
@@ -15,6 +17,21 @@ and is evaluated at the same marks on that clock:
                                 verified solutions) then TRL SFTTrainer on them; the sampling is on d's clock
     e  self-distillation        as c, but the teacher is the frozen initial student reading the
                                 reference solution (privileged context, OPSD)
+    f  combined recipe          OPDTrainer: w_kl = 1, w_reward = 1, w_sft * cross-entropy on stage one's verified
+                                solutions (reaching it through the curriculum's teacher_solution column) and a
+                                share of off-policy steps scheduled over the arm's clock (trainers.offpolicy);
+                                stage one is on f's clock, as on d's
+    g  self-distillation, hint  as e, the privileged context holding the reference solution *and* the final
+                                answer stated explicitly
+    h  combined, full KL        as f with the exact full-vocabulary reverse KL (kl_mode full), not its sampled
+                                single-token estimate (bench/opd_gradients.py measures the two)
+
+An arm runs at ``lr`` unless ``--arm_lr`` or an ``x@lr`` entry of ``--arms`` says otherwise, once per
+``--seeds`` entry; the run's name (``f@3e-05-s1``) names its files. The start is the raw student, or
+with ``start_sft_s`` / ``start_sft_steps`` a mid-trained one (regime (i): in the teacher's format,
+regime (ii): SFT nearly saturated); the teacher is the start plus more SFT. With ``deadline_s`` a
+command runs the arm runs that fit and stops; the same command again continues (finished pieces,
+the start and the teacher are kept), so an experiment runs as a series of short pieces.
 
 The stronger same-tokenizer teacher is the student fine-tuned (TRL ``SFTTrainer``) on the reference
 worked solutions of the training problems for ``teacher_sft_s`` seconds; its own score is measured on
@@ -74,6 +91,7 @@ ARMS = {
     "e": "OPD + reward, privileged self-teacher",
     "f": "combined: OPD + reward + SFT on verified solutions, clock-scheduled mix",
     "g": "OPD + reward, privileged self-teacher shown the solution and the final answer",
+    "h": "combined as f, exact full-vocabulary reverse KL (kl_mode=full)",
 }
 #: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``lr``, then ``-s<seed>`` when its
 #: seed is not ``seed`` (``f@3e-05-s1``). The name is the file name of its evaluations.
@@ -106,9 +124,9 @@ class LearningConfig:
         "help": "Training seconds of SFT on the reference solutions that make the starting student (0 = the raw "
                 "model): regime (i) ~15 (in the teacher's format, about half its score), regime (ii) until SFT "
                 "gains little. The teacher is this start + teacher_sft_s more."})
-    w_sft: float = field(default=1.0, metadata={"help": "Arm f: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
-    sft_share_start: float = field(default=0.8, metadata={"help": "Arm f: share of training seconds in off-policy steps at 0 s."})
-    sft_share_end: float = field(default=0.2, metadata={"help": "Arm f: the same share at budget_s (linear in between)."})
+    w_sft: float = field(default=1.0, metadata={"help": "Arms f, h: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
+    sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h: share of training seconds in off-policy steps at 0 s."})
+    sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h: the same share at budget_s (linear in between)."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
@@ -637,7 +655,7 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
 
     clock = MarkClock(cfg.mark_list, on_mark)
     offset = 0.0
-    if arm in ("d", "f"):  # off-policy arms: stage one's teacher sampling is on their clock
+    if arm in ("d", "f", "h"):  # off-policy arms: stage one's teacher sampling is on their clock
         s1, offset = stage_one_cached(cfg)
         verified = [r for r in s1 if r["correct"] or cfg.sft_filter == "none"]
         print(f"[learning] arm {name}: stage one {len(s1)} teacher samples, {sum(r['correct'] for r in s1)} verified, "
@@ -661,12 +679,13 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
         from trainers.opd_trainer import OPDConfig, OPDTrainer, build_train_dataset, load_curriculum
 
         w_kl, w_reward = (0.0, 1.0) if arm == "a" else (1.0, 0.0) if arm == "b" else (1.0, 1.0)
-        curriculum = arm_curriculum(cfg, arm, name, verified if arm == "f" else None)
+        curriculum = arm_curriculum(cfg, arm, name, verified if arm in ("f", "h") else None)
         args = OPDConfig(
             output_dir=str(cfg.dir / "arms" / name), student_model=student_path,
             teacher_model=None if arm in ("a", "e", "g") else teacher_path,
             curriculum_path=str(curriculum), experiment_name=f"learning-{name}",
-            teacher_context="privileged" if arm in ("e", "g") else "teacher", kl_mode="sampled", w_kl=w_kl,
+            teacher_context="privileged" if arm in ("e", "g") else "teacher",
+            kl_mode="full" if arm == "h" else "sampled", w_kl=w_kl,
             w_reward=w_reward, num_generations=cfg.num_generations, per_device_train_batch_size=cfg.completions_per_step,
             gradient_accumulation_steps=1, learning_rate=lr, max_completion_length=cfg.max_new_tokens,
             temperature=cfg.train_temperature, prompt_style=cfg.prompt_style, curriculum="shuffled", seed=seed,
@@ -675,7 +694,7 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
             report_to="none", max_grad_norm=1.0, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
             answer_filter=cfg.answer_filter, **(dict(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start,
                                                       sft_share_end=cfg.sft_share_end, sft_batch_size=cfg.sft_batch_size)
-                                                 if arm == "f" else {}))
+                                                 if arm in ("f", "h") else {}))
         model, tok = load_student(student_path)
         ds = build_train_dataset(load_curriculum(args.curriculum_path), tok, prompt_style=cfg.prompt_style)
         trainer = OPDTrainer(model=model, teacher_model=args.teacher_model, args=args, train_dataset=ds,
@@ -697,17 +716,17 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
 def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict] | None) -> Path:
     """The curriculum table an on-policy arm reads (stage one's schema, ``stages.curate.CURRICULUM_SCHEMA``).
 
-    a-e: ``data/curriculum.parquet``. f: the same with ``teacher_solution`` = the shortest verified teacher
+    a-e: ``data/curriculum.parquet``. f, h: the same with ``teacher_solution`` = the shortest verified teacher
     sample of each problem from stage one (None where the teacher verified none), as stages.curate writes it.
     g: ``reference`` = the reference solution followed by the verified final answer stated explicitly.
     """
     from data_tools.runio import write_parquet
 
     base = cfg.dir / "data" / "curriculum.parquet"
-    if arm not in ("f", "g"):
+    if arm not in ("f", "g", "h"):
         return base
     rows = read_rows(base)
-    if arm == "f":
+    if arm in ("f", "h"):
         best: dict[str, str] = {}
         for r in verified or []:
             if r["problem_id"] not in best or len(r["completion"]) < len(best[r["problem_id"]]):
@@ -801,9 +820,10 @@ def _parse(argv):
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(LearningConfig)
-    parser.add_argument("--stage", default="all", choices=["all", "arm", "report", "regrade"],
-                        help="all: data, teacher, baseline, every arm (each in a subprocess), report. report: "
-                             "redraw from evals/. regrade: grade evals/ again under both answer filters.")
+    parser.add_argument("--stage", default="all", choices=["all", "setup", "arm", "report", "regrade"],
+                        help="all: data, start, teacher, baseline, every arm (each in a subprocess), report. setup: "
+                             "all but the arms. report: redraw from evals/. regrade: grade evals/ again under both "
+                             "answer filters.")
     parser.add_argument("--arm", default=None, help="--stage arm: which arm.")
     cfg, extra = parser.parse_args_into_dataclasses(args=argv)
     return cfg, extra
@@ -855,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         check_outside_repo(cfg.dir, "--out")
         cfg.dir.mkdir(parents=True, exist_ok=True)
         with run_lock(cfg.dir):  # one experiment per directory (the arms run under this lock)
-            return run_all(cfg)
+            return run_all(cfg, setup_only=extra.stage == "setup")
     except LockHeld as e:
         print(f"bench.learning: {e}", file=sys.stderr)
         return EXIT_LOCKED
@@ -891,7 +911,7 @@ def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
     return out
 
 
-def run_all(cfg: LearningConfig) -> int:
+def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     from data_tools.models import resolve_model
     from data_tools.runio import write_json
 
@@ -914,9 +934,12 @@ def run_all(cfg: LearningConfig) -> int:
                   steps=cfg.start_sft_steps)
     else:
         eval_student(cfg, student_path, data)
-    if any(cfg.parse_run(n)[0] in "bcdf" for n in cfg.instances):
+    if setup_only or any(cfg.parse_run(n)[0] in "bcdfh" for n in cfg.instances):
         fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
                   steps=cfg.teacher_sft_steps)
+    if setup_only:
+        print(f"[learning] setup done in {time.time() - t_start:.0f}s: {cfg.dir}", flush=True)
+        return 0
     skipped = {}
     for arm in cfg.instances:
         if (cfg.dir / "evals" / f"{arm}.parquet").exists():
