@@ -425,7 +425,7 @@ class _StepHooks(TrainerCallback):
         self.trainer._finish_step()
 
 
-class OPDTrainer(DistillationTrainer):
+class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
     """On-policy distillation + verifier reward (see the module docstring and ``OPDConfig``).
 
     Args:
@@ -782,105 +782,6 @@ class OPDTrainer(DistillationTrainer):
         if a.w_sft > 0:
             loss = loss + self._sft_loss(unwrapped_student, inputs, a.w_sft)[0]
         return loss, entropy.detach().sum(), valid.sum()
-
-    # ---- off-policy term (trainers.offpolicy) ----
-    def _init_offpolicy(self) -> None:
-        a = self.args
-        self._time_share = offpolicy.TimeShare()
-        self._off_policy_step = False
-        self._share_now = 0.0
-        self._sft_pool: list[int] = []
-        self._sft_pos = 0
-        self._acc_sft: dict[str, float] = defaultdict(float)
-        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
-            return
-        ds = self.train_dataset
-        sols = ds["teacher_solution"] if ds is not None and "teacher_solution" in ds.column_names else []
-        self._sft_pool = [i for i, s in enumerate(sols) if s]
-        if not self._sft_pool:
-            raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum "
-                             "has no non-empty teacher_solution (run stage one with teacher_samples >= 1)")
-        world = self.accelerator.num_processes
-        if a.sft_batch_size % (world * a.gradient_accumulation_steps):
-            raise ValueError(f"sft_batch_size ({a.sft_batch_size}) must be a multiple of world size x "
-                             f"gradient_accumulation_steps ({world * a.gradient_accumulation_steps})")
-
-    def _choose_off_policy(self) -> bool:
-        """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``."""
-        a = self.args
-        self._share_now = offpolicy.sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
-        off = self._time_share.choose(self._share_now)
-        return self._any_process(off) if self.accelerator.num_processes > 1 else off
-
-    def _offpolicy_batch(self) -> dict[str, Any]:
-        """``sft_batch_size`` teacher solutions (this process's share), each epoch of the pool in a seeded order."""
-        a = self.args
-        n, pool = a.sft_batch_size, self._sft_pool
-        idx = []
-        for j in range(self._sft_pos, self._sft_pos + n):
-            order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(a.seed + j // len(pool)))
-            idx.append(pool[order[j % len(pool)]])  # recomputed per row: pools are small next to a step's cost
-        self._sft_pos += n
-        mine = idx[self.accelerator.process_index :: self.accelerator.num_processes]
-        rows = self.train_dataset.select(mine)
-        batch = offpolicy.solution_batch(self.processing_class, rows["prompt"], rows["teacher_solution"],
-                                         device=self.accelerator.device)
-        batch["sft_num_items"] = self.accelerator.gather(batch["sft_completion_mask"].sum()).sum().float()
-        batch["off_policy"] = torch.ones(len(mine), device=self.accelerator.device)
-        self._last_gen_tokens = int(batch["sft_num_items"].item())
-        return batch
-
-    def _solution_rows(self, inputs: list[dict[str, Any]], B: int) -> dict[str, torch.Tensor]:
-        """The ``w_sft`` term's data in an on-policy batch: each prompt's teacher solution on its group's first row."""
-        G, first = self.args.num_generations, self.accelerator.process_index * B
-        sols = [x.get("teacher_solution") if (first + i) % G == 0 else None for i, x in enumerate(inputs)]
-        out = offpolicy.solution_batch(self.processing_class, [x["prompt"] for x in inputs], sols,
-                                       device=self.accelerator.device)
-        out["sft_num_items"] = self.accelerator.gather(out["sft_completion_mask"].sum()).sum().float()
-        return out
-
-    def _sft_loss(self, unwrapped_student, inputs, weight: float):
-        """``(weight * CE, entropy sum, token count)`` of the micro-batch's teacher solutions.
-
-        CE = -sum_t log pi_theta(y_t | x, y_<t) over solution tokens / the step's global solution-token
-        count (per process under DDP averaging, as TRL divides ``num_items_in_batch``), at temperature 1
-        (TRL ``SFTTrainer``'s completion-only loss). A micro-batch without solution tokens gives 0.
-        """
-        cids, cmask = inputs["sft_completion_ids"], inputs["sft_completion_mask"]
-        rows = cmask.bool().any(dim=1)
-        if not bool(rows.any()):
-            return cids.new_zeros((), dtype=torch.float32), cids.new_zeros((), dtype=torch.float32), rows.sum()
-        cids, cmask = cids[rows], cmask[rows]
-        ids = torch.cat([inputs["sft_prompt_ids"][rows], cids], dim=1)
-        mask = torch.cat([inputs["sft_prompt_mask"][rows], cmask], dim=1)
-        h = self._get_last_hidden_state(unwrapped_student, ids, mask, cids.size(1))
-        (w, b), _ = self._heads(unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
-        scale, cap = logit_transform(unwrapped_student.config)
-        valid = cmask.bool().to(w.device)
-        lp, entropy = losses.token_logprobs(h.to(w.device)[valid], w, b, cids.to(w.device)[valid], logit_scale=scale,
-                                            softcap=cap, with_entropy=True)
-        N = inputs["sft_num_items"].clamp(min=1.0).to(lp.device) / self.accelerator.num_processes
-        ce = -lp.sum() / N
-        self._acc_sft["loss"] += float(ce.detach())
-        self._acc_sft["tokens"] += float(valid.sum())
-        return weight * ce, entropy.detach().sum(), valid.sum()
-
-    def _finish_offpolicy(self, step_s: float) -> None:
-        """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""
-        a = self.args
-        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
-            return
-        self._time_share.record(self._share_now, self._off_policy_step, step_s)
-        vec = torch.tensor([self._acc_sft["loss"], self._acc_sft["tokens"]], dtype=torch.float64,
-                           device=self.accelerator.device)
-        self._acc_sft.clear()
-        loss_sft, tokens = self.accelerator.reduce(vec, reduction="sum").tolist()
-        m = self._metrics["train"]
-        m["loss/sft"].append(loss_sft)  # mean CE per solution token (the term before its weight)
-        m["sft/tokens"].append(tokens)
-        m["sft/share"].append(self._share_now)
-        m["sft/off_policy_step"].append(float(self._off_policy_step))
-        m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
 
     # ---- step bookkeeping ----
     def training_step(self, model, inputs, num_items_in_batch=None):
