@@ -19,6 +19,9 @@ What this subclass adds (issue 3, design.md section 5):
   privileged self-teacher (frozen copy of the initial student) can see the reference solution.
 - Vocabulary-size mismatch with one tokenizer (Qwen2.5 1.5B 151,936 rows vs 7B 152,064): both heads
   are sliced to the shared range; different tokenizers are an error at start-up.
+- An off-policy term on stage one's verified teacher solutions (curriculum column ``teacher_solution``):
+  ``w_sft`` cross-entropy in on-policy steps and a clock-scheduled share of cross-entropy-only steps
+  (``trainers.offpolicy.OffPolicyTerm``).
 - Run-contract plumbing: resume state under ``<output_dir>/resume``, HF exports under ``ckpt_dir``,
   per-step metrics, rollout parquet files, a non-finite guard.
 """
