@@ -3,9 +3,11 @@
     python -m bench.learning --out DIR                       # the GPU experiment (all arms, defaults below)
     python -m bench.learning --out DIR --task gsm8k          # the same on GSM8K (needs ../shared/data)
     python -m bench.learning --out DIR --preset cpu_smoke    # seconds-long budgets, to check the plumbing on a CPU
+    python -m bench.learning --out DIR --start_sft_steps 60 --arms d,d@3e-5,f,f@3e-5 --seeds 0,1 --deadline_s 460
+                                         # regime (i) start, an lr sweep, two seeds; re-run until nothing is left
 
 Student: SmolLM2-135M-Instruct (the embedded default, float32). One task, one set of held-out
-problems, one seed; every arm is given the same *training* seconds (its own clock, evaluation paused)
+problems; every arm is given the same *training* seconds (its own clock, evaluation paused)
 and is evaluated at the same marks on that clock:
 
     a  reward only              OPDTrainer, w_kl = 0, w_reward = 1 (GRPO-style group advantage)
@@ -15,6 +17,21 @@ and is evaluated at the same marks on that clock:
                                 verified solutions) then TRL SFTTrainer on them; the sampling is on d's clock
     e  self-distillation        as c, but the teacher is the frozen initial student reading the
                                 reference solution (privileged context, OPSD)
+    f  combined recipe          OPDTrainer: w_kl = 1, w_reward = 1, w_sft * cross-entropy on stage one's verified
+                                solutions (reaching it through the curriculum's teacher_solution column) and a
+                                share of off-policy steps scheduled over the arm's clock (trainers.offpolicy);
+                                stage one is on f's clock, as on d's
+    g  self-distillation, hint  as e, the privileged context holding the reference solution *and* the final
+                                answer stated explicitly
+    h  combined, full KL        as f with the exact full-vocabulary reverse KL (kl_mode full), not its sampled
+                                single-token estimate (bench/opd_gradients.py measures the two)
+
+An arm runs at ``lr`` unless ``--arm_lr`` or an ``x@lr`` entry of ``--arms`` says otherwise, once per
+``--seeds`` entry; the run's name (``f@3e-05-s1``) names its files. The start is the raw student, or
+with ``start_sft_s`` / ``start_sft_steps`` a mid-trained one (regime (i): in the teacher's format,
+regime (ii): SFT nearly saturated); the teacher is the start plus more SFT. With ``deadline_s`` a
+command runs the arm runs that fit and stops; the same command again continues (finished pieces,
+the start and the teacher are kept), so an experiment runs as a series of short pieces.
 
 The stronger same-tokenizer teacher is the student fine-tuned (TRL ``SFTTrainer``) on the reference
 worked solutions of the training problems for ``teacher_sft_s`` seconds; its own score is measured on
@@ -45,7 +62,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,13 +81,21 @@ if str(ROOT) not in sys.path:
 
 log = logging.getLogger("bench.learning")
 
+from bench.learning_report import report, summarize_mark  # noqa: E402 - after the sys.path line
+
 ARMS = {
     "a": "reward only (w_kl=0)",
     "b": "OPD only (w_reward=0)",
     "c": "OPD + reward",
     "d": "off-policy SFT on teacher's verified solutions",
     "e": "OPD + reward, privileged self-teacher",
+    "f": "combined: OPD + reward + SFT on verified solutions, clock-scheduled mix",
+    "g": "OPD + reward, privileged self-teacher shown the solution and the final answer",
+    "h": "combined as f, exact full-vocabulary reverse KL (kl_mode=full)",
 }
+#: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``lr``, then ``-s<seed>`` when its
+#: seed is not ``seed`` (``f@3e-05-s1``). The name is the file name of its evaluations.
+ARM_RUN = re.compile(r"([a-z])(?:@([0-9.]+(?:e[+-]?[0-9]+)?))?(?:-s([0-9]+))?")
 TASKS = ("ladder", "gsm8k")
 #: Named sets of settings. cpu_smoke: toy sizes to run every piece on a CPU in minutes; its teacher
 #: (4 s of SFT, 16-token cap) verifies nothing, so arm d fine-tunes on all of its samples.
@@ -87,7 +114,19 @@ class LearningConfig:
 
     out: str = field(default="", metadata={"help": "Run directory (outside the repo). Required."})
     task: str = field(default="ladder", metadata={"help": "ladder: data_tools.synth hard ladder; gsm8k: GSM8K."})
-    arms: str = field(default="a,b,c,d,e", metadata={"help": "Comma-separated arms to run, in this order (see ARMS)."})
+    arms: str = field(default="a,b,c,d,e", metadata={
+        "help": "Comma-separated arms to run, in this order (see ARMS); 'f@3e-5' runs arm f at that learning rate."})
+    arm_lr: str = field(default="", metadata={
+        "help": "Learning rates per arm, e.g. 'd=5e-5,f=3e-5' (arms not named, and not given as x@lr, use lr)."})
+    seeds: str = field(default="", metadata={
+        "help": "Comma-separated seeds: every arm runs once per seed (same data, start, teacher); empty = seed."})
+    start_sft_s: float = field(default=0.0, metadata={
+        "help": "Training seconds of SFT on the reference solutions that make the starting student (0 = the raw "
+                "model): regime (i) ~15 (in the teacher's format, about half its score), regime (ii) until SFT "
+                "gains little. The teacher is this start + teacher_sft_s more."})
+    w_sft: float = field(default=1.0, metadata={"help": "Arms f, h: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
+    sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h: share of training seconds in off-policy steps at 0 s."})
+    sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h: the same share at budget_s (linear in between)."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
@@ -96,6 +135,11 @@ class LearningConfig:
     marks: str = field(default="15,30,60,100,150", metadata={
         "help": "Training-clock seconds at which each arm is evaluated (the last one ends the arm; <= budget_s)."})
     teacher_sft_s: float = field(default=90.0, metadata={"help": "Training seconds of the teacher's fine-tuning."})
+    start_sft_steps: int = field(default=0, metadata={
+        "help": "> 0: the start's SFT runs this many optimizer steps instead of start_sft_s seconds. A step count is "
+                "reproducible for a seed, so pieces of one experiment run on different (fresh) machines rebuild the "
+                "same start."})
+    teacher_sft_steps: int = field(default=0, metadata={"help": "> 0: the same for the teacher (instead of teacher_sft_s)."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
     lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW, constant)."})
     sft_batch_size: int = field(default=64, metadata={"help": "Sequences per optimizer step for SFT (teacher and arm d)."})
@@ -140,9 +184,22 @@ class LearningConfig:
             raise ValueError("--out is required (a run directory outside the repo)")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        bad = [a for a in self.arm_list if a not in ARMS]
+        bad = [a for a in self.arm_list if not ARM_RUN.fullmatch(a) or a[0] not in ARMS or "-s" in a]
         if bad or not self.arm_list:
-            raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)}, got {self.arms!r}")
+            raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)} (each optionally @lr), "
+                             f"got {self.arms!r}")
+        try:
+            rates, seeds = self.arm_lr_table, self.seed_list
+        except ValueError:
+            raise ValueError(f"arm_lr must read like 'd=5e-5,f=3e-5' and seeds like '0,1,2', got {self.arm_lr!r}, "
+                             f"{self.seeds!r}") from None
+        if any(k not in ARMS or v <= 0 for k, v in rates.items()) or min(seeds) < 0:
+            raise ValueError(f"arm_lr names arms of {sorted(ARMS)} with rates > 0, seeds are >= 0; got "
+                             f"{self.arm_lr!r}, {self.seeds!r}")
+        if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
+            raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
+        if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
+            raise ValueError("need start_sft_s >= 0, w_sft >= 0 and sft shares in [0, 1]")
         m = self.mark_list
         if not m or any(x <= 0 for x in m) or m != sorted(set(m)) or m[-1] > self.budget_s:
             raise ValueError(f"marks must be increasing positive seconds <= budget_s ({self.budget_s}), got {self.marks!r}")
@@ -168,6 +225,41 @@ class LearningConfig:
     @property
     def arm_list(self) -> list[str]:
         return [a.strip() for a in self.arms.split(",") if a.strip()]
+
+    @property
+    def arm_lr_table(self) -> dict[str, float]:
+        return {k.strip(): float(v) for k, v in (x.split("=", 1) for x in self.arm_lr.split(",") if x.strip())}
+
+    @property
+    def seed_list(self) -> list[int]:
+        return [int(x) for x in self.seeds.split(",") if x.strip()] or [self.seed]
+
+    def run_name(self, arm: str, lr: float, seed: int) -> str:
+        return arm + (f"@{lr:g}" if lr != self.lr else "") + (f"-s{seed}" if seed != self.seed else "")
+
+    @property
+    def instances(self) -> list[str]:
+        """The arm runs this invocation asks for (``ARM_RUN`` names): every arm at its rate, for every seed."""
+        out = []
+        for spec in self.arm_list:
+            arm, lr, _ = ARM_RUN.fullmatch(spec).groups()
+            rate = float(lr) if lr else self.arm_lr_table.get(arm, self.lr)
+            out += [self.run_name(arm, rate, s) for s in self.seed_list]
+        return list(dict.fromkeys(out))
+
+    def parse_run(self, name: str) -> tuple[str, float, int]:
+        """``(arm, learning rate, seed)`` of a run name. Raises ValueError for a name ``ARM_RUN`` does not match."""
+        m = ARM_RUN.fullmatch(name)
+        if not m or m.group(1) not in ARMS:
+            raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1')")
+        return m.group(1), float(m.group(2)) if m.group(2) else self.lr, int(m.group(3)) if m.group(3) else self.seed
+
+    def label(self, group: str) -> str:
+        """Label of an arm (a run name without its seed) for tables and the plot."""
+        arm, lr, _ = self.parse_run(group)
+        text = ("off-policy SFT on all teacher samples (sft_filter=none)" if arm == "d" and self.sft_filter == "none"
+                else ARMS[arm])
+        return text + (f", lr {lr:g}" if lr != self.lr else "")
 
     @property
     def mark_list(self) -> list[float]:
@@ -321,41 +413,6 @@ def grade_rows(rows: list[dict], answers: dict[str, str], primary: str) -> list[
     return rows
 
 
-def summarize_mark(rows: list[dict], answer_filter: str | None = None) -> dict:
-    """avg@k, its standard error over problems, clip rate and mean completion tokens of one mark's rows.
-
-    ``answer_filter``: read ``correct_<filter>`` instead of ``correct``.
-    """
-    from data_tools.evalstats import summarize
-
-    if answer_filter:
-        rows = [{**r, "correct": r[f"correct_{answer_filter}"]} for r in rows]
-    s = summarize(rows)
-    return dict(avg_at_k=s["pass_at_1"], stderr=s["pass_at_1_stderr"], clip_rate=s["clip_rate"],
-                mean_tokens=sum(r["n_tokens"] for r in rows) / len(rows), n_problems=s["n_problems"],
-                train_s=max(r["train_s"] for r in rows), step=max(r["step"] for r in rows))
-
-
-def paired_difference(rows_x: list[dict], rows_y: list[dict]) -> tuple[float, float | None, int]:
-    """Mean over problems of (pass rate under x - pass rate under y), its standard error, problem count.
-
-    The standard error is the sample std (ddof=1) of the per-problem differences / sqrt(n): the
-    paired form, since every arm is evaluated on the same problems (the problem is the unit of
-    sampling, as in ``data_tools.evalstats``). Only problems present in both are used.
-
-    Raises:
-        ValueError: no problem in common.
-    """
-    from data_tools.evalstats import per_problem_rates, stderr_over_problems
-
-    rx, ry = per_problem_rates(rows_x), per_problem_rates(rows_y)
-    common = [p for p in rx if p in ry]
-    if not common:
-        raise ValueError("the two evaluations share no problem")
-    diffs = [rx[p][1] / rx[p][0] - ry[p][1] / ry[p][0] for p in common]
-    return sum(diffs) / len(diffs), stderr_over_problems(diffs), len(common)
-
-
 # ------------------------------------------------------------------------------------------- the clock
 
 
@@ -425,8 +482,10 @@ def _clock_callback(clock: MarkClock):
 # ------------------------------------------------------------------------------------------- SFT
 
 
-def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path, lr: float, clock: MarkClock):
-    """Fine-tune ``model`` in place with TRL's ``SFTTrainer`` on prompt/completion ``examples`` until ``clock`` stops.
+def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path, lr: float, clock: MarkClock,
+        max_steps: int = -1):
+    """Fine-tune ``model`` in place with TRL's ``SFTTrainer`` on prompt/completion ``examples`` until ``clock``
+    stops (or after ``max_steps`` optimizer steps when > 0).
 
     Prompts are the student's chat-rendered prompt strings (the same text as rollouts and evaluation),
     completions the solutions; the loss is on completion tokens only (TRL ``completion_only_loss``),
@@ -441,7 +500,7 @@ def sft(model, tok, examples: list[dict], cfg: LearningConfig, *, out_dir: Path,
                      lr_scheduler_type="constant", num_train_epochs=10_000, logging_steps=25, save_strategy="no",
                      report_to="none", bf16=False, max_length=512, completion_only_loss=True, seed=cfg.seed,
                      disable_tqdm=True, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
-                     max_grad_norm=1.0)
+                     max_grad_norm=1.0, max_steps=max_steps)
     ds = Dataset.from_list([{"prompt": e["prompt"], "completion": e["completion"]} for e in examples])
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
                          callbacks=[_clock_callback(clock)])
@@ -495,33 +554,40 @@ def _write_evals(rows: list[dict], name: str, cfg: LearningConfig) -> Path:
                          cfg.dir / "evals" / f"{name}.parquet")
 
 
-def make_teacher(cfg: LearningConfig, student_path: str, data: dict[str, Path]) -> Path:
-    """Fine-tune the student on the training problems' reference solutions -> ``<out>/teacher``; evaluate it."""
+def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name: str, eval_name: str,
+              seconds: float, steps: int = 0) -> Path:
+    """Fine-tune ``src`` on the training problems' reference solutions for ``seconds`` (or ``steps`` optimizer
+    steps when > 0) -> ``<out>/<dest_name>``; its evaluation -> ``evals/<eval_name>.parquet``. Used for the
+    teacher and for a mid-trained start."""
     import shutil
 
-    dest = cfg.dir / "teacher"
-    if (dest / "config.json").exists() and (cfg.dir / "evals" / "teacher.parquet").exists():
+    dest = cfg.dir / dest_name
+    if (dest / "config.json").exists() and (cfg.dir / "evals" / f"{eval_name}.parquet").exists():
         return dest
+    student_path = src
     model, tok = load_student(student_path)
     test = read_rows(data["test"])
     evals: list[dict] = []
 
     def on_mark(m, mark, t, step):
-        evals.extend(evaluate(m, tok, test, cfg, name="teacher", mark_s=mark, train_s=t, step=step))
+        evals.extend(evaluate(m, tok, test, cfg, name=eval_name, mark_s=mark, train_s=t, step=step))
 
-    clock = MarkClock([cfg.teacher_sft_s], on_mark)
+    clock = MarkClock([math.inf if steps else seconds], on_mark)
     t0 = time.time()
-    sft(model, tok, sft_examples(tok, read_rows(data["train"]), cfg), cfg, out_dir=cfg.dir / "work" / "teacher_sft",
-        lr=cfg.teacher_lr, clock=clock)
-    tmp = cfg.dir / ".teacher.tmp"
+    trainer = sft(model, tok, sft_examples(tok, read_rows(data["train"]), cfg), cfg,
+                  out_dir=cfg.dir / "work" / f"{dest_name}_sft", lr=cfg.teacher_lr, clock=clock, max_steps=steps or -1)
+    if steps:
+        seconds = clock.elapsed()
+        on_mark(model, seconds, seconds, trainer.state.global_step)
+    tmp = cfg.dir / f".{dest_name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
-    _write_evals(evals, "teacher", cfg)
+    _write_evals(evals, eval_name, cfg)
     s = summarize_mark(evals)
-    print(f"[learning] teacher: SFT {cfg.teacher_sft_s:.0f}s (wall {time.time() - t0:.0f}s) -> avg@{cfg.eval_samples} "
+    print(f"[learning] {dest_name}: SFT {seconds:.0f}s (wall {time.time() - t0:.0f}s) -> avg@{cfg.eval_samples} "
           f"{s['avg_at_k']:.3f} ± {s['stderr']:.3f} clip {s['clip_rate']:.2f}", flush=True)
     return dest
 
@@ -568,83 +634,136 @@ def check_fast_generation(cfg: LearningConfig, student_path: str) -> bool:
     return ok
 
 
-def run_arm(cfg: LearningConfig, arm: str) -> None:
-    """Train one arm for ``budget_s`` training seconds, evaluating at the marks -> ``evals/<arm>.parquet``."""
+def run_arm(cfg: LearningConfig, name: str) -> None:
+    """Train one arm run for ``budget_s`` training seconds, evaluating at the marks -> ``evals/<name>.parquet``.
+
+    ``name`` is an ``ARM_RUN`` name: its arm, learning rate and seed (which also seeds the evaluation's sampling).
+    """
     import torch
 
+    arm, lr, seed = cfg.parse_run(name)
+    cfg = dataclasses.replace(cfg, lr=lr, seed=seed)
     test = read_rows(cfg.dir / "data" / "test.parquet")
-    student_path = json.loads((cfg.dir / "settings.json").read_text())["student_path"]
+    student_path = json.loads((cfg.dir / "settings.json").read_text())["start_path"]
     teacher_path = str(cfg.dir / "teacher")
     evals: list[dict] = []
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
     t_wall = time.time()
 
-    if arm == "d":
-        model, tok = load_student(teacher_path)  # stage one: the teacher samples the training problems
-        _sync()
-        t0 = time.perf_counter()  # d's clock starts here: its data generation is part of its budget
-        rows = read_rows(cfg.dir / "data" / "train.parquet")[: cfg.stage_one_problems]
-        s1 = stage_one(model, tok, rows, cfg)
-        _sync()
-        offset = time.perf_counter() - t0
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        model, tok = load_student(student_path)
+    def on_mark(m, mark, t, step):
+        evals.extend(evaluate(m, tok, test, cfg, name=name, mark_s=mark, train_s=t, step=step))
+
+    clock = MarkClock(cfg.mark_list, on_mark)
+    offset = 0.0
+    if arm in ("d", "f", "h"):  # off-policy arms: stage one's teacher sampling is on their clock
+        s1, offset = stage_one_cached(cfg)
         verified = [r for r in s1 if r["correct"] or cfg.sft_filter == "none"]
-        print(f"[learning] arm d: stage one {len(s1)} teacher samples, {sum(r['correct'] for r in s1)} verified, "
-              f"{len(verified)} kept (sft_filter={cfg.sft_filter}), {offset:.1f}s (counted in d's budget)", flush=True)
+        print(f"[learning] arm {name}: stage one {len(s1)} teacher samples, {sum(r['correct'] for r in s1)} verified, "
+              f"{len(verified)} kept (sft_filter={cfg.sft_filter}), {offset:.1f}s (counted in its budget)", flush=True)
         if not verified:
-            raise RuntimeError("arm d: the teacher produced no verified solution; nothing to fine-tune on")
-
-        def on_mark(m, mark, t, step):
-            evals.extend(evaluate(m, tok, test, cfg, name="d", mark_s=mark, train_s=t, step=step))
-
-        clock = MarkClock(cfg.mark_list, on_mark)
+            raise RuntimeError(f"arm {name}: the teacher produced no verified solution; nothing to fine-tune on")
+    if arm == "d":
+        model, tok = load_student(student_path)
         clock.start(offset_s=offset)
         if not clock.check(model, 0):  # the sampling may already have passed early marks
             sft(model, tok, [{"prompt": r["prompt"], "completion": r["completion"]} for r in verified], cfg,
-                out_dir=cfg.dir / "arms" / "d", lr=cfg.lr, clock=clock)
+                out_dir=cfg.dir / "arms" / name, lr=lr, clock=clock)
         else:  # stage one used the whole budget: no SFT step; the empty log says so
             from data_tools.runio import write_text
 
-            print("[learning] arm d: stage one used the whole budget, no fine-tuning step", flush=True)
-            write_text("", cfg.dir / "arms" / "d" / "metrics" / "train.jsonl")
+            print(f"[learning] arm {name}: stage one used the whole budget, no fine-tuning step", flush=True)
+            write_text("", cfg.dir / "arms" / name / "metrics" / "train.jsonl")
     else:
         from transformers import PrinterCallback
 
         from trainers.opd_trainer import OPDConfig, OPDTrainer, build_train_dataset, load_curriculum
 
-        w_kl, w_reward = {"a": (0.0, 1.0), "b": (1.0, 0.0), "c": (1.0, 1.0), "e": (1.0, 1.0)}[arm]
+        w_kl, w_reward = (0.0, 1.0) if arm == "a" else (1.0, 0.0) if arm == "b" else (1.0, 1.0)
+        curriculum = arm_curriculum(cfg, arm, name, verified if arm in ("f", "h") else None)
         args = OPDConfig(
-            output_dir=str(cfg.dir / "arms" / arm), student_model=student_path,
-            teacher_model=None if arm in ("a", "e") else teacher_path,
-            curriculum_path=str(cfg.dir / "data" / "curriculum.parquet"), experiment_name=f"learning-{arm}",
-            teacher_context="privileged" if arm == "e" else "teacher", kl_mode="sampled", w_kl=w_kl, w_reward=w_reward,
-            num_generations=cfg.num_generations, per_device_train_batch_size=cfg.completions_per_step,
-            gradient_accumulation_steps=1, learning_rate=cfg.lr, max_completion_length=cfg.max_new_tokens,
-            temperature=cfg.train_temperature, prompt_style=cfg.prompt_style, curriculum="shuffled", seed=cfg.seed,
+            output_dir=str(cfg.dir / "arms" / name), student_model=student_path,
+            teacher_model=None if arm in ("a", "e", "g") else teacher_path,
+            curriculum_path=str(curriculum), experiment_name=f"learning-{name}",
+            teacher_context="privileged" if arm in ("e", "g") else "teacher",
+            kl_mode="full" if arm == "h" else "sampled", w_kl=w_kl,
+            w_reward=w_reward, num_generations=cfg.num_generations, per_device_train_batch_size=cfg.completions_per_step,
+            gradient_accumulation_steps=1, learning_rate=lr, max_completion_length=cfg.max_new_tokens,
+            temperature=cfg.train_temperature, prompt_style=cfg.prompt_style, curriculum="shuffled", seed=seed,
             max_wall_time_seconds=10**7, deadline_reserve_seconds=0, ckpt_every_minutes=0, ckpt_every_steps=0,
             resume=False, save_rollouts=True, fast_generation=cfg.fast_generation, compile_layers=False,
             report_to="none", max_grad_norm=1.0, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-            answer_filter=cfg.answer_filter)
+            answer_filter=cfg.answer_filter, **(dict(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start,
+                                                      sft_share_end=cfg.sft_share_end, sft_batch_size=cfg.sft_batch_size)
+                                                 if arm in ("f", "h") else {}))
         model, tok = load_student(student_path)
         ds = build_train_dataset(load_curriculum(args.curriculum_path), tok, prompt_style=cfg.prompt_style)
         trainer = OPDTrainer(model=model, teacher_model=args.teacher_model, args=args, train_dataset=ds,
                              processing_class=tok)
-
-        def on_mark(m, mark, t, step):
-            evals.extend(evaluate(trainer.accelerator.unwrap_model(m), tok, test, cfg, name=arm, mark_s=mark,
-                                  train_s=t, step=step))
-
-        trainer.add_callback(_clock_callback(MarkClock(cfg.mark_list, on_mark)))
-        trainer.remove_callback(PrinterCallback)  # per-step metrics are in arms/<arm>/metrics/train.jsonl
-        trainer.train()
-    _write_evals(evals, arm, cfg)
+        # the mix schedule follows this arm's training clock (evaluations paused), not the process's wall clock
+        trainer.time_fraction = lambda: min(1.0, max(0.0, clock.elapsed() / cfg.budget_s))
+        clock.start(offset_s=offset)
+        trainer.add_callback(_clock_callback(clock))
+        trainer.remove_callback(PrinterCallback)  # per-step metrics are in arms/<name>/metrics/train.jsonl
+        if not clock.check(trainer.model, 0):
+            trainer.train()
+    _write_evals(evals, name, cfg)
     last = summarize_mark([r for r in evals if r["mark_s"] == cfg.mark_list[-1]])
-    print(f"[learning] arm {arm} ({arm_label(arm, cfg)}): avg@{cfg.eval_samples} {last['avg_at_k']:.3f} ± {last['stderr']:.3f} "
-          f"at {last['train_s']:.0f}s (step {last['step']}), clip {last['clip_rate']:.2f}, "
+    print(f"[learning] arm {name} ({cfg.label(name)}): avg@{cfg.eval_samples} {last['avg_at_k']:.3f} ± "
+          f"{last['stderr']:.3f} at {last['train_s']:.0f}s (step {last['step']}), clip {last['clip_rate']:.2f}, "
           f"wall {time.time() - t_wall:.0f}s", flush=True)
+
+
+def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict] | None) -> Path:
+    """The curriculum table an on-policy arm reads (stage one's schema, ``stages.curate.CURRICULUM_SCHEMA``).
+
+    a-e: ``data/curriculum.parquet``. f, h: the same with ``teacher_solution`` = the shortest verified teacher
+    sample of each problem from stage one (None where the teacher verified none), as stages.curate writes it.
+    g: ``reference`` = the reference solution followed by the verified final answer stated explicitly.
+    """
+    from data_tools.runio import write_parquet
+
+    base = cfg.dir / "data" / "curriculum.parquet"
+    if arm not in ("f", "g", "h"):
+        return base
+    rows = read_rows(base)
+    if arm in ("f", "h"):
+        best: dict[str, str] = {}
+        for r in verified or []:
+            if r["problem_id"] not in best or len(r["completion"]) < len(best[r["problem_id"]]):
+                best[r["problem_id"]] = r["completion"]
+        for r in rows:
+            r["teacher_solution"] = best.get(r["problem_id"])
+    else:
+        for r in rows:
+            r["reference"] = f"{r['reference']}\nThe final answer is {r['answer']}."
+    return write_parquet(rows, cfg.dir / "arms" / name / "curriculum.parquet")
+
+
+def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
+    """Stage one of the off-policy arms and its seconds, measured once (``data/stage_one.{parquet,json}``).
+
+    Every off-policy arm run charges the measured seconds to its own clock; the samples (seeded by the
+    run's ``seed`` setting, not the arm's) are the same for all of them, as one stage one feeds stage two.
+    """
+    import torch
+
+    p, meta = cfg.dir / "data" / "stage_one.parquet", cfg.dir / "data" / "stage_one.json"
+    if p.exists() and meta.exists():
+        return read_rows(p), float(json.loads(meta.read_text())["seconds"])
+    from data_tools.runio import write_json
+
+    base = dataclasses.replace(cfg, seed=json.loads((cfg.dir / "settings.json").read_text())["seed"])
+    model, tok = load_student(str(cfg.dir / "teacher"))
+    _sync()
+    t0 = time.perf_counter()
+    rows = stage_one(model, tok, read_rows(cfg.dir / "data" / "train.parquet")[: cfg.stage_one_problems], base)
+    _sync()
+    seconds = time.perf_counter() - t0
+    write_json({"seconds": seconds}, meta)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows, seconds
 
 
 def stage_one(model, tok, rows: list[dict], cfg: LearningConfig) -> list[dict]:
@@ -673,79 +792,6 @@ def stage_one(model, tok, rows: list[dict], cfg: LearningConfig) -> list[dict]:
 # ------------------------------------------------------------------------------------------- report
 
 
-def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
-    """Per-mark summaries under answer filter ``f``, the best arm at the last mark, paired comparisons."""
-    base = evals["student"]
-    out: dict = {"answer_filter": f, "student": summarize_mark(base, f), "arms": {}}
-    if "teacher" in evals:
-        out["teacher"] = summarize_mark(evals["teacher"], f)
-    finals: dict[str, list[dict]] = {}
-    for arm in [a for a in ARMS if a in evals]:
-        rows = evals[arm]
-        by_mark = {str(m): summarize_mark(mr, f) for m in cfg.mark_list if (mr := [r for r in rows if r["mark_s"] == m])}
-        out["arms"][arm] = {"label": arm_label(arm, cfg), "marks": by_mark}
-        last = [r for r in rows if r["mark_s"] == cfg.mark_list[-1]]
-        if last:
-            finals[arm] = [{**r, "correct": r[f"correct_{f}"]} for r in last]
-    if finals:  # paired comparisons at the last mark: the best arm against every other, each against the start
-        best = max(finals, key=lambda a: summarize_mark(finals[a])["avg_at_k"])
-        out["best_arm"] = best
-        start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
-        cmp = {}
-        for arm, rows in finals.items():
-            d, se, _ = paired_difference(finals[best], rows) if arm != best else (0.0, None, len(rows))
-            d0, se0, _ = paired_difference(rows, start)
-            cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None,
-                        "gain_over_start": d0, "gain_stderr": se0}
-        out["comparisons_at_last_mark"] = cmp
-    return out
-
-
-def load_evals(cfg: LearningConfig) -> dict[str, list[dict]]:
-    """``evals/<name>.parquet`` rows by name (student, teacher, arms).
-
-    Raises:
-        FileNotFoundError: no ``evals/student.parquet`` (the run has not started).
-        ValueError: rows lack ``correct_numeric`` / ``correct_math`` (written before both were stored:
-            run ``--stage regrade``).
-    """
-    import pyarrow.parquet as pq
-
-    ev = cfg.dir / "evals"
-    if not (ev / "student.parquet").exists():
-        raise FileNotFoundError(f"{ev / 'student.parquet'} not found: run the experiment first")
-    out = {}
-    for name in ["student", "teacher", *ARMS]:  # every arm this directory has results for
-        p = ev / f"{name}.parquet"
-        if p.exists():
-            out[name] = pq.read_table(p).to_pylist()
-            if out[name] and "correct_numeric" not in out[name][0]:
-                raise ValueError(f"{p} has no correct_numeric/correct_math columns: run --stage regrade first")
-    return out
-
-
-def report(cfg: LearningConfig) -> dict:
-    """Collect ``evals/*.parquet`` into ``results.json``, ``results.md`` and ``learning.png``.
-
-    The top-level numbers use ``cfg.report_filter``; ``other_filter`` holds the same under the other one.
-    """
-    from data_tools.grader import ANSWER_FILTERS
-    from data_tools.runio import write_json
-
-    evals = load_evals(cfg)
-    res: dict = {"settings": dataclasses.asdict(cfg), **_collect(cfg, evals, cfg.report_filter),
-                 "skipped": {a: "not run (see the run log)" for a in cfg.arm_list if a not in evals}}
-    skip_file = cfg.dir / "skipped.json"  # why run_all skipped or lost arms, kept for later reports
-    if skip_file.exists():
-        res["skipped"].update({a: w for a, w in json.loads(skip_file.read_text()).items() if a not in evals})
-    other = [f for f in ANSWER_FILTERS if f != cfg.report_filter][0]
-    res["other_filter"] = _collect(cfg, evals, other)
-    write_json(res, cfg.dir / "results.json")
-    (cfg.dir / "results.md").write_text(results_markdown(res, cfg))
-    plot(res, cfg, cfg.dir / "learning.png")
-    return res
-
-
 def regrade(cfg: LearningConfig) -> None:
     """Re-grade every ``evals/*.parquet`` under both answer filters (``grade_rows``), atomically per file.
 
@@ -767,106 +813,6 @@ def regrade(cfg: LearningConfig) -> None:
               f"math {sum(r['correct_math'] for r in rows) / n:.3f} over {n} samples", flush=True)
 
 
-def arm_label(arm: str, cfg: LearningConfig) -> str:
-    if arm == "d" and cfg.sft_filter == "none":
-        return "off-policy SFT on all teacher samples (sft_filter=none)"
-    return ARMS[arm]
-
-
-def _fmt(x, nd=3):
-    return "—" if x is None else f"{x:.{nd}f}"
-
-
-def _table(col: dict, cfg: LearningConfig) -> list[str]:
-    k = cfg.eval_samples
-    lines = []
-    s, t = col["student"], col.get("teacher")
-    lines.append(f"- start (the student): avg@{k} {_fmt(s['avg_at_k'])} ± {_fmt(s['stderr'])}, clip {_fmt(s['clip_rate'], 2)}, "
-                 f"{s['mean_tokens']:.1f} tokens")
-    if t:
-        lines.append(f"- teacher (student + {cfg.teacher_sft_s:.0f} s SFT on reference solutions, lr {cfg.teacher_lr}): "
-                     f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
-                     f"{t['mean_tokens']:.1f} tokens")
-    lines += ["", "| arm | " + " | ".join(f"{m:g} s" for m in cfg.mark_list) + " | last mark at s | steps | clip | tokens |",
-              "|---|" + "---|" * (len(cfg.mark_list) + 4)]
-    for arm, a in col["arms"].items():
-        cells = [f"{_fmt(a['marks'][str(m)]['avg_at_k'])} ± {_fmt(a['marks'][str(m)]['stderr'])}"
-                 if str(m) in a["marks"] else "—" for m in cfg.mark_list]
-        last = a["marks"].get(str(cfg.mark_list[-1]), {})
-        lines.append(f"| {arm}: {a['label']} | " + " | ".join(cells) + f" | {_fmt(last.get('train_s'), 1)}"
-                     f" | {last.get('step', '—')} | {_fmt(last.get('clip_rate'), 2)} | {_fmt(last.get('mean_tokens'), 1)} |")
-    if col.get("comparisons_at_last_mark"):
-        b = col["best_arm"]
-        finals = [a["marks"][str(cfg.mark_list[-1])]["avg_at_k"] for a in col["arms"].values()
-                  if str(cfg.mark_list[-1]) in a["marks"]]
-        head = (f"Best at {cfg.mark_list[-1]:g} s: **{b}** ({arm_label(b, cfg)})." if max(finals) > min(finals)
-                else f"No arm ahead at {cfg.mark_list[-1]:g} s: all at {max(finals):.3f}.")
-        lines += ["", f"{head} Paired differences over the same problems:", ""]
-        for arm, c in col["comparisons_at_last_mark"].items():
-            if arm == b:
-                continue
-            lines.append(f"- {b} − {arm}: {c['best_minus_arm']:+.3f} ± {_fmt(c['stderr'])} "
-                         f"({_fmt(c['n_sigma'], 1)} standard errors)")
-        lines.append("")
-        for arm, c in col["comparisons_at_last_mark"].items():
-            lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
-    return lines
-
-
-def results_markdown(res: dict, cfg: LearningConfig) -> str:
-    k = cfg.eval_samples
-    lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
-             f"{cfg.max_new_tokens}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
-             f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`. A mark is evaluated "
-             f"at the first optimizer step that ends past it (\"last mark at s\"; 0 steps: no update in time).", "",
-             f"### avg@{k}, answer filter `{res['answer_filter']}`", ""]
-    lines += _table(res, cfg)
-    o = res["other_filter"]
-    lines += ["", f"### avg@{k}, answer filter `{o['answer_filter']}`", ""] + _table(o, cfg)
-    for arm, why in res["skipped"].items():
-        lines.append(f"- arm {arm} skipped: {why}")
-    return "\n".join(lines) + "\n"
-
-
-def plot(res: dict, cfg: LearningConfig, path: Path) -> None:
-    """avg@k against training minutes, one line per arm (error bars: standard error), one panel per answer
-    filter; skipped without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:  # the GPU machine has no matplotlib: `--stage report` redraws it from evals/
-        print(f"[learning] matplotlib missing: {path.name} not drawn (run --stage report where it is installed)")
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [res, res["other_filter"]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), sharey=True)
-    for ax, col in zip(axes, panels):
-        s = col["student"]
-        for arm, a in col["arms"].items():
-            ms = [m for m in cfg.mark_list if str(m) in a["marks"]]
-            xs = [0.0] + [a["marks"][str(m)]["train_s"] / 60 for m in ms]
-            ys = [s["avg_at_k"]] + [a["marks"][str(m)]["avg_at_k"] for m in ms]
-            es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in ms]
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
-        if col.get("teacher"):
-            ax.axhline(col["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
-        ax.set_xlabel("training minutes on the arm's own clock (evaluation excluded)")
-        ax.set_ylim(bottom=0)
-        ax.set_title(f"answer filter: {col['answer_filter']}" +
-                     (" (reported)" if col is res else " (equal expressions accepted)"))
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})")
-    axes[0].legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"SmolLM2-135M-Instruct: arms at equal training seconds (reward graded '{cfg.answer_filter}')")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-    plt.close(fig)
-
-
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -874,9 +820,10 @@ def _parse(argv):
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(LearningConfig)
-    parser.add_argument("--stage", default="all", choices=["all", "arm", "report", "regrade"],
-                        help="all: data, teacher, baseline, every arm (each in a subprocess), report. report: "
-                             "redraw from evals/. regrade: grade evals/ again under both answer filters.")
+    parser.add_argument("--stage", default="all", choices=["all", "setup", "arm", "report", "regrade"],
+                        help="all: data, start, teacher, baseline, every arm (each in a subprocess), report. setup: "
+                             "all but the arms. report: redraw from evals/. regrade: grade evals/ again under both "
+                             "answer filters.")
     parser.add_argument("--arm", default=None, help="--stage arm: which arm.")
     cfg, extra = parser.parse_args_into_dataclasses(args=argv)
     return cfg, extra
@@ -911,8 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = LearningConfig(**kept)
             if extra.stage == "arm":
-                if extra.arm not in ARMS:
-                    raise ValueError(f"--arm must be one of {sorted(ARMS)}")
+                cfg.parse_run(extra.arm or "")
                 run_arm(cfg, extra.arm)
                 return 0
             if extra.stage == "regrade":
@@ -929,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         check_outside_repo(cfg.dir, "--out")
         cfg.dir.mkdir(parents=True, exist_ok=True)
         with run_lock(cfg.dir):  # one experiment per directory (the arms run under this lock)
-            return run_all(cfg)
+            return run_all(cfg, setup_only=extra.stage == "setup")
     except LockHeld as e:
         print(f"bench.learning: {e}", file=sys.stderr)
         return EXIT_LOCKED
@@ -940,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
 
 #: Settings that may differ between invocations on one run directory: the arms asked for this time,
 #: the deadline, what the fast-generation check decided, and where the directory lives.
-LOOSE_SETTINGS = ("arms", "deadline_s", "fast_generation_used", "out")
+LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "fast_generation_used", "out")
 
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
@@ -965,14 +911,15 @@ def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
     return out
 
 
-def run_all(cfg: LearningConfig) -> int:
+def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     from data_tools.models import resolve_model
     from data_tools.runio import write_json
 
     t_start = time.time()
     settings_path = cfg.dir / "settings.json"
     student_path = resolve_model(cfg.student_model)
-    settings = {**dataclasses.asdict(cfg), "preset": "", "student_path": student_path}
+    start_path = str(cfg.dir / "start") if cfg.start_sft_s > 0 or cfg.start_sft_steps else student_path
+    settings = {**dataclasses.asdict(cfg), "preset": "", "student_path": student_path, "start_path": start_path}
     old = json.loads(settings_path.read_text()) if settings_path.exists() else None
     settings = merge_settings(old, settings, cfg.arm_list)
     if old is None and cfg.fast_generation and not check_fast_generation(cfg, student_path):
@@ -982,11 +929,19 @@ def run_all(cfg: LearningConfig) -> int:
     data = build_data(cfg)
     print(f"[learning] data: {len(read_rows(data['train']))} train / {len(read_rows(data['test']))} test ({cfg.task}); "
           f"out {cfg.dir}", flush=True)
-    eval_student(cfg, student_path, data)
-    if any(a in cfg.arm_list for a in ("b", "c", "d")):
-        make_teacher(cfg, student_path, data)
+    if start_path != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
+        fine_tune(cfg, student_path, data, dest_name="start", eval_name="student", seconds=cfg.start_sft_s,
+                  steps=cfg.start_sft_steps)
+    else:
+        eval_student(cfg, student_path, data)
+    if setup_only or any(cfg.parse_run(n)[0] in "bcdfh" for n in cfg.instances):
+        fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
+                  steps=cfg.teacher_sft_steps)
+    if setup_only:
+        print(f"[learning] setup done in {time.time() - t_start:.0f}s: {cfg.dir}", flush=True)
+        return 0
     skipped = {}
-    for arm in cfg.arm_list:
+    for arm in cfg.instances:
         if (cfg.dir / "evals" / f"{arm}.parquet").exists():
             print(f"[learning] arm {arm}: already done", flush=True)
             continue
@@ -1000,6 +955,9 @@ def run_all(cfg: LearningConfig) -> int:
             skipped[arm] = f"failed with exit code {rc}"
             print(f"[learning] arm {arm}: FAILED (exit {rc})", flush=True)
     write_json(skipped, cfg.dir / "skipped.json")
+    if any("deadline" in w for w in skipped.values()):
+        print(f"[learning] {sum('deadline' in w for w in skipped.values())} arm run(s) left: run the same command "
+              "again to continue (finished pieces are kept)", flush=True)
     report(cfg)
     print((cfg.dir / "results.md").read_text(), flush=True)
     print(f"[learning] done in {time.time() - t_start:.0f}s: {cfg.dir}/results.md, learning.png", flush=True)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench.learning import ARMS, LearningConfig, MarkClock, merge_settings, paired_difference, report
+from bench.learning import ARMS, LearningConfig, MarkClock, merge_settings
+from bench.learning_report import paired_difference, report
 from data_tools.runio import write_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,12 +151,12 @@ def test_report_tables_and_comparisons(tmp_path):
 def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     """The whole experiment at toy size on the embedded SmolLM2 (CPU): every table written, then a re-run resumes."""
     out = tmp_path / "learn"
-    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d"]
+    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d,f"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cfg = LearningConfig(out=str(out), preset="cpu_smoke")
     per_mark = cfg.n_test * cfg.eval_samples
-    for arm in ("a", "c", "d"):
+    for arm in ("a", "c", "d", "f"):
         t = pq.read_table(out / "evals" / f"{arm}.parquet").to_pylist()
         assert len(t) == per_mark * len(cfg.mark_list), arm
         assert sorted({r["mark_s"] for r in t}) == cfg.mark_list
@@ -167,17 +168,64 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     assert rec["kl/sampled_mean"] != 0  # c reads the fine-tuned teacher
     rec_a = json.loads((out / "arms" / "a" / "metrics" / "train.jsonl").read_text().splitlines()[0])
     assert rec_a["kl/sampled_mean"] == 0  # a never runs the teacher
+    s1_seconds = json.loads((out / "data" / "stage_one.json").read_text())["seconds"]
+    if s1_seconds < cfg.budget_s * 0.5:  # f trained (under heavy load stage one can use f's whole budget, as for d)
+        recs_f = [json.loads(x) for x in (out / "arms" / "f" / "metrics" / "train.jsonl").read_text().splitlines()]
+        assert recs_f[0]["sft/off_policy_step"] == 1.0 and recs_f[0]["loss/sft"] > 0  # share ~0.8 at the start
+    sols = pq.read_table(out / "arms" / "f" / "curriculum.parquet").column("teacher_solution").to_pylist()
+    assert len(sols) == cfg.n_train and sum(x is not None for x in sols) == cfg.stage_one_problems  # sft_filter none
     res = json.loads((out / "results.json").read_text())
-    assert set(res["arms"]) == {"a", "c", "d"} and res["best_arm"] in ARMS
+    assert set(res["arms"]) == {"a", "c", "d", "f"} and res["best_arm"] in ARMS
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "teacher").num_parameters() > 100_000_000
     assert (out / "arms" / "d" / "metrics" / "train.jsonl").exists()  # the SFT arm logs its steps too
     # a re-run with the same settings skips every finished piece; one asking for fewer arms keeps the others
     p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p2.returncode == 0 and p2.stdout.count("already done") == 3, p2.stdout[-2000:]
+    assert p2.returncode == 0 and p2.stdout.count("already done") == 4, p2.stdout[-2000:]
     p2b = subprocess.run(cmd[:-1] + ["a"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p2b.returncode == 0 and set(json.loads((out / "results.json").read_text())["arms"]) == {"a", "c", "d"}
+    assert p2b.returncode == 0 and set(json.loads((out / "results.json").read_text())["arms"]) == {"a", "c", "d", "f"}
     # other settings in the same directory are refused (exit 2), nothing overwritten
     p3 = subprocess.run(cmd + ["--lr", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p3.returncode == 2 and "other settings" in p3.stderr
+
+
+def test_arm_runs_rates_and_seeds(tmp_path):
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="d,f@3e-5,c", arm_lr="d=5e-5", seeds="0,2")
+    assert cfg.instances == ["d@5e-05", "d@5e-05-s2", "f@3e-05", "f@3e-05-s2", "c", "c-s2"]
+    assert cfg.parse_run("f@3e-05-s2") == ("f", 3e-5, 2) and cfg.parse_run("c") == ("c", 1e-5, 0)
+    assert cfg.label("d@5e-05") == ARMS["d"] + ", lr 5e-05"
+    for bad in (dict(arms="f@x"), dict(arm_lr="z=1e-5"), dict(arm_lr="d=0"), dict(seeds="a"), dict(arms="c-s1")):
+        with pytest.raises(ValueError):
+            LearningConfig(out=str(tmp_path / "r"), **bad)
+    with pytest.raises(ValueError, match="not an arm run"):
+        cfg.parse_run("teacher")
+
+
+def test_arm_curriculum_carries_verified_solutions_and_stated_answer(tmp_path):
+    from bench.learning import arm_curriculum
+
+    cfg = LearningConfig(out=str(tmp_path / "r"))
+    base = [dict(problem_id=p, problem=f"q{p}", answer=a, reference=f"ref {p}", bucket=0, curriculum_index=i,
+                 prompt_style="reasoning", source="synth") for i, (p, a) in enumerate([("p1", "3"), ("p2", "7")])]
+    write_parquet(base, cfg.dir / "data" / "curriculum.parquet")
+    verified = [dict(problem_id="p1", completion="a longer solution, 3"), dict(problem_id="p1", completion="3")]
+    f = pq.read_table(arm_curriculum(cfg, "f", "f", verified)).to_pylist()
+    assert [r["teacher_solution"] for r in f] == ["3", None]  # shortest verified; p2 has none
+    g = pq.read_table(arm_curriculum(cfg, "g", "g-s1", None)).to_pylist()
+    assert g[1]["reference"] == "ref p2\nThe final answer is 7."
+    assert arm_curriculum(cfg, "c", "c", None) == cfg.dir / "data" / "curriculum.parquet"
+
+
+def test_report_pools_seeds_of_one_arm(tmp_path):
+    cfg = LearningConfig(out=str(tmp_path / "run"), arms="c", seeds="0,1", marks="10", budget_s=10, n_test=2,
+                         eval_samples=2)
+    ev = cfg.dir / "evals"
+    write_parquet(_rows("student", {"p1": [0, 0], "p2": [0, 0]}), ev / "student.parquet")
+    write_parquet(_rows("c", {"p1": [1, 1], "p2": [0, 0]}, 10, 3), ev / "c.parquet")
+    write_parquet(_rows("c-s1", {"p1": [1, 0], "p2": [1, 0]}, 10, 3), ev / "c-s1.parquet")
+    res = report(cfg)
+    assert set(res["arms"]) == {"c"} and res["arms"]["c"]["runs"] == ["c", "c-s1"]
+    assert res["arms"]["c"]["marks"]["10.0"]["avg_at_k"] == pytest.approx(0.5)
+    assert res["arms"]["c"]["last_mark_by_run"] == {"c": 0.5, "c-s1": 0.5}
+    assert res["comparisons_at_last_mark"]["c"]["gain_over_start"] == pytest.approx(0.5)

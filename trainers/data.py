@@ -43,7 +43,8 @@ def build_train_dataset(table, tokenizer, *, prompt_style: str | None = None):
     Columns: ``prompt`` (the student's chat-rendered prompt string, ``data_tools.prompts.render`` of
     ``student_messages``: the same text stage one and evaluation use), ``teacher_prompt`` (render of
     ``privileged_messages`` with the ``reference`` column), ``answer``, ``problem_id``, ``bucket``,
-    ``curriculum_index``, ``prompt_style``. Rows are in curriculum order.
+    ``curriculum_index``, ``prompt_style``, ``teacher_solution`` (stage one's verified teacher solution,
+    "" when the row has none or the table lacks the column). Rows are in curriculum order.
 
     Raises:
         ValueError: unknown prompt style, or a tokenizer without a chat template.
@@ -67,6 +68,7 @@ def build_train_dataset(table, tokenizer, *, prompt_style: str | None = None):
         out["bucket"].append(int(r["bucket"] or 0))
         out["curriculum_index"].append(int(r["curriculum_index"] or 0))
         out["prompt_style"].append(style)
+        out["teacher_solution"].append(r.get("teacher_solution") or "")  # stage one's verified solution; "" = none
     return Dataset.from_dict(dict(out))
 
 

@@ -102,6 +102,19 @@ class OPDConfig(DistillationConfig):
         "help": "teacher: the teacher reads the student's prompt; privileged: it reads the problem plus the "
                 "curriculum's reference solution / answer (data_tools.prompts.privileged_messages)."})
 
+    # ---- off-policy term: stage one's verified teacher solutions (trainers.offpolicy) ----
+    w_sft: float = field(default=0.0, metadata={
+        "help": "Weight of the cross-entropy on the curriculum's teacher_solution of each prompt in an on-policy step "
+                "(per token over the step's solution tokens; 0 = off). Rows without a verified solution add nothing."})
+    sft_share_start: float = field(default=0.0, metadata={
+        "help": "Share of training seconds spent in off-policy steps (cross-entropy on teacher solutions only: no "
+                "generation, no teacher) at the start of the training window, in [0, 1]."})
+    sft_share_end: float = field(default=0.0, metadata={
+        "help": "The same share at the end of the window; linear in time_fraction() in between."})
+    sft_batch_size: int = field(default=64, metadata={
+        "help": "Teacher solutions per off-policy optimizer step (all processes; a multiple of world size x "
+                "gradient_accumulation_steps)."})
+
     # ---- data ----
     prompt_style: str | None = field(default=None, metadata={
         "help": "Prompt instruction (data_tools.prompts.STYLES); empty = the curriculum's prompt_style column "
@@ -204,7 +217,12 @@ class OPDConfig(DistillationConfig):
         need(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}")
         need(self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}")
         need(self.w_kl >= 0 and self.w_reward >= 0, "w_kl and w_reward must be >= 0")
-        need(self.w_kl > 0 or self.w_reward > 0, "w_kl and w_reward are both 0: nothing to train")
+        need(self.w_kl > 0 or self.w_reward > 0 or self.w_sft > 0 or self.sft_share_start > 0 or self.sft_share_end > 0,
+             "w_kl, w_reward, w_sft and the sft shares are all 0: nothing to train")
+        need(self.w_sft >= 0 and 0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1,
+             "need w_sft >= 0 and sft_share_start, sft_share_end in [0, 1]")
+        need(self.sft_batch_size >= 1 and self.sft_batch_size % self.gradient_accumulation_steps == 0,
+             f"sft_batch_size ({self.sft_batch_size}) must be a positive multiple of gradient_accumulation_steps")
         need(self.full_topk >= 0, f"full_topk must be >= 0, got {self.full_topk}")
         need(0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0, "need 0 <= epsilon_low < 1 and epsilon_high >= 0")
         need(self.advantage_eps > 0, "advantage_eps must be > 0")

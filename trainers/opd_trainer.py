@@ -19,6 +19,9 @@ What this subclass adds (issue 3, design.md section 5):
   privileged self-teacher (frozen copy of the initial student) can see the reference solution.
 - Vocabulary-size mismatch with one tokenizer (Qwen2.5 1.5B 151,936 rows vs 7B 152,064): both heads
   are sliced to the shared range; different tokenizers are an error at start-up.
+- An off-policy term on stage one's verified teacher solutions (curriculum column ``teacher_solution``):
+  ``w_sft`` cross-entropy in on-policy steps and a clock-scheduled share of cross-entropy-only steps
+  (``trainers.offpolicy.OffPolicyTerm``).
 - Run-contract plumbing: resume state under ``<output_dir>/resume``, HF exports under ``ckpt_dir``,
   per-step metrics, rollout parquet files, a non-finite guard.
 
@@ -42,7 +45,7 @@ from transformers import Trainer, TrainerCallback
 from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
-from trainers import losses
+from trainers import losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time)
 from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  # noqa: F401 - re-exported
@@ -122,7 +125,7 @@ class _StepHooks(TrainerCallback):
         self.trainer._finish_step()
 
 
-class OPDTrainer(DistillationTrainer):
+class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
     """On-policy distillation + verifier reward (see the module docstring and ``OPDConfig``).
 
     Args:
@@ -243,6 +246,7 @@ class OPDTrainer(DistillationTrainer):
         self._bad_loss = False
         self._skipped_steps = 0
         self._nonfinite_streak = 0
+        self._init_offpolicy()
         self.add_callback(_StepHooks(self))
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
@@ -355,7 +359,9 @@ class OPDTrainer(DistillationTrainer):
             return super()._prepare_inputs(generation_batch)
         ga = self.args.gradient_accumulation_steps
         if self._step % (ga * self.args.num_iterations) == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)
+            self._off_policy_step = self._choose_off_policy()
+            batch = (self._offpolicy_batch() if self._off_policy_step
+                     else self._generate_and_score_completions(generation_batch))
             batch = shuffle_sequence_dict(batch)
             self._buffered_inputs = split_tensor_dict(batch, ga)
         return self._buffered_inputs[self._step % ga]
@@ -425,6 +431,8 @@ class OPDTrainer(DistillationTrainer):
             self._sampling_logps = None
         if a.num_iterations > 1:
             out["old_logps"] = self._policy_logps(out)
+        if a.w_sft > 0:
+            out.update(self._solution_rows(inputs, B))
         self._last_gen_tokens = gen_tokens
 
         if a.save_rollouts:
@@ -479,6 +487,8 @@ class OPDTrainer(DistillationTrainer):
     # ---- loss ----
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         a = self.args
+        if "off_policy" in inputs:
+            return self._sft_loss(unwrapped_student, inputs, 1.0)
         cids, cmask = inputs["completion_ids"], inputs["completion_mask"]
         K = cids.size(1)
         s_ids = torch.cat([inputs["prompt_ids"], cids], dim=1)
@@ -553,6 +563,8 @@ class OPDTrainer(DistillationTrainer):
             for idx, v in zip(inputs["rollout_index"].tolist(), seq.sum(dim=1).tolist()):
                 if math.isnan(pend["rows"][idx]["seq_kl"]):
                     pend["rows"][idx]["seq_kl"] = v
+        if a.w_sft > 0:
+            loss = loss + self._sft_loss(unwrapped_student, inputs, a.w_sft)[0]
         return loss, entropy.detach().sum(), valid.sum()
 
     def _rollout_is_weights(self, old: torch.Tensor, inputs, valid: torch.Tensor) -> torch.Tensor | None:
@@ -645,6 +657,7 @@ class OPDTrainer(DistillationTrainer):
         else:  # CPU: the process's peak resident set (ru_maxrss is KiB on Linux)
             m["memory/peak_gib"].append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         m["nonfinite/total_skipped"].append(float(self._skipped_steps))
+        self._finish_offpolicy(step_s)
         self._flush_rollouts()
 
     def _log_rollout_is(self, m, tot: dict[str, float]) -> None:

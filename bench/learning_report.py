@@ -1,0 +1,233 @@
+"""Reports of bench/learning.py: per-mark summaries, paired differences, results.md, the plot.
+
+Reads ``<out>/evals/*.parquet`` (one row per mark x problem x sample); ``cfg`` is a
+``bench.learning.LearningConfig`` (its ``label`` names arms, its marks and filters shape the tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.learning import LearningConfig
+
+def summarize_mark(rows: list[dict], answer_filter: str | None = None) -> dict:
+    """avg@k, its standard error over problems, clip rate and mean completion tokens of one mark's rows.
+
+    ``answer_filter``: read ``correct_<filter>`` instead of ``correct``.
+    """
+    from data_tools.evalstats import summarize
+
+    if answer_filter:
+        rows = [{**r, "correct": r[f"correct_{answer_filter}"]} for r in rows]
+    s = summarize(rows)
+    return dict(avg_at_k=s["pass_at_1"], stderr=s["pass_at_1_stderr"], clip_rate=s["clip_rate"],
+                mean_tokens=sum(r["n_tokens"] for r in rows) / len(rows), n_problems=s["n_problems"],
+                train_s=max(r["train_s"] for r in rows), step=max(r["step"] for r in rows))
+
+
+def paired_difference(rows_x: list[dict], rows_y: list[dict]) -> tuple[float, float | None, int]:
+    """Mean over problems of (pass rate under x - pass rate under y), its standard error, problem count.
+
+    The standard error is the sample std (ddof=1) of the per-problem differences / sqrt(n): the
+    paired form, since every arm is evaluated on the same problems (the problem is the unit of
+    sampling, as in ``data_tools.evalstats``). Only problems present in both are used.
+
+    Raises:
+        ValueError: no problem in common.
+    """
+    from data_tools.evalstats import per_problem_rates, stderr_over_problems
+
+    rx, ry = per_problem_rates(rows_x), per_problem_rates(rows_y)
+    common = [p for p in rx if p in ry]
+    if not common:
+        raise ValueError("the two evaluations share no problem")
+    diffs = [rx[p][1] / rx[p][0] - ry[p][1] / ry[p][0] for p in common]
+    return sum(diffs) / len(diffs), stderr_over_problems(diffs), len(common)
+
+
+def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
+    """Per-mark summaries under answer filter ``f``, the best arm at the last mark, paired comparisons.
+
+    Runs of one arm that differ only in seed (``<arm>-s<seed>``) are pooled: per problem, the pass rate
+    over all their samples; ``last_mark_by_run`` keeps each seed's own avg@k at the last mark.
+    """
+    base = evals["student"]
+    out: dict = {"answer_filter": f, "student": summarize_mark(base, f), "arms": {}}
+    if "teacher" in evals:
+        out["teacher"] = summarize_mark(evals["teacher"], f)
+    finals: dict[str, list[dict]] = {}
+    groups: dict[str, list[str]] = {}
+    for name in sorted(n for n in evals if n not in ("student", "teacher")):
+        groups.setdefault(arm_group(name), []).append(name)
+    for arm, names in groups.items():  # an arm's seeds pooled: every sample of every seed, per problem
+        rows = [r for n in names for r in evals[n]]
+        by_mark = {str(m): summarize_mark(mr, f) for m in cfg.mark_list if (mr := [r for r in rows if r["mark_s"] == m])}
+        last_mark = [{**r, "correct": r[f"correct_{f}"]} for r in rows if r["mark_s"] == cfg.mark_list[-1]]
+        per_seed = {n: summarize_mark([r for r in last_mark if r["name"] == n])["avg_at_k"] for n in names
+                    if any(r["name"] == n for r in last_mark)}
+        out["arms"][arm] = {"label": cfg.label(arm), "marks": by_mark, "runs": names, "last_mark_by_run": per_seed}
+        if last_mark:
+            finals[arm] = last_mark
+    if finals:  # paired comparisons at the last mark: the best arm against every other, each against the start
+        best = max(finals, key=lambda a: summarize_mark(finals[a])["avg_at_k"])
+        out["best_arm"] = best
+        start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
+        cmp = {}
+        for arm, rows in finals.items():
+            d, se, _ = paired_difference(finals[best], rows) if arm != best else (0.0, None, len(rows))
+            d0, se0, _ = paired_difference(rows, start)
+            cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None,
+                        "gain_over_start": d0, "gain_stderr": se0}
+        out["comparisons_at_last_mark"] = cmp
+    return out
+
+
+def load_evals(cfg: LearningConfig) -> dict[str, list[dict]]:
+    """``evals/<name>.parquet`` rows by name (student, teacher, arms).
+
+    Raises:
+        FileNotFoundError: no ``evals/student.parquet`` (the run has not started).
+        ValueError: rows lack ``correct_numeric`` / ``correct_math`` (written before both were stored:
+            run ``--stage regrade``).
+    """
+    import pyarrow.parquet as pq
+
+    ev = cfg.dir / "evals"
+    if not (ev / "student.parquet").exists():
+        raise FileNotFoundError(f"{ev / 'student.parquet'} not found: run the experiment first")
+    out = {}
+    for p in sorted(ev.glob("*.parquet")):  # every arm this directory has results for
+        out[p.stem] = pq.read_table(p).to_pylist()
+        if out[p.stem] and "correct_numeric" not in out[p.stem][0]:
+            raise ValueError(f"{p} has no correct_numeric/correct_math columns: run --stage regrade first")
+    return out
+
+
+def report(cfg: LearningConfig) -> dict:
+    """Collect ``evals/*.parquet`` into ``results.json``, ``results.md`` and ``learning.png``.
+
+    The top-level numbers use ``cfg.report_filter``; ``other_filter`` holds the same under the other one.
+    """
+    from data_tools.grader import ANSWER_FILTERS
+    from data_tools.runio import write_json
+
+    evals = load_evals(cfg)
+    res: dict = {"settings": dataclasses.asdict(cfg), **_collect(cfg, evals, cfg.report_filter),
+                 "skipped": {a: "not run (see the run log)" for a in cfg.instances if a not in evals}}
+    skip_file = cfg.dir / "skipped.json"  # why run_all skipped or lost arms, kept for later reports
+    if skip_file.exists():
+        res["skipped"].update({a: w for a, w in json.loads(skip_file.read_text()).items() if a not in evals})
+    other = [f for f in ANSWER_FILTERS if f != cfg.report_filter][0]
+    res["other_filter"] = _collect(cfg, evals, other)
+    write_json(res, cfg.dir / "results.json")
+    (cfg.dir / "results.md").write_text(results_markdown(res, cfg))
+    plot(res, cfg, cfg.dir / "learning.png")
+    return res
+
+
+def arm_group(name: str) -> str:
+    """The arm an evaluation belongs to: its name without the ``-s<seed>`` suffix (``f@3e-05-s1`` -> ``f@3e-05``)."""
+    return re.sub(r"-s\d+$", "", name)
+
+
+def _fmt(x, nd=3):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def _table(col: dict, cfg: LearningConfig) -> list[str]:
+    k = cfg.eval_samples
+    lines = []
+    s, t = col["student"], col.get("teacher")
+    lines.append(f"- start (the student): avg@{k} {_fmt(s['avg_at_k'])} ± {_fmt(s['stderr'])}, clip {_fmt(s['clip_rate'], 2)}, "
+                 f"{s['mean_tokens']:.1f} tokens")
+    if t:
+        amount = f"{cfg.teacher_sft_steps} steps" if cfg.teacher_sft_steps else f"{cfg.teacher_sft_s:.0f} s"
+        lines.append(f"- teacher (start + {amount} of SFT on reference solutions, lr {cfg.teacher_lr}): "
+                     f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
+                     f"{t['mean_tokens']:.1f} tokens")
+    lines += ["", "| arm | " + " | ".join(f"{m:g} s" for m in cfg.mark_list) + " | last mark at s | steps | clip | tokens |",
+              "|---|" + "---|" * (len(cfg.mark_list) + 4)]
+    for arm, a in col["arms"].items():
+        cells = [f"{_fmt(a['marks'][str(m)]['avg_at_k'])} ± {_fmt(a['marks'][str(m)]['stderr'])}"
+                 if str(m) in a["marks"] else "—" for m in cfg.mark_list]
+        last = a["marks"].get(str(cfg.mark_list[-1]), {})
+        lines.append(f"| {arm}: {a['label']} | " + " | ".join(cells) + f" | {_fmt(last.get('train_s'), 1)}"
+                     f" | {last.get('step', '—')} | {_fmt(last.get('clip_rate'), 2)} | {_fmt(last.get('mean_tokens'), 1)} |")
+    if col.get("comparisons_at_last_mark"):
+        b = col["best_arm"]
+        finals = [a["marks"][str(cfg.mark_list[-1])]["avg_at_k"] for a in col["arms"].values()
+                  if str(cfg.mark_list[-1]) in a["marks"]]
+        head = (f"Best at {cfg.mark_list[-1]:g} s: **{b}** ({cfg.label(b)})." if max(finals) > min(finals)
+                else f"No arm ahead at {cfg.mark_list[-1]:g} s: all at {max(finals):.3f}.")
+        lines += ["", f"{head} Paired differences over the same problems:", ""]
+        for arm, c in col["comparisons_at_last_mark"].items():
+            if arm == b:
+                continue
+            lines.append(f"- {b} − {arm}: {c['best_minus_arm']:+.3f} ± {_fmt(c['stderr'])} "
+                         f"({_fmt(c['n_sigma'], 1)} standard errors)")
+        lines.append("")
+        for arm, c in col["comparisons_at_last_mark"].items():
+            lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
+    return lines
+
+
+def results_markdown(res: dict, cfg: LearningConfig) -> str:
+    k = cfg.eval_samples
+    lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
+             f"{cfg.max_new_tokens}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
+             f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`. A mark is evaluated "
+             f"at the first optimizer step that ends past it (\"last mark at s\"; 0 steps: no update in time).", "",
+             f"### avg@{k}, answer filter `{res['answer_filter']}`", ""]
+    lines += _table(res, cfg)
+    o = res["other_filter"]
+    lines += ["", f"### avg@{k}, answer filter `{o['answer_filter']}`", ""] + _table(o, cfg)
+    for arm, why in res["skipped"].items():
+        lines.append(f"- arm {arm} skipped: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, cfg: LearningConfig, path: Path) -> None:
+    """avg@k against training minutes, one line per arm (error bars: standard error), one panel per answer
+    filter; skipped without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine has no matplotlib: `--stage report` redraws it from evals/
+        print(f"[learning] matplotlib missing: {path.name} not drawn (run --stage report where it is installed)")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [res, res["other_filter"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), sharey=True)
+    for ax, col in zip(axes, panels):
+        s = col["student"]
+        for arm, a in col["arms"].items():
+            ms = [m for m in cfg.mark_list if str(m) in a["marks"]]
+            xs = [0.0] + [a["marks"][str(m)]["train_s"] / 60 for m in ms]
+            ys = [s["avg_at_k"]] + [a["marks"][str(m)]["avg_at_k"] for m in ms]
+            es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in ms]
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
+        if col.get("teacher"):
+            ax.axhline(col["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
+        ax.set_xlabel("training minutes on the arm's own clock (evaluation excluded)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"answer filter: {col['answer_filter']}" +
+                     (" (reported)" if col is res else " (equal expressions accepted)"))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"SmolLM2-135M-Instruct: arms at equal training seconds (reward graded '{cfg.answer_filter}')")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    plt.close(fig)
+
+

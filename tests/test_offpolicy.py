@@ -1,0 +1,125 @@
+"""OPDTrainer's off-policy term (trainers.offpolicy): the combined loss against a plain reference, the time share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_trainer import curriculum_rows, make_trainer, tiny_model, tokenizer  # noqa: F401 - fixture
+from trainers.offpolicy import TimeShare, sft_share
+
+
+def solved_curriculum(tmp_path, solved=lambda i: i % 2 == 0):
+    from data_tools.runio import write_parquet
+
+    rows = curriculum_rows()
+    for i, r in enumerate(rows):
+        r["teacher_solution"] = f"{i} + {i + 1} = {2 * i + 1}. The answer is \\boxed{{{2 * i + 1}}}." if solved(i) else None
+    return str(write_parquet(rows, tmp_path / "curate" / "curriculum.parquet"))
+
+
+def _logp(model, prompt_ids, prompt_mask, comp_ids, comp_mask, temperature=1.0):
+    ids, mask = torch.cat([prompt_ids, comp_ids], 1), torch.cat([prompt_mask, comp_mask], 1)
+    K = comp_ids.size(1)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -K - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, comp_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _plain_sft_tensors(tok, prompts, sols):
+    """Prompt left-padded, solution + EOS right-padded, written out by hand (no trainer code)."""
+    pid = tok.pad_token_id
+    P = [tok(p)["input_ids"] for p in prompts]
+    C = [tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for s in sols]
+    lp, lc = max(map(len, P)), max(map(len, C))
+    return (torch.tensor([[pid] * (lp - len(p)) + p for p in P]), torch.tensor([[0] * (lp - len(p)) + [1] * len(p) for p in P]),
+            torch.tensor([c + [pid] * (lc - len(c)) for c in C]), torch.tensor([[1] * len(c) + [0] * (lc - len(c)) for c in C]))
+
+
+def test_sft_share_and_time_share():
+    assert sft_share(0.0, 0.9, 0.1) == pytest.approx(0.9) and sft_share(0.5, 0.9, 0.1) == pytest.approx(0.5)
+    assert sft_share(2.0, 0.9, 0.1) == pytest.approx(0.1)  # clamped
+    for share in (0.0, 0.3, 0.7, 1.0):
+        ts, off_s, on_s = TimeShare(), 0.0, 0.0
+        for _ in range(400):  # off-policy steps take 0.25 s, on-policy ones 2.5 s (run-1 timings)
+            off = ts.choose(share)
+            dt = 0.25 if off else 2.5
+            ts.record(share, off, dt)
+            off_s, on_s = off_s + off * dt, on_s + (not off) * dt
+        assert off_s / (off_s + on_s) == pytest.approx(share, abs=2.5 / (off_s + on_s) + 1e-9), share
+
+
+def test_dataset_carries_teacher_solution(tmp_path, tokenizer):  # noqa: F811
+    from trainers.opd_trainer import build_train_dataset, load_curriculum
+
+    ds = build_train_dataset(load_curriculum(solved_curriculum(tmp_path)), tokenizer)
+    assert ds["teacher_solution"][0].endswith("\\boxed{1}.") and ds["teacher_solution"][1] == ""
+
+
+def test_combined_loss_matches_plain_reference(tmp_path, tokenizer):  # noqa: F811
+    """OPD (sampled k1) + reward + w_sft * CE on teacher solutions: loss and gradient against a plain forward."""
+    w_sft = 0.7
+    tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), teacher=tiny_model(tokenizer, seed=5),
+                      teacher_context="teacher", w_sft=w_sft)
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]  # row 0 has a solution, row 1 none
+    inputs = tr._generate_and_score_completions(rows)
+    inputs["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 2.0, -2.0, 0.3])
+    model = tr.accelerator.unwrap_model(tr.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    N = inputs["num_items_in_batch"]
+    loss, _, _ = tr._compute_loss(model, inputs, N)
+    got = torch.autograd.grad(loss, params)
+
+    cm = inputs["completion_mask"].float()
+    lp = _logp(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"],
+               tr.temperature)
+    with torch.no_grad():
+        lt = _logp(tr.teacher_model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                   inputs["completion_mask"], tr.temperature)
+    a = (-(lp.detach() - lt) + inputs["advantages"].unsqueeze(1)) * cm
+    ref_opd = -(a * torch.exp(lp - lp.detach())).sum() / cm.sum()  # the policy-gradient surrogate (rho = 1)
+    # the SFT term: one teacher solution (row 0's, once for its group of 4), mean CE per token
+    pi, pm, ci, cmask = _plain_sft_tensors(tokenizer, [rows[0]["prompt"]], [rows[0]["teacher_solution"]])
+    lps = _logp(model, pi, pm, ci, cmask)
+    ref_sft = -(lps * cmask).sum() / cmask.sum()
+    ref = ref_opd + w_sft * ref_sft
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    want = torch.autograd.grad(ref, params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert int(inputs["sft_num_items"]) == int(cmask.sum())
+    assert float(ref_sft) > 1.0  # a random tiny model: the term is not negligible
+
+
+def test_off_policy_steps_train_on_solutions_only(tmp_path, tokenizer):  # noqa: F811
+    """sft_share = 1: every step is cross-entropy on teacher solutions (no generation, no teacher)."""
+    teacher = tiny_model(tokenizer, seed=3)
+    calls = []
+    teacher.register_forward_hook(lambda *a: calls.append(1))
+    tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), teacher=teacher, teacher_context="teacher",
+                      sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4)
+    model = tr.accelerator.unwrap_model(tr.model)
+    batch = tr._offpolicy_batch()
+    assert sorted(set(batch["sft_completion_mask"].sum(1).tolist())) != [0]
+    loss, _, n = tr._compute_loss(model, dict(batch), None)
+    pool = [tr.train_dataset[i] for i in range(len(tr.train_dataset)) if tr.train_dataset[i]["teacher_solution"]]
+    by_prompt = {r["prompt"]: r["teacher_solution"] for r in pool}
+    prompts = tokenizer.batch_decode(batch["sft_prompt_ids"], skip_special_tokens=False)
+    chosen = [next(p for p in by_prompt if p in text) for text in prompts]
+    pi, pm, ci, cm = _plain_sft_tensors(tokenizer, chosen, [by_prompt[p] for p in chosen])
+    ref = -(_logp(model, pi, pm, ci, cm) * cm).sum() / cm.sum()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    assert int(n) == int(cm.sum())
+
+    tr.train()
+    assert tr.state.global_step == 2 and calls == []
+    recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0] and recs[-1]["loss/sft"] > 0
+    assert not list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))
+
+
+def test_no_verified_solution_is_an_error(tmp_path, tokenizer):  # noqa: F811
+    with pytest.raises(ValueError, match="no non-empty teacher_solution"):
+        make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path, solved=lambda i: False), w_sft=1.0)

@@ -1,0 +1,203 @@
+"""OPDTrainer's off-policy signal: cross-entropy on stage one's verified teacher solutions, mixed over the clock.
+
+Stage one (``stages.curate``) writes the shortest verified teacher solution of each kept problem to the
+curriculum's ``teacher_solution`` column; ``build_train_dataset`` carries it to stage two. It enters the
+objective two ways (issue 13, run 2 of bench/LEARNING.md):
+
+- ``w_sft``: in an on-policy step, the cross-entropy of the teacher's solution of each prompt in the
+  batch (once per prompt, not per sample), sum over its tokens / the global count of such tokens:
+  loss = on-policy terms + w_sft * CE. Rows without a verified solution add nothing.
+- off-policy steps: a share s(f) of the *training time* goes to steps that are cross-entropy only
+  (TRL ``SFTTrainer``'s completion-only loss on ``sft_batch_size`` teacher solutions; no generation, no
+  teacher forward), so the cheap signal gets the clock early and the on-policy one late. s(f) runs
+  linearly from ``sft_share_start`` to ``sft_share_end`` over ``OPDTrainer.time_fraction()`` f; the step
+  type is chosen by error diffusion on measured step seconds (``TimeShare``), so the share holds even
+  though an off-policy step is ~10x cheaper than an on-policy one.
+
+GKD (Agarwal et al. 2024, arXiv:2306.13649) mixes teacher-written and student-written sequences by a
+per-step coin with probability lambda; here the mix is over seconds rather than steps because the
+arms of bench/learning.py are compared at equal training seconds.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from trainers import losses
+
+
+def sft_share(fraction: float, start: float, end: float) -> float:
+    """Share of training time given to off-policy steps at time fraction ``fraction`` (clamped to [0, 1]).
+
+    Linear from ``start`` (f = 0) to ``end`` (f = 1); both in [0, 1].
+    """
+    f = min(1.0, max(0.0, float(fraction)))
+    return start + (end - start) * f
+
+
+class TimeShare:
+    """Chooses each optimizer step's kind so that off-policy steps take a share ``s`` of the measured seconds.
+
+    Error diffusion: ``credit`` accumulates ``(s - [step was off-policy]) * seconds`` after every step;
+    the next step is off-policy while the credit is >= 0 and ``s > 0``. With a constant s the
+    off-policy share of seconds stays within one step's duration of s; s = 1 gives only off-policy
+    steps, s = 0 none.
+    """
+
+    def __init__(self) -> None:
+        self.credit = 0.0
+
+    def choose(self, share: float) -> bool:
+        return share >= 1.0 or (share > 0.0 and self.credit >= 0.0)
+
+    def record(self, share: float, off_policy: bool, seconds: float) -> None:
+        self.credit += (share - (1.0 if off_policy else 0.0)) * max(seconds, 0.0)
+
+
+def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *, device) -> dict[str, torch.Tensor]:
+    """Tokenise (prompt, teacher solution) pairs in the trainer's layout: left-padded prompts, right-padded completions.
+
+    The prompt is tokenised as TRL tokenises string prompts (``tokenizer(text=...)``), the solution
+    without special tokens and followed by EOS (the end of an assistant turn, as in the student's own
+    rollouts; TRL ``SFTTrainer`` appends EOS the same way). A row whose solution is None or empty
+    gets an all-zero completion mask: it contributes no token.
+
+    Returns:
+        ``sft_prompt_ids``/``sft_prompt_mask`` ``(n, P)``, ``sft_completion_ids``/``sft_completion_mask``
+        ``(n, K)``, int64, on ``device``.
+    """
+    from trl.trainer.utils import pad
+
+    eos = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    p_ids = [torch.tensor(x) for x in tokenizer(text=list(prompts))["input_ids"]]
+    c_ids, c_mask = [], []
+    for s in solutions:
+        ids = tokenizer(s, add_special_tokens=False)["input_ids"] + [eos] if s else [pad_id]
+        c_ids.append(torch.tensor(ids))
+        c_mask.append(torch.full((len(ids),), 1 if s else 0))
+    return {
+        "sft_prompt_ids": pad(p_ids, padding_value=pad_id, padding_side="left").to(device),
+        "sft_prompt_mask": pad([torch.ones_like(t) for t in p_ids], padding_value=0, padding_side="left").to(device),
+        "sft_completion_ids": pad(c_ids, padding_value=pad_id, padding_side="right").to(device),
+        "sft_completion_mask": pad(c_mask, padding_value=0, padding_side="right").to(device),
+    }
+
+
+class OffPolicyTerm:
+    """``OPDTrainer``'s methods for the off-policy signal (a mixin: it reads the trainer's ``args``
+    (``OPDConfig``: w_sft, sft_share_start/end, sft_batch_size, seed), ``accelerator``, ``train_dataset``,
+    ``processing_class``, ``_metrics``, ``_heads``, ``_get_last_hidden_state``, ``time_fraction``).
+
+    The trainer calls ``_init_offpolicy`` in ``__init__``, ``_choose_off_policy`` / ``_offpolicy_batch``
+    where it would generate, ``_solution_rows`` when it builds an on-policy batch, ``_sft_loss`` in its
+    loss and ``_finish_offpolicy`` at each step's end.
+    """
+
+    def _init_offpolicy(self) -> None:
+        a = self.args
+        self._time_share = TimeShare()
+        self._off_policy_step = False
+        self._share_now = 0.0
+        self._sft_pool: list[int] = []
+        self._sft_pos = 0
+        self._sft_epoch: tuple[int, list[int]] = (-1, [])
+        self._acc_sft: dict[str, float] = defaultdict(float)
+        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
+            return
+        ds = self.train_dataset
+        sols = ds["teacher_solution"] if ds is not None and "teacher_solution" in ds.column_names else []
+        self._sft_pool = [i for i, s in enumerate(sols) if s]
+        if not self._sft_pool:
+            raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum "
+                             "has no non-empty teacher_solution (run stage one with teacher_samples >= 1)")
+        world = self.accelerator.num_processes
+        if a.sft_batch_size % (world * a.gradient_accumulation_steps):
+            raise ValueError(f"sft_batch_size ({a.sft_batch_size}) must be a multiple of world size x "
+                             f"gradient_accumulation_steps ({world * a.gradient_accumulation_steps})")
+
+    def _choose_off_policy(self) -> bool:
+        """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``."""
+        a = self.args
+        self._share_now = sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
+        off = self._time_share.choose(self._share_now)
+        return self._any_process(off) if self.accelerator.num_processes > 1 else off
+
+    def _offpolicy_batch(self) -> dict[str, Any]:
+        """``sft_batch_size`` teacher solutions (this process's share), each epoch of the pool in a seeded order."""
+        a = self.args
+        n, pool = a.sft_batch_size, self._sft_pool
+        idx = []
+        for j in range(self._sft_pos, self._sft_pos + n):
+            epoch = j // len(pool)
+            if self._sft_epoch[0] != epoch:
+                g = torch.Generator().manual_seed(a.seed + epoch)
+                self._sft_epoch = (epoch, torch.randperm(len(pool), generator=g).tolist())
+            idx.append(pool[self._sft_epoch[1][j % len(pool)]])
+        self._sft_pos += n
+        mine = idx[self.accelerator.process_index :: self.accelerator.num_processes]
+        rows = self.train_dataset.select(mine)
+        batch = solution_batch(self.processing_class, rows["prompt"], rows["teacher_solution"],
+                                         device=self.accelerator.device)
+        batch["sft_num_items"] = self.accelerator.gather(batch["sft_completion_mask"].sum()).sum().float()
+        batch["off_policy"] = torch.ones(len(mine), device=self.accelerator.device)
+        self._last_gen_tokens = int(batch["sft_num_items"].item())
+        return batch
+
+    def _solution_rows(self, inputs: list[dict[str, Any]], B: int) -> dict[str, torch.Tensor]:
+        """The ``w_sft`` term's data in an on-policy batch: each prompt's teacher solution on its group's first row."""
+        G, first = self.args.num_generations, self.accelerator.process_index * B
+        sols = [x.get("teacher_solution") if (first + i) % G == 0 else None for i, x in enumerate(inputs)]
+        out = solution_batch(self.processing_class, [x["prompt"] for x in inputs], sols,
+                                       device=self.accelerator.device)
+        out["sft_num_items"] = self.accelerator.gather(out["sft_completion_mask"].sum()).sum().float()
+        return out
+
+    def _sft_loss(self, unwrapped_student, inputs, weight: float):
+        """``(weight * CE, entropy sum, token count)`` of the micro-batch's teacher solutions.
+
+        CE = -sum_t log pi_theta(y_t | x, y_<t) over solution tokens / the step's global solution-token
+        count (per process under DDP averaging, as TRL divides ``num_items_in_batch``), at temperature 1
+        (TRL ``SFTTrainer``'s completion-only loss). A micro-batch without solution tokens gives 0.
+        """
+        from trainers.opd_trainer import logit_transform
+
+        cids, cmask = inputs["sft_completion_ids"], inputs["sft_completion_mask"]
+        rows = cmask.bool().any(dim=1)
+        if not bool(rows.any()):
+            return cids.new_zeros((), dtype=torch.float32), cids.new_zeros((), dtype=torch.float32), rows.sum()
+        cids, cmask = cids[rows], cmask[rows]
+        ids = torch.cat([inputs["sft_prompt_ids"][rows], cids], dim=1)
+        mask = torch.cat([inputs["sft_prompt_mask"][rows], cmask], dim=1)
+        h = self._get_last_hidden_state(unwrapped_student, ids, mask, cids.size(1))
+        (w, b), _ = self._heads(unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
+        scale, cap = logit_transform(unwrapped_student.config)
+        valid = cmask.bool().to(w.device)
+        lp, entropy = losses.token_logprobs(h.to(w.device)[valid], w, b, cids.to(w.device)[valid], logit_scale=scale,
+                                            softcap=cap, with_entropy=True)
+        N = inputs["sft_num_items"].clamp(min=1.0).to(lp.device) / self.accelerator.num_processes
+        ce = -lp.sum() / N
+        self._acc_sft["loss"] += float(ce.detach())
+        self._acc_sft["tokens"] += float(valid.sum())
+        return weight * ce, entropy.detach().sum(), valid.sum()
+
+    def _finish_offpolicy(self, step_s: float) -> None:
+        """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""
+        a = self.args
+        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
+            return
+        self._time_share.record(self._share_now, self._off_policy_step, step_s)
+        vec = torch.tensor([self._acc_sft["loss"], self._acc_sft["tokens"]], dtype=torch.float64,
+                           device=self.accelerator.device)
+        self._acc_sft.clear()
+        loss_sft, tokens = self.accelerator.reduce(vec, reduction="sum").tolist()
+        m = self._metrics["train"]
+        m["loss/sft"].append(loss_sft)  # mean CE per solution token (the term before its weight)
+        m["sft/tokens"].append(tokens)
+        m["sft/share"].append(self._share_now)
+        m["sft/off_policy_step"].append(float(self._off_policy_step))
+        m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
+
