@@ -55,7 +55,7 @@ import yaml
 
 from data_tools import evalstats
 from data_tools.config import parse_config
-from data_tools.runio import REPO_ROOT, check_outside_repo, default_output_dir, write_json, write_parquet
+from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
 
 log = logging.getLogger("stages.evaluate")
 
@@ -466,7 +466,8 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
 
     engine = Engine(target.path, seed=eff["seed"], max_model_len=max_model_len,
                     gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    tensor_parallel_size=cfg.tensor_parallel_size)
+                    tensor_parallel_size=cfg.tensor_parallel_size,
+                    pid_file=out_dir / "eval" / label / ".engine.pids.json")
     engine_name, engine_dtype, startup_s = engine.name, engine.dtype, engine.startup_s
     grade = ANSWER_FILTERS[eff["answer_filter"]]
     samples: list[dict] = []
@@ -592,6 +593,7 @@ def run(cfg: EvalConfig) -> list[dict]:
     out_dir = Path(cfg.output_dir).expanduser() if cfg.output_dir else default_output_dir(cfg.experiment_name)
     try:
         out_dir = check_outside_repo(out_dir)
+        check_writable(out_dir / "eval")  # before generating anything it could not save
     except ValueError as e:
         raise EvalError(str(e)) from None
 
@@ -649,13 +651,13 @@ def run(cfg: EvalConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from data_tools.engine import exit_on_sigterm
+    from data_tools.engine import EngineDead, exit_on_sigterm
 
     exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
     try:
         (cfg,) = parse_config([EvalConfig], args=argv)
         run(cfg)
-    except (EvalError, ValueError, FileNotFoundError) as e:
+    except (EvalError, ValueError, FileNotFoundError, EngineDead) as e:
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # noqa: BLE001 - unexpected (engine crash, ...): traceback, then the one-line reason
