@@ -43,7 +43,7 @@ from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from trainers import losses
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
-                                process_start_time)
+                                process_start_time, share_file_modes)
 from trainers.sampler import MODES as CURRICULUM_MODES
 from trainers.sampler import CurriculumSampler
 
@@ -841,6 +841,8 @@ class OPDTrainer(DistillationTrainer):
     def _save_checkpoint(self, model, trial):
         # Resume state via transformers' own machinery (skipping TRL's model card, which would land in output_dir).
         Trainer._save_checkpoint(self, model, trial)
+        if self.args.should_save:
+            share_file_modes(Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}")
         self.export_checkpoint()
 
     def export_checkpoint(self) -> Path | None:
