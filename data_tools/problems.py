@@ -141,7 +141,7 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
     res = LoadResult(src, n_read=len(records))
     cols = set().union(*(r.keys() for r in records)) - {"__error__", "__raw__"}
     pc, ac = _pick(cols, PROBLEM_COLUMNS), _pick(cols, ANSWER_COLUMNS)
-    if pc is None or ac is None):
+    if (pc is None or ac is None) and any("__error__" not in r for r in records):
         raise ValueError(f"{src}: need a problem column (one of {PROBLEM_COLUMNS}) and an answer column "
                          f"(one of {ANSWER_COLUMNS}); found columns {sorted(cols)}")
     sc, ic = _pick(cols, SOLUTION_COLUMNS), _pick(cols, ID_COLUMNS)
