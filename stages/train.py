@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("OPD_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from data_tools.config import parse_config
-    from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, describe_os_error, run_lock
+    from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
     from trainers.opd_trainer import NonFiniteError, OPDConfig
 
     try:
@@ -153,9 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         with lock:
             try:
                 run(args)
-            except (KeyboardInterrupt, OSError, RuntimeError):
-                if rank == 0:  # still under the lock
+            except (KeyboardInterrupt, OSError, RuntimeError) as e:
+                why = None if isinstance(e, KeyboardInterrupt) else io_failure(e, (args.output_dir, args.ckpt_dir))
+                if rank == 0:  # still under the lock; after the diagnosis, which reads the free space
                     remove_partial_state(args.resume_dir, args.ckpt_dir)
+                if why:
+                    print(f"opd train: error: {why}; partial checkpoints removed, the last complete one is kept",
+                          file=sys.stderr)
+                    return EXIT_IO
                 raise
     except LockHeld as e:
         print(f"opd train: {e}", file=sys.stderr)
@@ -169,15 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the second Ctrl-C: no save
         print("opd train: interrupted; the last complete checkpoint is kept", file=sys.stderr)
         return 130
-    except (OSError, RuntimeError) as e:
-        whys = [describe_os_error(e, d) for d in (args.output_dir, args.ckpt_dir)]
-        why = next((w for w in whys if w.startswith("disk full")), whys[0])
-        if not why.startswith("disk full") and not isinstance(e, OSError):
-            raise  # a RuntimeError that is no I/O failure: keep its traceback
-        print(f"opd train: error: {why}; partial checkpoints removed, the last complete one is kept",
-              file=sys.stderr)
-        return EXIT_IO
     return 0
+
+
+def io_failure(e: BaseException, dirs) -> str | None:
+    """One line for a full disk or an unwritable directory under one of ``dirs``, else None."""
+    import errno
+
+    from data_tools.runio import describe_os_error
+
+    whys = [describe_os_error(e, d) for d in dirs]
+    full = next((w for w in whys if w.startswith("disk full")), None)
+    if full or (isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)):
+        return full or whys[0]
+    return None
 
 
 if __name__ == "__main__":
