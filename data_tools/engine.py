@@ -296,7 +296,7 @@ class Engine:
         """
         from vllm import SamplingParams
 
-        from data_tools.progress import heartbeat_seconds
+        from data_tools.progress import Heartbeat, heartbeat_seconds
 
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         total = len(prompts)
@@ -304,18 +304,23 @@ class Engine:
         t0 = time.time()
         for start in range(0, total, chunk_size):
             chunk = list(prompts[start : start + chunk_size])
-            def bar(**kw):
+            def bar(*iterable, **kw):  # vLLM calls it to add the requests (an iterable: instant, no bar), then for progress
                 from tqdm.auto import tqdm
 
+                if iterable:
+                    return iterable[0]
                 kw["desc"] = f"[{desc}] prompts {start}-{start + len(chunk)}"
                 return tqdm(**kw, mininterval=0.5 if sys.stderr.isatty() else heartbeat_seconds(), file=sys.stderr)
 
             watchdog = _Watchdog(self.procs) if threading.current_thread() is threading.main_thread() else None
+            # in a log, tqdm writes only when a prompt finishes: the heartbeat covers long completions
+            beat = None if sys.stderr.isatty() else Heartbeat(lambda s: f"[{desc}] generating: {s:.0f}s")
             try:
                 outputs = self.llm.generate(chunk, params, use_tqdm=bar)
             finally:
-                if watchdog is not None:
-                    watchdog.stop()
+                for t in (watchdog, beat):
+                    if t is not None:
+                        t.stop()
             batch: list[Sample] = []
             for i, out in enumerate(outputs):
                 for j, c in enumerate(out.outputs):

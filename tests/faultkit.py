@@ -84,8 +84,9 @@ def wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None, wh
     deadline = time.time() + timeout
     while not predicate():
         if proc is not None and proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            pytest.fail(f"process exited with {proc.returncode} before {what}:\n{str(out)[-3000:]}")
+            log = getattr(proc, "log", None)
+            out = log.read_text() if log else ""
+            pytest.fail(f"process exited with {proc.returncode} before {what}:\n{out[-3000:]}")
         if time.time() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.3)
@@ -93,8 +94,10 @@ def wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None, wh
 
 def start(cmd: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
     """Start ``cmd`` in its own session (so a process-group signal is what a terminal's Ctrl-C sends), output to ``log``."""
-    f = open(log, "w")
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log = log
+    return proc
 
 
 def stop(proc: subprocess.Popen, sig: int, *, group: bool = False, timeout: float = 240.0) -> tuple[int, float]:
