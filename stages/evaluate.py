@@ -55,6 +55,8 @@ import yaml
 
 from data_tools import evalstats
 from data_tools.config import parse_config
+# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
+from data_tools.engine import Engine, EngineDead, exit_on_sigterm
 from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
 
 log = logging.getLogger("stages.evaluate")
@@ -445,7 +447,6 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     """Generate, grade and write one model's results; returns its summary dict."""
     from transformers import AutoTokenizer
 
-    from data_tools.engine import Engine
     from data_tools.prompts import STYLES, render, student_messages
 
     t0 = time.time()
@@ -651,8 +652,6 @@ def run(cfg: EvalConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from data_tools.engine import EngineDead, exit_on_sigterm
-
     exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
     try:
         (cfg,) = parse_config([EvalConfig], args=argv)

