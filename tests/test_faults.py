@@ -308,14 +308,14 @@ def curated(tmp_path_factory):
     engine_pids = [x["pid"] for x in json.loads(pid_file.read_text())["procs"]]
     p.kill()
     p.wait()
-    seen["kill9_orphans"] = wait_gone(str(cfg), 30)
+    seen["kill9_orphans"] = wait_gone(str(out), 30)
     seen["kill9_engine_pids_alive"] = [q for q in engine_pids if Path(f"/proc/{q}").exists()
                                        and "State:\tZ" not in Path(f"/proc/{q}/status").read_text()]
 
     p = start(cmd, env, REPO, root / "run2.log")
     wait_for(lambda: "start-up for" in (root / "run2.log").read_text(), 300, p, "engine start-up")
     seen["sigterm"] = stop(p, signal.SIGTERM)
-    seen["sigterm_orphans"] = wait_gone(str(cfg), 30)
+    seen["sigterm_orphans"] = wait_gone(str(out), 30)
     seen["sigterm_log"] = (root / "run2.log").read_text()
 
     p = start(cmd, env, REPO, root / "run3.log")
@@ -323,13 +323,13 @@ def curated(tmp_path_factory):
     wait_for(lambda: _pid_file_of(pid_file, p.pid)() and len(list(parts.glob("*.parquet"))) > n_before, 600, p,
              "a new chunk")
     seen["sigint"] = stop(p, signal.SIGINT)
-    seen["sigint_orphans"] = wait_gone(str(cfg), 30)
+    seen["sigint_orphans"] = wait_gone(str(out), 30)
     seen["sigint_log"] = (root / "run3.log").read_text()
 
     p = start(cmd, env, REPO, root / "run4.log")
     seen["final_rc"] = p.wait(900)
     seen["final_log"] = (root / "run4.log").read_text()
-    seen["final_orphans"] = wait_gone(str(cfg), 30)
+    seen["final_orphans"] = wait_gone(str(out), 30)
     seen.update(root=root, cfg=cfg, out=out)
     return seen
 
