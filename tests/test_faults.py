@@ -407,10 +407,10 @@ def test_run_sh_stops_training_on_signal(curated, sig):
     n0 = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     p = start(["bash", str(REPO / "run.sh")], env, REPO, log)
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) > n0, 600, p, "a training step")
-    rc, took = stop(p, sig, group=(sig == signal.SIGINT), timeout=180)
+    rc, took = stop(p, sig, group=(sig == signal.SIGINT), timeout=400)  # the current step ends first
     text = log.read_text()
     assert rc == 128 + sig, (rc, text[-3000:])
-    assert took < 120 and "Traceback" not in text
+    assert "Traceback" not in text and "interrupted" not in text
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["stop_reason"] == sig.name.lower()
     assert (out / "checkpoints" / f"checkpoint-{summary['global_step']}").is_dir()
@@ -418,3 +418,21 @@ def test_run_sh_stops_training_on_signal(curated, sig):
     assert not (out / ".opd.lock").exists() and wait_gone(str(root), 30) == []
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, summary["global_step"] + 1))
+
+
+def test_ctrl_c_delivered_twice_at_once_still_saves(monkeypatch):
+    """Under a script a Ctrl-C arrives twice (process group + forwarded): that is one request to save;
+    a Ctrl-C seconds later is the user's abort."""
+    from trainers import callbacks
+    from trainers.callbacks import DeadlineCallback
+
+    now = [100.0]
+    monkeypatch.setattr(callbacks.time, "monotonic", lambda: now[0])
+    cb = DeadlineCallback(1e9, time.time(), handle_sigterm=False)
+    cb._on_sigterm(signal.SIGINT, None)
+    now[0] += 0.2
+    cb._on_sigterm(signal.SIGINT, None)  # the duplicate: no abort
+    assert cb._sigterm == "sigint"
+    now[0] += 10
+    with pytest.raises(KeyboardInterrupt):
+        cb._on_sigterm(signal.SIGINT, None)

@@ -165,6 +165,7 @@ class DeadlineCallback(TrainerCallback):
         self.sync = sync
         self.stop_reason: str | None = None
         self._sigterm = ""  # the signal that asked to stop, lower case
+        self._signal_at = 0.0
         self._step_began: float | None = None
         self._durations: list[float] = []
         if handle_sigterm:
@@ -177,11 +178,15 @@ class DeadlineCallback(TrainerCallback):
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002 - signal handler signature
         name = signal.Signals(signum).name
-        if self._sigterm and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self._sigterm:
+            # a Ctrl-C reaches a stage twice under a script (the terminal's, to the process group, and
+            # the one the script forwards): only a later one is the user's "abort without saving"
+            if signum == signal.SIGINT and time.monotonic() - self._signal_at > 5.0:
+                raise KeyboardInterrupt
+            return
         print(f"[train] {name}: saving a checkpoint and stopping after the current step"
               + (" (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""), flush=True)
-        self._sigterm = name.lower()
+        self._sigterm, self._signal_at = name.lower(), time.monotonic()
 
     def elapsed(self) -> float:
         return self.clock() - self.start_time
