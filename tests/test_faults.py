@@ -254,13 +254,14 @@ student_model: smollm2-135m
 teacher_context: privileged
 privileged_reference: answer
 prompt_style: short
-teacher_samples: 2
+teacher_samples: 4
 student_samples: 2
 max_tokens: 8
 temperature: 0.7
 answer_filter: numeric
 max_model_len: 256
 chunk_size: 1
+zero_pass_share: 1.0   # keep every teacher-solved problem: run.sh's training needs a curriculum
 """
 
 
@@ -344,9 +345,9 @@ def test_curation_faults_lose_nothing_and_leave_no_process(curated):
     assert c["final_orphans"] == []
     cur = c["out"] / "curate"
     n, dups = _count_dups(cur / "rollouts.parquet", "problem_id, role, sample_index")
-    assert (n, dups) == (8 * 2 + 8 * 2, 0)  # 8 problems x (2 teacher + 2 student samples)
+    assert (n, dups) == (8 * 4 + 8 * 2, 0)  # 8 problems x (4 teacher + 2 student samples)
     assert len(list((cur / "parts").glob("*.parquet"))) == 16
-    assert json.loads((cur / "manifest.json").read_text())["counts"]["rollouts"] == 32
+    assert json.loads((cur / "manifest.json").read_text())["counts"]["rollouts"] == 48
     assert not (cur / ".engine.pids.json").exists()
 
 
