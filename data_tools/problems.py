@@ -33,6 +33,7 @@ class LoadResult:
     ``rejects``: dicts with row_index, problem_id, reason, raw (the row as JSON, for the record).
     ``columns``: role -> column name used (e.g. ``{"problem": "question", "answer": "answer (#### N)"}``).
     ``duplicates``: how many rows repeated an earlier problem text (also in rejects).
+    ``conflicts``: how many of those duplicates had a different answer (rejected as conflicts).
     """
 
     source: str
@@ -40,13 +41,14 @@ class LoadResult:
     rejects: list[dict[str, Any]] = field(default_factory=list)
     columns: dict[str, str] = field(default_factory=dict)
     duplicates: int = 0
+    conflicts: int = 0
     n_read: int = 0
 
     def report(self) -> str:
         """One line for the log: counts and the columns used."""
         cols = ", ".join(f"{k}<-{v}" for k, v in self.columns.items())
         return (f"{self.source}: read {self.n_read} rows, kept {len(self.rows)}, rejected {len(self.rejects)} "
-                f"({self.duplicates} duplicates); columns: {cols}")
+                f"({self.duplicates} duplicates, {self.conflicts} with a conflicting answer); columns: {cols}")
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -60,17 +62,31 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
         return [dict(r) for r in ds]
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
+        with open(path, "rb") as f:
+            data = f.read()
+        if suffix == ".json" and data.lstrip()[:1] == b"[":  # one JSON array of objects
+            try:
+                items = json.loads(data.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}: not a valid JSON array: {e}") from None
+            return [rec if isinstance(rec, dict) else {"__error__": f"item {i} is not a JSON object",
+                                                       "__raw__": str(rec)[:500]} for i, rec in enumerate(items)]
         records = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    records.append({"__error__": f"line {i} is not valid JSON: {e.msg}", "__raw__": line[:500]})
-                    continue
-                records.append(rec if isinstance(rec, dict) else {"__error__": f"line {i} is not a JSON object"})
+        for i, raw in enumerate(data.splitlines(), 1):
+            if not raw.strip():
+                continue
+            try:  # decoded per line, so one bad byte rejects its line, not the file
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                records.append({"__error__": f"line {i} is not UTF-8 ({e.reason} at byte {e.start})",
+                                "__raw__": raw[:500].decode("utf-8", "replace")})
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                records.append({"__error__": f"line {i} is not valid JSON: {e.msg}", "__raw__": line[:500]})
+                continue
+            records.append(rec if isinstance(rec, dict) else {"__error__": f"line {i} is not a JSON object"})
         return records
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -97,8 +113,8 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: unsupported file type, or no problem / answer column (the message lists the
-            columns found and the names accepted).
+        ValueError: unsupported file type, an empty file, or no problem / answer column (the message
+            lists the columns found and the names accepted).
     """
     from data_tools.grader import extract_gsm8k_answer, parse_gold
 
@@ -118,19 +134,21 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
     if not path.exists():
         raise FileNotFoundError(f"data source {src} does not exist")
     records = _read_records(path)
+    if not records:
+        raise ValueError(f"{src}: no rows (the file is empty)")
     if limit is not None:
         records = records[:limit]
     res = LoadResult(src, n_read=len(records))
-    cols = set().union(*(r.keys() for r in records)) - {"__error__", "__raw__"} if records else set()
+    cols = set().union(*(r.keys() for r in records)) - {"__error__", "__raw__"}
     pc, ac = _pick(cols, PROBLEM_COLUMNS), _pick(cols, ANSWER_COLUMNS)
-    if records and (pc is None or ac is None):
+    if (pc is None or ac is None) and any("__error__" not in r for r in records):
         raise ValueError(f"{src}: need a problem column (one of {PROBLEM_COLUMNS}) and an answer column "
                          f"(one of {ANSWER_COLUMNS}); found columns {sorted(cols)}")
     sc, ic = _pick(cols, SOLUTION_COLUMNS), _pick(cols, ID_COLUMNS)
     src_c, lc = _pick(cols, SOURCE_COLUMNS), _pick(cols, LEVEL_COLUMNS)
     res.columns = {k: v for k, v in dict(problem=pc, answer=ac, solution=sc, id=ic, source=src_c, level=lc).items() if v}
     stem = path.stem if path.is_file() else path.name
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, str]] = {}  # normalised problem text -> (problem_id, answer)
     ids: set[str] = set()
     gsm8k_rows = 0
     for i, rec in enumerate(records):
@@ -167,12 +185,17 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
         key = " ".join(problem.split()).lower()
         if key in seen:
             res.duplicates += 1
-            reject(f"duplicate problem (first seen as {seen[key]})")
+            first_id, first_answer = seen[key]
+            if first_answer != gold:
+                res.conflicts += 1
+                reject(f"conflict: duplicate problem with a different answer ({gold!r} here, {first_answer!r} in {first_id})")
+            else:
+                reject(f"duplicate problem (first seen as {first_id})")
             continue
         if pid in ids:
             reject(f"duplicate problem_id {pid!r} (column {ic!r}) for a different problem")
             continue
-        seen[key] = pid
+        seen[key] = (pid, gold)
         ids.add(pid)
         res.rows.append({"problem_id": pid, "problem": problem, "answer": gold, "solution": solution or None,
                          "source": _text(rec.get(src_c)) or None if src_c else None,

@@ -7,6 +7,7 @@ a half-written parquet or JSON file as complete (``os.replace`` is atomic on POS
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -23,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Exit code of a run that finds another run holding its lock (BSD ``EX_TEMPFAIL``).
 EXIT_LOCKED = 75
+#: Exit code of a run stopped by an I/O failure such as a full disk (BSD ``EX_IOERR``).
+EXIT_IO = 74
 
 
 def cache_root() -> Path:
@@ -47,6 +50,53 @@ def check_outside_repo(path: Path, what: str = "OUTPUT_DIR") -> Path:
     if p == REPO_ROOT or REPO_ROOT in p.parents:
         raise ValueError(f"{what}={p} is inside the repository {REPO_ROOT}; point it to a scratch directory")
     return p
+
+
+class RunDirError(ValueError):
+    """A run directory cannot be written (read-only, no permission, disk full); the message says which."""
+
+
+def describe_os_error(e: BaseException, path: Path | str) -> str:
+    """One line for an I/O failure under ``path``: "disk full" when it is, else the system's reason.
+
+    ``torch.save`` reports a full disk as ``RuntimeError: ... unexpected pos ...`` (its zip writer
+    loses the errno), so a full disk is also recognised from the free space left.
+    """
+    code = getattr(e, "errno", None)
+    full = code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
+    if not full and isinstance(e, (OSError, RuntimeError)):
+        try:
+            import shutil
+
+            p = Path(path)
+            while not p.exists() and p != p.parent:
+                p = p.parent
+            full = shutil.disk_usage(p).free < 1 << 20
+        except OSError:
+            pass
+    if full:
+        return f"disk full: no space left on the device of {path}"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{path} is not writable: {os.strerror(code).lower()}"
+    return f"cannot write to {path}: {e}"
+
+
+def check_writable(directory: Path | str) -> Path:
+    """Create ``directory`` if needed and write (then remove) a probe file in it; returns it.
+
+    Called before a stage spends time on work it could not save. Raises :class:`RunDirError`
+    (read-only file system, no permission, disk full).
+    """
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".opd-write-probe-") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise RunDirError(describe_os_error(e, d)) from None
+    return d
 
 
 @contextmanager
@@ -125,8 +175,7 @@ def acquire_lock(directory: Path, name: str = ".opd.lock", owner_pid: int | None
     the next one. Raises :class:`LockHeld` if a live process holds it. ``owner_pid`` (default: this
     process) is the pid recorded, so a shell script can lock on behalf of its own long-lived pid.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = check_writable(directory)
     lock = directory / name
     pid = owner_pid or os.getpid()
     record = {"pid": pid, "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -151,8 +200,12 @@ def acquire_lock(directory: Path, name: str = ".opd.lock", owner_pid: int | None
                     lock.unlink(missing_ok=True)
                 continue
             raise LockHeld(lock, holder)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+        except OSError as e:
+            lock.unlink(missing_ok=True)
+            raise RunDirError(describe_os_error(e, directory)) from None
         return lock
     raise LockHeld(lock, {"pid": "?", "host": "?", "cmd": "unknown (lock file keeps reappearing)"})
 
@@ -214,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
             release_lock(lock, owner_pid=args.pid)
         print(f"opd: {e}", file=os.sys.stderr)
         return EXIT_LOCKED
+    except RunDirError as e:
+        for lock in taken:
+            release_lock(lock, owner_pid=args.pid)
+        print(f"opd: error: {e}", file=os.sys.stderr)
+        return 2
     return 0
 
 

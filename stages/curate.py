@@ -42,6 +42,8 @@ import pyarrow.parquet as pq
 from data_tools import prompts as P
 from data_tools.clock import DEFAULT_CURATE_SHARE, run_start_time
 from data_tools.config import parse_config
+# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
+from data_tools.engine import EngineDead, exit_on_sigterm, make_engine
 from data_tools.grader import grade_batch
 from data_tools.models import resolve_model
 from data_tools.problems import load_problems
@@ -171,10 +173,43 @@ def _versions() -> dict:
 def _fingerprint(cfg: CurateConfig, models: dict) -> str:
     """What makes finished chunks reusable: data, models, prompts and sampling (not filter settings)."""
     keys = ("train_data", "limit", "teacher_context", "privileged_reference", "prompt_style", "teacher_samples", "student_samples",
-            "max_tokens", "temperature", "top_p", "seed", "chunk_size")
+            "max_tokens", "temperature", "top_p", "seed", "chunk_size", "max_model_len")
     # chunk i holds the i-th slice of the seeded visiting order (curate()), not of the input file
     blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models, "visit_order": "seeded_shuffle"}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def role_prompts(tokenizer, role: str, rows: list[dict], cfg: CurateConfig) -> list[str]:
+    """The rendered prompt strings of ``role`` (teacher or student) for ``rows``."""
+    if role == "teacher" and cfg.teacher_context == "privileged":
+        return [P.render(tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference),
+                                                          cfg.prompt_style)) for r in rows]
+    return [P.render(tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
+
+
+def fit_context(rows: list[dict], cfg: CurateConfig, teacher: str, student: str) -> tuple[list[dict], list[dict]]:
+    """Split ``rows`` into those whose teacher and student prompts plus ``max_tokens`` fit ``max_model_len``
+    and rejects (stage ``context``) for the others, before generation: vLLM refuses such a prompt
+    with an error that would end the whole curation. Prompts are counted as the engines get them
+    (``data_tools.prompts.prompt_ids``)."""
+    from transformers import AutoTokenizer
+
+    toks = {path: AutoTokenizer.from_pretrained(path) for path in dict.fromkeys((teacher, student))}
+    lengths = [[len(ids) for ids in P.prompt_ids(toks[path], role_prompts(toks[path], role, rows, cfg))]
+               for role, path in (("teacher", teacher), ("student", student))]
+    kept, rejects = [], []
+    for i, row in enumerate(rows):
+        n = max(lens[i] for lens in lengths)
+        if n + cfg.max_tokens <= cfg.max_model_len:
+            kept.append(row)
+            continue
+        rejects.append({"problem_id": row["problem_id"], "stage": "context", "row_index": None,
+                        "raw": row["problem"][:2000],
+                        "reason": f"prompt of {n} tokens + max_tokens {cfg.max_tokens} > max_model_len {cfg.max_model_len}"})
+    if rejects:
+        print(f"{len(rejects)} problem(s) too long for max_model_len={cfg.max_model_len} go to rejects "
+              f"(first: {rejects[0]['problem_id']}, {rejects[0]['reason']})", flush=True)
+    return kept, rejects
 
 
 def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: list[str], cfg: CurateConfig,
@@ -353,12 +388,14 @@ def curate(cfg: CurateConfig) -> dict:
     for rej in loaded.rejects[:5]:
         print(f"  rejected row {rej['row_index']} ({rej['problem_id']}): {rej['reason']}", flush=True)
     if not loaded.rows:
-        raise SystemExit(f"no usable problems in {cfg.train_data} ({len(loaded.rejects)} rejected)")
-    rows = loaded.rows
-    write_parquet(rows, out / "problems.parquet")
-
+        raise ValueError(f"no usable problems in {cfg.train_data} ({len(loaded.rejects)} rejected)")
     student = resolve_model(cfg.student_model)
     teacher = student if cfg.teacher_context == "privileged" else resolve_model(cfg.teacher_model)
+    rows, context_rejects = fit_context(loaded.rows, cfg, teacher, student)
+    if not rows:
+        raise ValueError(f"no problem of {cfg.train_data} fits max_model_len={cfg.max_model_len} with "
+                         f"max_tokens={cfg.max_tokens} ({context_rejects[0]['reason']})")
+    write_parquet(rows, out / "problems.parquet")
     models = {"student": _model_fingerprint(student), "teacher": _model_fingerprint(teacher)}
     fp = _fingerprint(cfg, models)
     state = out / "state.json"
@@ -366,8 +403,6 @@ def curate(cfg: CurateConfig) -> dict:
         raise SystemExit(f"{out} holds chunks of a different curation (data, models or sampling changed); "
                          f"use another OUTPUT_DIR or delete {parts}")
     write_json({"fingerprint": fp}, state)
-
-    from data_tools.engine import make_engine
 
     # Chunks are visited in a seeded random order of the problems, so the problems measured before
     # the budget ends are a uniform sample, whatever the input file's order (MATH train is by subject).
@@ -386,7 +421,7 @@ def curate(cfg: CurateConfig) -> dict:
     n_of = {"teacher": cfg.teacher_samples, "student": cfg.student_samples}
     model_of = {"teacher": teacher, "student": student}
     timings: dict[str, float] = {}
-    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len,
+    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=out / ".engine.pids.json",
                      gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
     engine = None
     engine_used: dict = {}  # stays empty when every chunk was already on disk
@@ -403,9 +438,7 @@ def curate(cfg: CurateConfig) -> dict:
         return engine
 
     def prompts_for(role: str, eng) -> list[str]:
-        if role == "teacher" and cfg.teacher_context == "privileged":
-            return [P.render(eng.tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference), cfg.prompt_style)) for r in visit]
-        return [P.render(eng.tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in visit]
+        return role_prompts(eng.tokenizer, role, visit, cfg)
 
     def run_chunk(eng, role: str, i: int, prompts: list[str]) -> None:
         t0 = time.time()
@@ -459,11 +492,11 @@ def curate(cfg: CurateConfig) -> dict:
     write_parquet(rollouts, out / "rollouts.parquet")
     curriculum, filter_rejects = build_curriculum(measured_rows, rollouts, cfg)
     write_parquet(pa.Table.from_pylist(curriculum, schema=CURRICULUM_SCHEMA), out / "curriculum.parquet")
-    load_rejects = [{**r, "stage": "load"} for r in loaded.rejects]
+    load_rejects = [{**r, "stage": "load"} for r in loaded.rejects] + context_rejects
     write_parquet(pa.Table.from_pylist(load_rejects + filter_rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
 
     roles = {role: rollouts.filter(pa.compute.equal(rollouts["role"], role)) for role in ("teacher", "student")}
-    counts = {"input_rows": loaded.n_read, "problems": len(rows), "load_rejects": len(loaded.rejects),
+    counts = {"input_rows": loaded.n_read, "problems": len(rows), "load_rejects": len(load_rejects),
               "duplicates": loaded.duplicates, "filter_rejects": len(filter_rejects), "curriculum": len(curriculum),
               "rollouts": rollouts.num_rows}
     for role, t in roles.items():
@@ -489,11 +522,13 @@ def curate(cfg: CurateConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 bad configuration / data / model path (one-line reason), 75 run locked."""
+    """Exit codes: 0 done, 2 bad configuration / data / model path / unwritable OUTPUT_DIR (one-line
+    reason), 1 the engine died, 74 disk full mid-run, 75 run locked, 130 / 143 SIGINT / SIGTERM."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
-    from data_tools.engine import exit_on_sigterm
+    from data_tools.runio import EXIT_IO, describe_os_error
 
     exit_on_sigterm()
+    cfg = None
     try:
         (cfg,) = parse_config([CurateConfig], argv)
         with run_lock(Path(cfg.output_dir)):
@@ -504,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"opd curate: error: {e}", file=sys.stderr)
         return 2
+    except EngineDead as e:
+        print(f"opd curate: error: {e}; finished chunks are kept, a re-run resumes", file=sys.stderr)
+        return 1
+    except OSError as e:  # disk full or the directory turned read-only mid-run
+        print(f"opd curate: error: {describe_os_error(e, cfg.output_dir if cfg else '.')}", file=sys.stderr)
+        return EXIT_IO
     return 0
 
 

@@ -55,7 +55,9 @@ import yaml
 
 from data_tools import evalstats
 from data_tools.config import parse_config
-from data_tools.runio import REPO_ROOT, check_outside_repo, default_output_dir, write_json, write_parquet
+# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
+from data_tools.engine import EngineDead, exit_on_sigterm, make_engine
+from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
 
 log = logging.getLogger("stages.evaluate")
 
@@ -453,7 +455,6 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     """Generate, grade and write one model's results; returns its summary dict."""
     from transformers import AutoTokenizer
 
-    from data_tools.engine import make_engine
     from data_tools.prompts import STYLES, prompt_ids, render, student_messages
 
     t0 = time.time()
@@ -474,7 +475,8 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
 
     engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
                     gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    tensor_parallel_size=cfg.tensor_parallel_size)
+                    tensor_parallel_size=cfg.tensor_parallel_size,
+                    pid_file=out_dir / "eval" / label / ".engine.pids.json")
     engine_name, engine_dtype, startup_s = engine.name, engine.dtype, engine.startup_s
     grade = ANSWER_FILTERS[eff["answer_filter"]]
     samples: list[dict] = []
@@ -600,6 +602,7 @@ def run(cfg: EvalConfig) -> list[dict]:
     out_dir = Path(cfg.output_dir).expanduser() if cfg.output_dir else default_output_dir(cfg.experiment_name)
     try:
         out_dir = check_outside_repo(out_dir)
+        check_writable(out_dir / "eval")  # before generating anything it could not save
     except ValueError as e:
         raise EvalError(str(e)) from None
 
@@ -657,13 +660,11 @@ def run(cfg: EvalConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from data_tools.engine import exit_on_sigterm
-
     exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
     try:
         (cfg,) = parse_config([EvalConfig], args=argv)
         run(cfg)
-    except (EvalError, ValueError, FileNotFoundError) as e:
+    except (EvalError, ValueError, FileNotFoundError, EngineDead) as e:
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # noqa: BLE001 - unexpected (engine crash, ...): traceback, then the one-line reason

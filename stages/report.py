@@ -44,6 +44,32 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def dedupe_steps(rows: list[dict]) -> list[dict]:
+    """One row per step, the last one written (a step re-run after a crash appears twice), by step."""
+    by_step = {r.get("step"): r for r in rows if isinstance(r.get("step"), int)}
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def training_seconds(rows: list[dict]) -> float | None:
+    """Training wall time over every process of the run, seconds.
+
+    ``wall_s`` counts from its own process's start, so a resumed run restarts it: rows are grouped by
+    process start (``time - wall_s``) and the last ``wall_s`` of each process is summed.
+    """
+    segments: list[list[float]] = []  # [process start, its last wall_s]
+    for r in rows:
+        w = r.get("wall_s")
+        if not isinstance(w, (int, float)):
+            continue
+        start = r["time"] - w if isinstance(r.get("time"), (int, float)) else 0.0
+        seg = next((x for x in segments if abs(x[0] - start) < 1.0), None)
+        if seg is None:
+            segments.append([start, w])
+        else:
+            seg[1] = max(seg[1], w)
+    return round(sum(w for _, w in segments), 1) if segments else None
+
+
 def plot_training(metrics: list[dict], dest: Path) -> Path | None:
     """Write a grid of per-step curves to ``dest`` (PNG); None when there is nothing to plot."""
     if not metrics:
@@ -85,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: run directory {run} does not exist", file=sys.stderr)
         return 1
     out = run / "report"
-    metrics = read_metrics(run / "metrics" / "train.jsonl")
+    raw = read_metrics(run / "metrics" / "train.jsonl")
+    metrics = dedupe_steps(raw)
     png = plot_training(metrics, out / "training.png")
     evals = []
     for f in sorted((run / "eval").glob("*/summary.json")):
@@ -96,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_root = Path(args.ckpt_dir or os.environ.get("CKPT_DIR") or run / "checkpoints")
     ckpts = sorted((p for p in ckpt_root.glob("checkpoint-*") if p.name.split("-")[1].isdigit()),
                    key=lambda p: int(p.name.split("-")[1]))
-    report = {"run": str(run), "steps": len(metrics), "train_wall_s": last.get("wall_s"),
+    wall = training_seconds(raw)
+    report = {"run": str(run), "steps": len(metrics), "train_wall_s": wall,
               "final_metrics": {k: last.get(k) for k, _ in PANELS if k in last}, "eval": evals,
               "plots": [str(png)] if png else [], "checkpoints": [str(c) for c in ckpts]}
     write_json(report, out / "report.json")
 
     lines = [f"# opd run report: {run}", ""]
-    lines.append(f"training: {len(metrics)} steps" + (f", {last.get('wall_s', 0):.0f} s" if last.get("wall_s") else ""))
+    lines.append(f"training: {len(metrics)} steps" + (f", {wall:.0f} s" if wall else ""))
     if evals:
         lines += ["", "| eval | protocol | pass@1 | stderr | clip rate | problems x samples |", "|---|---|---|---|---|---|"]
         for e in evals:

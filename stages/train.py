@@ -12,8 +12,9 @@ MAX_WALL_TIME_SECONDS, DEADLINE_RESERVE_SECONDS, OUTPUT_DIR, CKPT_DIR, EXPERIMEN
     train_summary.json               how and why the run ended
 and CKPT_DIR/checkpoint-<step>/ (default OUTPUT_DIR/checkpoints): complete HF exports, 3 newest.
 
-Exit codes: 0 done (deadline reached), 75 another run holds OUTPUT_DIR or CKPT_DIR,
-3 too many non-finite steps, 2 bad configuration or data.
+Exit codes: 0 done (deadline reached, or stopped by SIGTERM / Ctrl-C after saving), 75 another
+run holds OUTPUT_DIR or CKPT_DIR, 3 too many non-finite steps, 2 bad configuration or data or an
+unwritable directory, 74 disk full (the partial checkpoint is removed), 130 a second Ctrl-C (no save).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def run(args) -> dict:
     from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
 
     start = process_start_time()
+    remove_partial_state(args.resume_dir, args.ckpt_dir)
     table = load_curriculum(args.curriculum_path)
     student, teacher, tok, t_tok = load_models(args)
     dataset = build_train_dataset(table, tok, prompt_style=args.prompt_style)
@@ -106,8 +108,40 @@ def _exports(ckpt_dir):
     return [p for _, p in checkpoint_steps(ckpt_dir)]
 
 
+def remove_partial_state(resume_dir, ckpt_dir) -> list[str]:
+    """Delete resume states without ``trainer_state.json`` (written last: the save was cut short) and
+    temporary export dirs; returns what was removed. Run under the directories' lock only."""
+    import shutil
+    from pathlib import Path
+
+    from trainers.callbacks import checkpoint_steps
+
+    gone = [p for _, p in checkpoint_steps(resume_dir) if not (p / "trainer_state.json").exists()]
+    gone += [p for p in Path(ckpt_dir).glob(".tmp-checkpoint-*") if p.is_dir()]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+        print(f"[train] removed partial checkpoint {p}", flush=True)
+    return [str(p) for p in gone]
+
+
 class _Console(TrainerCallback):
-    """One short console line per step (the full record is in metrics/train.jsonl)."""
+    """One short console line per step (the full record is in metrics/train.jsonl), and a heartbeat
+    line every 30 s while a long step runs."""
+
+    def __init__(self):
+        self._beat = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from data_tools.progress import Heartbeat
+
+        if state.is_world_process_zero and self._beat is None:
+            step = state.global_step + 1
+            self._beat = Heartbeat(lambda s: f"[step {step}] running: {s:.0f}s")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._beat is not None:
+            self._beat.stop()
+            self._beat = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "loss" not in logs:
@@ -123,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("OPD_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from data_tools.config import parse_config
-    from data_tools.runio import EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
+    from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
     from trainers.opd_trainer import NonFiniteError, OPDConfig
 
     try:
@@ -138,7 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     lock = run_lock(args.output_dir, args.ckpt_dir) if rank == 0 else contextlib.nullcontext()
     try:
         with lock:
-            run(args)
+            try:
+                run(args)
+            except (KeyboardInterrupt, OSError, RuntimeError) as e:
+                why = None if isinstance(e, KeyboardInterrupt) else io_failure(e, (args.output_dir, args.ckpt_dir))
+                if rank == 0:  # still under the lock; after the diagnosis, which reads the free space
+                    remove_partial_state(args.resume_dir, args.ckpt_dir)
+                if why:
+                    print(f"opd train: error: {why}; partial checkpoints removed, the last complete one is kept",
+                          file=sys.stderr)
+                    return EXIT_IO
+                raise
     except LockHeld as e:
         print(f"opd train: {e}", file=sys.stderr)
         return EXIT_LOCKED
@@ -148,7 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"opd train: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except KeyboardInterrupt:  # the second Ctrl-C: no save
+        print("opd train: interrupted; the last complete checkpoint is kept", file=sys.stderr)
+        return 130
     return 0
+
+
+def io_failure(e: BaseException, dirs) -> str | None:
+    """One line for a full disk or an unwritable directory under one of ``dirs``, else None."""
+    import errno
+
+    from data_tools.runio import describe_os_error
+
+    whys = [describe_os_error(e, d) for d in dirs]
+    full = next((w for w in whys if w.startswith("disk full")), None)
+    if full or (isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)):
+        return full or whys[0]
+    return None
 
 
 if __name__ == "__main__":

@@ -81,6 +81,20 @@ def rotate_exports(ckpt_dir: Path, keep: int) -> list[Path]:
     return removed
 
 
+def share_file_modes(directory: Path) -> None:
+    """Make a checkpoint readable by others (files 0644, dirs 0755, within the umask).
+
+    safetensors and ``tempfile`` create 0600 files, which would hide the weights from the other
+    users of a shared node while the rest of the checkpoint is 0644.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(directory):
+        os.chmod(root, 0o755 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644 & ~umask)
+
+
 def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict: dict | None = None,
                       dtype: Any = None, keep: int = 3, extra: dict | None = None) -> Path:
     """Write a complete HF export ``ckpt_dir/checkpoint-<step>/`` atomically and rotate to ``keep``.
@@ -117,6 +131,7 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
         tokenizer.save_pretrained(tmp)
         meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {})}
         (tmp / "opd_checkpoint.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        share_file_modes(tmp)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
@@ -150,18 +165,29 @@ class DeadlineCallback(TrainerCallback):
         self.sync = sync
         self.stop_reason: str | None = None
         self.train_began: float | None = None
-        self._sigterm = False
+        self._sigterm = ""  # the signal that asked to stop, lower case
+        self._signal_at = 0.0
         self._step_began: float | None = None
         self._durations: list[float] = []
         if handle_sigterm:
             try:
                 signal.signal(signal.SIGTERM, self._on_sigterm)
+                # Ctrl-C as SIGTERM (also where a script started us with SIGINT ignored); a second one aborts
+                signal.signal(signal.SIGINT, self._on_sigterm)
             except ValueError:  # not the main thread (e.g. some test runners): no handler
                 pass
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002 - signal handler signature
-        log.warning("SIGTERM: saving and stopping after the current step")
-        self._sigterm = True
+        name = signal.Signals(signum).name
+        if self._sigterm:
+            # a Ctrl-C reaches a stage twice under a script (the terminal's, to the process group, and
+            # the one the script forwards): only a later one is the user's "abort without saving"
+            if signum == signal.SIGINT and time.monotonic() - self._signal_at > 5.0:
+                raise KeyboardInterrupt
+            return
+        print(f"[train] {name}: saving a checkpoint and stopping after the current step"
+              + (" (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""), flush=True)
+        self._sigterm, self._signal_at = name.lower(), time.monotonic()
 
     def elapsed(self) -> float:
         return self.clock() - self.start_time
@@ -189,7 +215,7 @@ class DeadlineCallback(TrainerCallback):
         est = max(self._durations[-1], sum(self._durations) / len(self._durations)) if self._durations else 0.0
         reason = None
         if self._sigterm:
-            reason = "sigterm"
+            reason = self._sigterm
         elif self.max_steps and state.global_step >= self.max_steps:
             reason = f"debug_max_steps={self.max_steps}"
         elif self.elapsed() + est > self.horizon_s:
@@ -334,11 +360,32 @@ class MetricsJsonlCallback(TrainerCallback):
     OPDTrainer's slash-named metrics), plus ``step``, ``wall_s`` (seconds since ``start_time``),
     ``time`` (Unix) and the static fields in ``static`` (e.g. ``engine``). NaN/inf become null so every line is
     strict JSON. End-of-training summaries (``train_runtime`` ...) are not per-step and are skipped.
+
+    On (re)start the file keeps only rows up to the step training starts from (the resumed state's
+    step, 0 for a fresh start), one per step: steps a killed run logged after its last resume state
+    are run again, and would otherwise appear twice.
     """
 
     def __init__(self, path: Path, start_time: float, static: dict[str, Any] | None = None):
         self.path, self.start_time, self.static = Path(path), start_time, dict(static or {})
         self._last_step = -1
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or not self.path.exists():
+            return control
+        from data_tools.runio import write_text
+
+        rows: dict[int, str] = {}
+        for line in self.path.read_text().splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+            if step <= state.global_step:
+                rows[step] = line  # the last record of a step wins
+        write_text("".join(rows[k] + "\n" for k in sorted(rows)), self.path)
+        self._last_step = state.global_step
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "loss" not in logs:

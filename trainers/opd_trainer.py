@@ -47,7 +47,7 @@ from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from trainers import losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
-                                process_start_time)
+                                process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  # noqa: F401 - re-exported
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
@@ -699,6 +699,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
     def _save_checkpoint(self, model, trial):
         # Resume state via transformers' own machinery (skipping TRL's model card, which would land in output_dir).
         Trainer._save_checkpoint(self, model, trial)
+        if self.args.should_save:
+            share_file_modes(Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}")
         self.export_checkpoint()
 
     def export_checkpoint(self) -> Path | None:

@@ -26,12 +26,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="math: equal as mathematics; numeric: a number gold needs a number literal (module docstring)")
     args = ap.parse_args(argv)
 
-    f = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
     try:
-        lines = f.read().splitlines()
-    finally:
-        if f is not sys.stdin:
-            f.close()
+        if args.file == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(args.file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"grader: error: cannot read {args.file}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
 
     rows: list[dict] = []
     todo: list[int] = []
@@ -46,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             obj, err = {"line": line}, f"not JSON: {e.msg}"
         if err is None and not isinstance(obj, dict):
             obj, err = {"line": obj}, "not a JSON object"
+        if err is None and isinstance(obj.get("gold"), int) and not isinstance(obj["gold"], bool):
+            obj["gold"] = str(obj["gold"])  # an integer gold ("gold": 42) is unambiguous
         if err is None:
             missing = [k for k in ("gold", "pred") if not isinstance(obj.get(k), str)]
             if missing:

@@ -1,0 +1,283 @@
+"""Bad input and bad places (issue 16): typed config values, broken data files, unwritable and full
+directories, model directories, grader CLI, metrics after a crash, file modes. Fast, no generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faultkit import REPO, fill, read_only_dir, tmpfs
+
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def _cli(args, tmp_path, **env):
+    return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, env={**ENV, **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---- config values ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, needle", [
+    ("max_tokens: 2.5", "key 'max_tokens': 2.5 (float) is not a valid int"),
+    ("teacher_samples: [2, 4]", "key 'teacher_samples' takes a single value, got a list"),
+    ("temperature: yes", "key 'temperature': True (bool) is not a valid float"),
+    ("max_model_len: null", "key 'max_model_len' needs a value"),
+])
+def test_yaml_value_of_wrong_type_names_file_and_key(tmp_path, line, needle):
+    from data_tools.config import parse_config
+    from stages.curate import CurateConfig
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"{line}\noutput_dir: {tmp_path / 'out'}\n")
+    with pytest.raises(ValueError) as e:
+        parse_config([CurateConfig], ["--config", str(cfg)], env={})
+    assert str(cfg) in str(e.value) and needle in str(e.value)
+
+
+def test_yaml_values_convert_like_flags(tmp_path):
+    from data_tools.config import parse_config
+    from stages.curate import CurateConfig
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"temperature: 7e-1\nteacher_samples: '3'\nlimit: null\noutput_dir: {tmp_path / 'out'}\n")
+    (c,) = parse_config([CurateConfig], ["--config", str(cfg)], env={})
+    assert (c.temperature, c.teacher_samples, c.limit) == (0.7, 3, None)  # PyYAML reads 7e-1 as a string
+
+
+def test_curate_cli_bad_value_is_one_line_exit_2(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"max_tokens: 2.5\noutput_dir: {tmp_path / 'out'}\n")
+    r = _cli(["stages.curate", "--config", str(cfg)], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"opd curate: error: config file {cfg}: key 'max_tokens': "
+                                                 f"2.5 (float) is not a valid int")
+    r = _cli(["stages.curate", "--max_tokens", "2.5", "--output_dir", str(tmp_path / "o")], tmp_path)
+    assert r.returncode == 2 and "usage:" not in r.stderr
+    assert "argument --max_tokens/--max-tokens: invalid int value: '2.5'" in r.stderr.strip().splitlines()[-1]
+
+
+def test_known_trl_vllm_warnings_silenced_others_kept():
+    code = ("import warnings; warnings.simplefilter('default'); import data_tools.config, trl.generation; "
+            "warnings.warn('other warning', UserWarning)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "TRL currently supports vLLM" not in r.stderr and "other warning" in r.stderr
+
+
+# ---- data files -------------------------------------------------------------------------------------
+
+def test_non_utf8_line_rejects_that_line_only(tmp_path):
+    from data_tools.problems import load_problems
+
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'{"problem": "What is 1+1?", "answer": "2"}\n'
+                  b'{"problem": "What is 2+\xff2?", "answer": "4"}\n'
+                  b'{"problem": "What is 3+3?", "answer": "6"}\n')
+    res = load_problems(f)
+    assert [r["answer"] for r in res.rows] == ["2", "6"]
+    assert len(res.rejects) == 1 and res.rejects[0]["row_index"] == 1
+    assert res.rejects[0]["reason"].startswith("line 2 is not UTF-8")
+
+
+def test_json_array_file(tmp_path):
+    from data_tools.problems import load_problems
+
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([{"question": "What is 1+1?", "answer": "2"}, 7, {"question": "What is 2+2?", "answer": 4}]))
+    res = load_problems(f)
+    assert [r["answer"] for r in res.rows] == ["2", "4"]
+    assert [r["reason"] for r in res.rejects] == ["item 1 is not a JSON object"]
+
+
+def test_duplicate_with_other_answer_is_a_conflict(tmp_path):
+    from data_tools.problems import load_problems
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "problem": "What is 2+2?", "answer": "4"},
+        {"id": "b", "problem": "what is  2+2?", "answer": "4"},
+        {"id": "c", "problem": "What is 2+2?", "answer": "5"}]))
+    res = load_problems(f)
+    reasons = {r["problem_id"]: r["reason"] for r in res.rejects}
+    assert reasons["b"] == "duplicate problem (first seen as a)"
+    assert reasons["c"] == "conflict: duplicate problem with a different answer ('5' here, '4' in a)"
+    assert (res.duplicates, res.conflicts, len(res.rows)) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("name, body", [("empty.jsonl", b""), ("blank.jsonl", b"\n\n"), ("empty.json", b"[]")])
+def test_empty_input_is_error_exit_2(tmp_path, name, body):
+    f = tmp_path / name
+    f.write_bytes(body)
+    r = _cli(["stages.curate", "--train_data", str(f), "--output_dir", str(tmp_path / "out")], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"opd curate: error: {f}: no rows (the file is empty)"
+
+
+def test_overlong_problems_go_to_rejects_before_generation(tmp_path):
+    """A 5 MB problem and a ~700-token one under max_model_len=512 are rejected by the tokenizer count."""
+    from data_tools.models import resolve_model
+    from stages.curate import CurateConfig, fit_context
+
+    model = resolve_model("smollm2-135m")
+    rows = [{"problem_id": "ok", "problem": "What is 2 + 3?", "answer": "5", "solution": None},
+            {"problem_id": "huge", "problem": "1 + " * 1_250_000 + "1 = ?", "answer": "1250001", "solution": None},
+            {"problem_id": "long", "problem": "What is " + " + ".join(["12"] * 230) + "?", "answer": "2760",
+             "solution": None}]
+    cfg = CurateConfig(max_model_len=512, max_tokens=24, prompt_style="short", output_dir=str(tmp_path / "o"))
+    t0 = time.time()
+    kept, rejects = fit_context(rows, cfg, model, model)
+    assert [r["problem_id"] for r in kept] == ["ok"]
+    assert {r["problem_id"] for r in rejects} == {"huge", "long"}
+    assert all(r["stage"] == "context" and "> max_model_len 512" in r["reason"] for r in rejects)
+    n_long = int(next(r for r in rejects if r["problem_id"] == "long")["reason"].split()[2])
+    assert 512 - 24 < n_long < 1000
+    assert time.time() - t0 < 60
+
+
+# ---- models -----------------------------------------------------------------------------------------
+
+def test_model_dir_with_only_config_says_what_is_missing(tmp_path):
+    from data_tools.models import resolve_model
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model(tmp_path)
+    msg = str(e.value)
+    assert "no tokenizer" in msg and "no weights" in msg and "sentencepiece" not in msg
+
+
+# ---- grader CLI -------------------------------------------------------------------------------------
+
+def test_grader_cli_missing_file_and_integer_gold(tmp_path):
+    r = _cli(["data_tools.grader", str(tmp_path / "nope.jsonl")], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"grader: error: cannot read {tmp_path / 'nope.jsonl'}: No such file or directory"
+    f = tmp_path / "g.jsonl"
+    f.write_text(json.dumps({"gold": 42, "pred": "so the answer is \\boxed{42}"}) + "\n")
+    r = _cli(["data_tools.grader", str(f)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["correct"] is True
+
+
+# ---- unwritable and full directories ----------------------------------------------------------------
+
+def test_read_only_run_dir_is_one_line_error(tmp_path):
+    from data_tools.runio import RunDirError, acquire_lock
+
+    with read_only_dir(tmp_path / "ro") as ro:
+        with pytest.raises(RunDirError, match="is not writable: read-only file system|is not writable: permission"):
+            acquire_lock(ro / "run")
+        r = _cli(["data_tools.runio", "lock", str(ro / "run"), "--pid", str(os.getpid())], tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("opd: error: ") and "Traceback" not in r.stderr
+        r = _cli(["stages.curate", "--train_data", "synth:train:4", "--output_dir", str(ro / "run")], tmp_path)
+        assert r.returncode == 2 and "not writable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_evaluation_checks_writability_before_generating(tmp_path):
+    with read_only_dir(tmp_path / "ro") as ro:
+        t0 = time.time()
+        r = _cli(["stages.evaluate", "--protocol", "synth_heldout", "--limit", "2", "--output_dir", str(ro / "run")],
+                 tmp_path)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "not writable" in r.stderr.strip().splitlines()[-1]
+        assert "vllm" not in r.stdout.lower() and time.time() - t0 < 90  # stopped before any engine
+
+
+def test_full_disk_says_disk_full(tmp_path):
+    from data_tools.runio import RunDirError, check_writable, describe_os_error
+
+    with tmpfs(tmp_path / "small", "64k") as d:
+        fill(d)
+        with pytest.raises(RunDirError, match="^disk full"):
+            check_writable(d / "run")
+        # torch's zip writer reports a full disk as "unexpected pos": recognised from the free space
+        assert describe_os_error(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 128"),
+                                 d).startswith("disk full")
+
+
+# ---- metrics and report after a crash; file modes ---------------------------------------------------
+
+def test_metrics_deduplicated_on_resume(tmp_path):
+    from transformers import TrainerState
+
+    from trainers.callbacks import MetricsJsonlCallback
+
+    path = tmp_path / "train.jsonl"
+    # steps 1..10 logged, then killed during the save of step 10: resumed from the state of step 8
+    path.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in [*range(1, 11), 9]) + '{"step": 1')
+    cb = MetricsJsonlCallback(path, start_time=time.time())
+    state = TrainerState()
+    state.global_step = 8
+    cb.on_train_begin(None, state, None)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == list(range(1, 9))
+    state.global_step = 9
+    cb.on_log(None, state, None, logs={"loss": 0.5})
+    cb.on_log(None, state, None, logs={"loss": 0.5})  # the same step logged twice: one row
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == list(range(1, 10))
+
+
+def test_report_spans_processes_and_counts_steps_once(tmp_path, monkeypatch):
+    from stages.report import main
+
+    monkeypatch.delenv("CKPT_DIR", raising=False)
+    t1, t2 = 1_000_000.0, 1_000_500.0  # two processes: 120 s, then (resumed) 90 s
+    rows = [{"step": s, "wall_s": 20.0 * s, "time": t1 + 20.0 * s, "loss": 1.0} for s in range(1, 7)]
+    rows += [{"step": s, "wall_s": 30.0 * (s - 6), "time": t2 + 30.0 * (s - 6), "loss": 0.5} for s in (7, 8, 9)]
+    rows.insert(6, {"step": 6, "wall_s": 121.0, "time": t1 + 121.0, "loss": 1.0})  # a step logged twice
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--run", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["steps"] == 9 and report["train_wall_s"] == 121.0 + 90.0
+
+
+def test_exports_are_world_readable(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.test_trainer import tiny_model
+    from trainers.callbacks import export_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(__import__("data_tools.models", fromlist=["x"]).resolve_model(None))
+    old = os.umask(0o022)
+    try:
+        dest = export_checkpoint(tiny_model(tok), tok, tmp_path / "ckpt", 3)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in dest.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o755
+
+
+# ---- signals to the generation stages ---------------------------------------------------------------
+
+@pytest.mark.parametrize("sig, ignored", [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_exit_on_sigterm_unwinds_without_traceback(tmp_path, sig, ignored):
+    """SIGINT (even when started with it ignored, as a script's background job is) and SIGTERM run finally blocks."""
+    mark = tmp_path / "finally-ran"
+    code = (f"import time\nfrom data_tools.engine import exit_on_sigterm\nexit_on_sigterm()\n"
+            f"try:\n    print('ready', flush=True)\n    time.sleep(60)\nfinally:\n    open({str(mark)!r}, 'w').close()\n")
+    pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=pre)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + sig and mark.exists() and "Traceback" not in err
+
+
+def test_heartbeat_prints_during_silence(capsys):
+    from data_tools.progress import heartbeat
+
+    with heartbeat("vllm start-up", every=0.1):
+        time.sleep(0.35)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2 and lines[0] == "[vllm start-up] still running: 0s"
