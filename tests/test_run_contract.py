@@ -241,6 +241,7 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
     class FakeEngine:
         def __init__(self, model, **kw):
             self.model, self.tokenizer, self.startup_s = model, tok, 5.0
+            self.name, self.dtype = "fake", "float32"
             fake.now += 5.0
 
         def close(self):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,39 +80,51 @@ def test_lambda_lr_reads_the_clock_and_resumes_from_it():
 
 
 def test_trainer_time_schedule_and_resume(tmp_path, tokenizer, curriculum_path):  # noqa: F811
-    """OPDTrainer with linear_time: the optimizer's LR at every step is peak x factor(time_fraction); a run
-    resumed with the clock at 0.6 trains its first step at factor(0.6) (not the saved LR, not a restart)."""
+    """OPDTrainer with linear_time: each step's LR is peak x factor(time_fraction) at the previous step's end
+    (LambdaLR steps after the optimizer); a resumed run continues from the fraction f0 it saved,
+    f = f0 + (1 - f0) x the new window's share, not from 0 (peak / warmup again)."""
     from transformers import TrainerCallback
+
+    from trainers.opd_trainer import CLOCK_STATE
 
     peak, horizon = 1e-2, 1000.0
 
-    class Seen(TrainerCallback):
-        def __init__(self):
-            self.lrs = []
-
-        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
-            self.lrs.append(optimizer.param_groups[0]["lr"])
-
-    def run(fraction, steps, resume=None):
+    def run(fracs, steps, resume=None):
         tr = make_trainer(tmp_path, tokenizer, curriculum_path, lr_scheduler_type="linear_time", lr_warmup_time=50,
                           learning_rate=peak, debug_max_steps=steps, max_wall_time_seconds=horizon + 10,
                           deadline_reserve_seconds=10)
-        tr.deadline.clock = lambda: tr.deadline.start_time + fraction * horizon
-        seen = Seen()
+        t0 = tr.deadline.start_time
+        now = [t0]  # training begins at the clock's start: the window is the whole horizon
+        tr.deadline.clock = lambda: now[0]
+        moves = iter(fracs)
+
+        class Clock(TrainerCallback):  # the clock moves during each step, before the scheduler reads it
+            def __init__(self):
+                self.lrs = []
+
+            def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+                self.lrs.append(optimizer.param_groups[0]["lr"])
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                now[0] = t0 + next(moves) * horizon
+
+        seen = Clock()
         tr.add_callback(seen)
         tr.train(resume_from_checkpoint=resume)
         return tr, seen.lrs
 
-    tr, lrs = run(0.02, 2)  # inside the 50 s (= 0.05) warmup
-    assert tr.args.lr_warmup_fraction == pytest.approx(0.05)
-    assert lrs == pytest.approx([peak * 0.02 / 0.05] * 2)
+    lin = lambda f: peak * (f / 0.05 if f < 0.05 else 1 - (f - 0.05) / 0.95)  # noqa: E731 - the plain formula
+    tr, lrs = run([0.02, 0.5], 2)
+    assert lrs == pytest.approx([lin(0.0), lin(0.02)])  # 50 s of warmup = 0.05 of the window
     from trainers.callbacks import find_resume_checkpoint
 
     ckpt = find_resume_checkpoint(tr.args.resume_dir)
     assert ckpt.endswith("checkpoint-2")
-    tr2, lrs2 = run(0.6, 3, resume=ckpt)
+    assert json.loads((Path(ckpt) / CLOCK_STATE).read_text())["time_fraction"] == pytest.approx(0.5)
+    tr2, lrs2 = run([0.5], 3, resume=ckpt)  # a new clock: its window share starts at 0 again
     assert tr2.state.global_step == 3
-    assert lrs2 == pytest.approx([peak * (1 - (0.6 - 0.05) / 0.95)])
+    assert lrs2 == pytest.approx([lin(0.5)])  # f0 = 0.5 restored; a restart would give lin(0) = 0
+    assert tr2.time_fraction() == pytest.approx(0.5 + 0.5 * 0.5)
 
 
 def test_config_accepts_time_schedules_only(tmp_path):

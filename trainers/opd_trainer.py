@@ -32,6 +32,7 @@ What this subclass adds (issue 3, design.md section 5):
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import resource
@@ -45,6 +46,7 @@ from transformers import Trainer, TrainerCallback
 from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
+from data_tools.runio import write_json
 from trainers import losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
@@ -53,6 +55,9 @@ from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
 
 log = logging.getLogger(__name__)
+
+#: In each resume checkpoint: the training window's used share at the save, so clock schedules resume there.
+CLOCK_STATE = "opd_clock.json"
 
 # ---------------------------------------------------------------------------------------------
 # model helpers
@@ -242,6 +247,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         self._timers: dict[str, float] = defaultdict(float)
         self._step_t0 = time.perf_counter()
         self._last_gen_tokens = 0
+        self._fraction0 = 0.0  # time_fraction() at the resumed checkpoint (CLOCK_STATE); 0 for a fresh run
         self._pending_rollouts: dict[str, Any] | None = None
         self._bad_loss = False
         self._skipped_steps = 0
@@ -269,7 +275,10 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         Schedules over the wall clock (learning rate, objective mix) read this, never the step count:
         a formal run's step count is unknown in advance.
         """
-        return self.deadline.window_fraction()  # the window starts at training, not at run.sh's start
+        # The window starts at training, not at run.sh's start; a resumed run continues from the fraction
+        # it saved (f0) and reaches 1 at this run's horizon: f = f0 + (1 - f0) * this window's share.
+        f0 = self._fraction0
+        return f0 + (1.0 - f0) * self.deadline.window_fraction()
 
     # ---- learning-rate schedule on the clock ----
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -281,12 +290,23 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         from trainers.schedules import time_lambda_lr
 
         self.lr_scheduler = time_lambda_lr(optimizer if optimizer is not None else self.optimizer, self.time_fraction,
-                                           shape, warmup=self.args.lr_warmup_fraction, final=self.args.lr_final_ratio)
+                                           shape, warmup=self._warmup_share(), final=self.args.lr_final_ratio)
         self._created_lr_scheduler = True
         return self.lr_scheduler
 
+    def _warmup_share(self) -> float:
+        """``lr_warmup_time`` as a share of the training window: a share (< 1) as given; seconds over the window
+        left from now (training's start) to the horizon, not over the whole clock (stage one is not training)."""
+        w = self.args.lr_warmup_time
+        if w < 1:
+            return w
+        window = self.deadline.start_time + self.deadline.horizon_s - self.deadline.clock()
+        return min(w / max(window, 1e-9), 0.99)
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and (Path(checkpoint) / CLOCK_STATE).exists():
+            self._fraction0 = float(json.loads((Path(checkpoint) / CLOCK_STATE).read_text())["time_fraction"])
         # The optimizer state brings back the learning rate of the save; the schedule is the clock's now.
         if checkpoint is not None and self.lr_scheduler is not None and self.args.lr_scheduler_type in TIME_SCHEDULES:
             sched = self.lr_scheduler
@@ -697,6 +717,10 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         return str(self.args.resume_dir)
 
     def _save_checkpoint(self, model, trial):
+        # The clock's fraction first: trainer_state.json, written last by transformers, marks the state complete.
+        if self.args.should_save:
+            write_json({"time_fraction": self.time_fraction()},
+                       Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}" / CLOCK_STATE)
         # Resume state via transformers' own machinery (skipping TRL's model card, which would land in output_dir).
         Trainer._save_checkpoint(self, model, trial)
         if self.args.should_save:

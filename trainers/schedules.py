@@ -15,8 +15,9 @@ With r = 0 these are transformers' ``get_constant_schedule_with_warmup`` /
 ratio ``step / num_training_steps`` replaced by f. Seed evidence for decaying at all: at fixed steps,
 linear decay scored 54.22 vs 50.56 for constant (AIME24 avg@12, OPSD on Qwen3; issue 11).
 
-Because the factor reads the clock, a resumed run continues the schedule from the clock's fraction:
-nothing about the schedule is stored in the checkpoint except the peak values.
+Because the factor reads the clock, nothing of the schedule is in the optimizer's state: a resumed run
+continues from the fraction f0 its checkpoint saved (``OPDTrainer``'s ``opd_clock.json``), with
+f = f0 + (1 - f0) x the new window's used share, so it reaches the schedule's end at the new horizon.
 """
 
 from __future__ import annotations
