@@ -51,7 +51,7 @@ cuda_visible() {  # cheap: nvidia-smi lists a GPU (and CUDA_VISIBLE_DEVICES hide
 
 plan=0
 [ "${1:-}" = "--plan" ] && { plan=1; shift; }
-case "${1:-}" in -h|--help) sed -n '2,17p' "$0"; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,16p' "$0"; exit 0 ;; esac
 if [ -n "${1:-}" ]; then name=$1; why="named on the command line"
 elif [ -z "${STUDENT_MODEL:-}" ]; then name=demo_cpu; why="STUDENT_MODEL is not set"
 elif cuda_visible; then name=r1_distill_1p5b; why="STUDENT_MODEL is set and CUDA is visible"

@@ -664,7 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (cfg,) = parse_config([EvalConfig], args=argv)
         run(cfg)
-    except (EvalError, ValueError, FileNotFoundError, EngineDead) as e:
+    except (EvalError, ValueError, FileNotFoundError) as e:  # bad configuration, data, model or output dir
+        print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    except EngineDead as e:
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # noqa: BLE001 - unexpected (engine crash, ...): traceback, then the one-line reason

@@ -187,7 +187,7 @@ def test_evaluation_checks_writability_before_generating(tmp_path):
         t0 = time.time()
         r = _cli(["stages.evaluate", "--protocol", "synth_heldout", "--limit", "2", "--output_dir", str(ro / "run")],
                  tmp_path)
-        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert r.returncode == 2 and "Traceback" not in r.stderr
         assert "not writable" in r.stderr.strip().splitlines()[-1]
         assert "vllm" not in r.stdout.lower() and time.time() - t0 < 90  # stopped before any engine
 

@@ -237,7 +237,7 @@ def test_missing_model_exits_nonzero(tmp_path, capsys, clean_env):
     data.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
     rc = ev.main(["--protocol", "math500_pass_at_1", "--model", str(tmp_path / "nope"), "--eval_data", str(data),
                   "--output_dir", str(tmp_path / "out")])
-    assert rc == 1 and "does not exist" in _one_line_error(capsys)
+    assert rc == 2 and "does not exist" in _one_line_error(capsys)
 
 
 def test_no_problems_exits_nonzero(tmp_path, capsys, clean_env):
@@ -246,16 +246,16 @@ def test_no_problems_exits_nonzero(tmp_path, capsys, clean_env):
     model = _export(tmp_path / "m")
     rc = ev.main(["--protocol", "math500_pass_at_1", "--model", str(model), "--eval_data", str(data),
                   "--output_dir", str(tmp_path / "out")])
-    assert rc == 1 and "no usable problems" in _one_line_error(capsys)
+    assert rc == 2 and "no usable problems" in _one_line_error(capsys)
     rc = ev.main(["--protocol", "math500_pass_at_1", "--model", str(model), "--eval_data", str(tmp_path / "none.jsonl"),
                   "--output_dir", str(tmp_path / "out")])
-    assert rc == 1 and "cannot load questions" in _one_line_error(capsys)
+    assert rc == 2 and "cannot load questions" in _one_line_error(capsys)
 
 
 def test_output_inside_repo_refused(tmp_path, capsys, clean_env):
     model = _export(tmp_path / "m")
     rc = ev.main(["--protocol", "synth_heldout", "--model", str(model), "--output_dir", str(REPO_ROOT / "out")])
-    assert rc == 1 and "inside the repository" in _one_line_error(capsys)
+    assert rc == 2 and "inside the repository" in _one_line_error(capsys)
 
 
 # ------------------------------------------------------------------------------ real CPU smoke run
