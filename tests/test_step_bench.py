@@ -1,0 +1,104 @@
+"""The realistic step bench (issue 15): drawn lengths honoured by both generators, the decode floor by hand.
+
+CPU, tiny shapes: one optimizer step of OPDTrainer (FastGenerator path) and of TRL's DistillationTrainer (both its
+own HF generate and the bench's fast-path substitution) through ``bench/opd_step_realistic.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import step_realism as sr  # noqa: E402
+
+
+def test_lognormal_mu_hits_the_clip_rate():
+    mu = sr.lognormal_mu(8192, 0.0645, 0.75)
+    # P(L > cap) from the normal CDF of ln L, against the target 6.45%.
+    p = 1.0 - statistics.NormalDist(mu, 0.75).cdf(math.log(8192))
+    assert p == pytest.approx(0.0645, abs=1e-9)
+    assert math.exp(mu) == pytest.approx(2623.78, abs=0.01)  # the median stated in the docstring
+
+
+def test_draw_lengths_deterministic_and_clipped_rows_at_cap():
+    a = sr.draw_lengths(4000, 8192, seed=3, batch=1)
+    assert a == sr.draw_lengths(4000, 8192, seed=3, batch=1)
+    assert a != sr.draw_lengths(4000, 8192, seed=3, batch=2)
+    lens, clip = a
+    assert all(1 <= n <= 8192 for n in lens)
+    assert all(n == 8192 for n, c in zip(lens, clip) if c)
+    assert sum(clip) / len(clip) == pytest.approx(0.0645, abs=0.012)  # 4,000 draws: ~3 standard errors
+
+
+def test_decode_floor_by_hand():
+    # Rows of 3 and 1 tokens, prompts 2 and 5 tokens: decode steps t = 1, 2 (token 0 is the prefill's).
+    # t=1: weights + row 0 live (L=3 > 1) reading 2+1 = 3 tokens; row 1 (L=1) finished.
+    # t=2: weights + row 0 reading 2+2 = 4 tokens.
+    f = sr.decode_floor([3, 1], [2, 5], w_bytes=100, kv_tok=10, bandwidth=50.0)
+    assert f["steps"] == 2
+    assert f["weight_bytes"] == 200
+    assert f["kv_bytes"] == (3 + 4) * 10
+    assert f["seconds"] == pytest.approx((200 + 70) / 50.0)
+    # A third row of 4 tokens with prompt 1: live at t = 1, 2, 3 reading 2, 3, 4 tokens; three decode steps.
+    g = sr.decode_floor([3, 1, 4], [2, 5, 1], w_bytes=100, kv_tok=10, bandwidth=1.0)
+    assert (g["steps"], g["kv_bytes"], g["bytes"]) == (3, (7 + 9) * 10, 300 + 160)
+
+
+def test_kv_bytes_per_token_qwen15():
+    from transformers import Qwen2Config
+
+    import opd_step_bench as sb
+
+    assert sr.kv_bytes_per_token(Qwen2Config(**sb.QWEN15)) == 2 * 28 * 2 * 128 * 2
+
+
+def test_forced_eos_processor_forces_and_suppresses():
+    proc = sr.ForcedEOSProcessor([1, -1], eos_id=0)
+    scores = torch.zeros(2, 5)
+    out0 = proc(torch.zeros(2, 4, dtype=torch.long), scores)  # t = 0: nobody may end
+    assert torch.isinf(out0[:, 0]).all() and torch.isfinite(out0[:, 1:]).all()
+    out1 = proc(torch.zeros(2, 5, dtype=torch.long), scores)  # t = 1: row 0 must end, row 1 may not
+    assert out1[0, 0] == 0 and torch.isinf(out1[0, 1:]).all()
+    assert torch.isinf(out1[1, 0]) and torch.isfinite(out1[1, 1:]).all()
+
+
+def test_fit_extrapolate_linear_step_time():
+    import opd_step_realistic as osr
+
+    # step time 1 + 0.01 t: time to step s = s + 0.005 s^2
+    tr = [(s, s + 0.005 * s * s) for s in range(0, 512, 128)]
+    assert osr.fit_extrapolate(tr, 1000) == pytest.approx(1000 + 0.005 * 1000**2, rel=1e-9)
+
+
+def test_realistic_tiny_one_step_lengths_respected(tmp_path):
+    """Ours (FastGenerator) and TRL (own HF generate, and the fast-path substitution) produce exactly the drawn
+    lengths; the JSON carries the floor and the pieces."""
+    import json
+
+    import opd_step_realistic as osr
+
+    out = tmp_path / "r.json"
+    res = osr.main(["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "48",
+                    "--prompt-len", "8", "--warmup", "0", "--steps", "1", "--trl-gen-budget-s", "600",
+                    "--grader-workers", "0", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["table"] == res["table"]
+    ours = res["pieces"]["ours"]["base"]["rows"]
+    assert len(ours) == 1 and ours[0]["mismatched"] == 0
+    lens, clip = sr.draw_lengths(8, 48, 0, 0)
+    assert ours[0]["tokens"] == sum(lens)
+    trl_u = res["pieces"]["trl_update"]["rows"][0]
+    assert trl_u["mismatched"] == 0 and trl_u["tokens"] == sum(lens)
+    g = res["pieces"]["trl_gen"]
+    assert g["mismatched"] == 0 and not g["extrapolated"] and g["tokens"] == sum(lens)
+    f = res["floor"]["0"]
+    assert f["completion_tokens"] == sum(lens) and f["steps"] == max(lens) - 1
+    assert "| ours/base (step) |" in res["table"]
