@@ -159,8 +159,11 @@ def build_trl(opts, tok, student, teacher, prompts, out_dir):
     tr = DistillationTrainer(model=copy.deepcopy(student), teacher_model=t, args=args,
                              train_dataset=Dataset.from_dict({"prompt": prompts * 20}), processing_class=tok)
     tr._bench_fast = False
+    tr._bench_replay = None  # completions to hand back instead of generating (ours' of the same batch)
 
     def gen(prompt_ids, images, multimodal_fields, has_tool_images=False):
+        if tr._bench_replay is not None:
+            return [list(c) for c in tr._bench_replay]
         if tr._bench_fast:
             return fast_generate_single_turn(tr, prompt_ids)
         return DistillationTrainer._generate_single_turn(tr, prompt_ids, images, multimodal_fields, has_tool_images)
@@ -223,14 +226,34 @@ class TracingProcessor:
         return scores
 
 
+def record(trainer, store: dict, forced: sr.ForcedLengths) -> None:
+    """Keep each batch's completions of ``trainer`` in ``store[batch_id]`` (outside the timed region)."""
+    inner = trainer._generate_single_turn
+
+    def wrapped(prompt_ids, *a, **k):
+        out = inner(prompt_ids, *a, **k)
+        store[forced.calls[-1]["batch"]] = [list(c) for c in out]
+        return out
+
+    trainer._generate_single_turn = wrapped
+
+
 def measure_generation(trainer, timer, prompt_ids, forced: sr.ForcedLengths, batch_id: int) -> dict:
+    """Time one generation call of batch ``batch_id``; peak GiB = resident tensors + the rise during the call."""
+    cuda = torch.cuda.is_available()
     forced.batch_id = batch_id
+    sb.sync()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    resident = sb.resident_bytes(trainer) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     timer.take()
     out = trainer._generate_single_turn(prompt_ids, None, {})
     ph = timer.take()
     call = forced.calls[-1]
+    peak = (torch.cuda.max_memory_allocated() - base + resident) / 2**30 if cuda else 0.0
     return {"generation": ph.get("generation", 0.0), "tokens": call["tokens"], "mismatched": call["mismatched"],
-            "rows": len(out)}
+            "rows": len(out), "peak_gib": peak}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -268,7 +291,7 @@ def run_realistic(opts) -> dict:
            "lengths": {"distribution": f"log-normal, sigma {opts.sigma}, mu solved for P(L > cap) = {opts.clip_rate}",
                        "source": "design.md section 1: 6.45% of MATH-500 samples clipped at a 12,288 cap, scaled to "
                                  "the bench cap; sigma assumed (bench/step_realism.py)", "seed": opts.seed},
-           "variant_notes": notes, "pieces": {}, "floor": {}}
+           "variant_notes": notes, "pieces": {}, "floor": {}, "timed_batch": opts.warmup}
 
     def save():
         if opts.json:
@@ -280,7 +303,7 @@ def run_realistic(opts) -> dict:
 
     def floor_for(batch_id, prompt_lens):
         lens, clip = batch_stats(batch_id)
-        f = sr.decode_floor(lens, prompt_lens, w_bytes, kv_tok, bw if bw == bw else 1.0)
+        f = sr.decode_floor(lens, prompt_lens, w_bytes, kv_tok, bw)  # NaN seconds off CUDA
         f.update(completion_tokens=sum(lens), clipped=sum(clip), max_len=max(lens),
                  mean_len=sum(lens) / len(lens))
         res["floor"][str(batch_id)] = f
@@ -296,39 +319,30 @@ def run_realistic(opts) -> dict:
         t = row["update_incl_teacher"]
         return {"mfu_useful": flops * useful / t / (tflops * 1e12), "mfu_padded": flops * padded / t / (tflops * 1e12)}
 
+    pieces = set(opts.pieces.split(","))
     forced_cls = lambda: sr.ForcedLengths(opts.cap, eos, opts.seed, opts.clip_rate, opts.sigma)  # noqa: E731
     tokens_of = lambda b: sum(batch_stats(b)[0])  # noqa: E731
     with sr.fast_generator_hook():
-        # ---- TRL ----
+        # ---- TRL (built first: its teacher is copied before ours compiles the shared one's layers) ----
         trl = None
-        if not opts.skip_trl:
+        if not opts.skip_trl and ({"trl_update", "trl_gen"} & pieces):
             trl = build_trl(opts, tok, student, teacher, prompts, out_dir)
             d_trl = GADriver("trl", trl, trl.teacher_model)
             f_trl = forced_cls()
             sr.install_forced(trl, f_trl)
             trl_prompt_ids = trl._tokenize_prompts(prompts[: opts.completions])[0]
-            rows = []
-            trl._bench_fast = True
-            for k in range(opts.trl_update_steps):
-                f_trl.batch_id = opts.warmup + k  # the batches of ours' timed steps
-                r = d_trl.step(tokens_of(f_trl.batch_id))
-                r["mismatched"] = f_trl.calls[-1]["mismatched"]
-                rows.append(r)
-                print("trl_update step: " + ", ".join(f"{k2}={v:.3f}" for k2, v in r.items()
-                                                      if isinstance(v, float)), flush=True)
-            trl._bench_fast = False
-            res["pieces"]["trl_update"] = {"rows": rows, "median": summarize(rows),
-                                           "note": "TRL's phases with trainers.generation's decoder for generation"}
-            save()
         # ---- ours, per variant ----
         res["pieces"]["ours"] = {}
         ours_prompt_lens = None
-        for name, ov in variants.items():
+        replay: dict[int, list[list[int]]] = {}  # batch id -> completions of the first variant (for TRL's update)
+        for name, ov in (variants.items() if "ours" in pieces else ()):
             t_build = time.perf_counter()
             tr = build_ours(opts, tok, student, teacher, prompts, out_dir, ov)
             d = GADriver(name, tr, tr.teacher_model)
             f = forced_cls()
             sr.install_forced(tr, f)
+            if not replay:
+                record(tr, replay, f)
             pids = tr._tokenize_prompts([p for p in prompts[: opts.completions // opts.G] for _ in range(opts.G)])[0]
             ours_prompt_lens = [len(p) for p in pids]
             piece = {"overrides": ov, "mode": opts.variant_mode, "build_s": time.perf_counter() - t_build, "rows": []}
@@ -337,9 +351,10 @@ def run_realistic(opts) -> dict:
                 if opts.variant_mode == "generation":
                     r = measure_generation(tr, d.timer, pids, f, i)
                 else:
-                    f.batch_id = i
-                    r = d.step(tokens_of(i))
-                    r["mismatched"] = f.calls[-1]["mismatched"]
+                    n0 = len(f.calls)
+                    r = d.step(tokens_of(i))  # batch i (f.batch_id advances per generation call)
+                    r["mismatched"] = sum(c["mismatched"] for c in f.calls[n0:])
+                    r["generation_calls"] = [c["batch"] for c in f.calls[n0:]]
                 r["batch"], r["warmup"] = i, i < opts.warmup
                 fl = floor_for(i, ours_prompt_lens)
                 r["gen_over_floor"] = r["generation"] / fl["seconds"] if fl["seconds"] else float("nan")
@@ -357,8 +372,29 @@ def run_realistic(opts) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
             save()
+        # ---- TRL's update on the same batches (their completions replayed, or decoded by trainers.generation) ----
+        if trl is not None and "trl_update" in pieces:
+            rows = []
+            for k in range(opts.trl_update_steps):
+                b = opts.warmup + k  # the batches of ours' timed steps
+                f_trl.batch_id = b
+                trl._bench_replay = replay.get(b)
+                trl._bench_fast = trl._bench_replay is None
+                r = d_trl.step(tokens_of(b))
+                trl._bench_replay, trl._bench_fast = None, False
+                r["mismatched"] = f_trl.calls[-1]["mismatched"]
+                r["batch"], r["generation_source"] = b, "replay of ours" if b in replay else "trainers.generation"
+                rows.append(r)
+                print("trl_update step: " + ", ".join(f"{k2}={v:.3f}" for k2, v in r.items()
+                                                      if isinstance(v, float)), flush=True)
+            med = summarize(rows)
+            med.update(mfu(med, opts.warmup, [len(p) for p in trl_prompt_ids]))
+            res["pieces"]["trl_update"] = {"rows": rows, "median": med,
+                                           "note": "TRL's teacher / update phases on the realistic batch; its "
+                                                   "generation phase here is a replay or our decoder, not TRL's"}
+            save()
         # ---- TRL's own generation (budgeted) ----
-        if trl is not None and opts.trl_gen_budget_s > 0:
+        if trl is not None and "trl_gen" in pieces and opts.trl_gen_budget_s > 0:
             gcfg = trl.generation_config
             old_max_time = getattr(gcfg, "max_time", None)
             gcfg.max_time = opts.trl_gen_budget_s
@@ -388,22 +424,51 @@ def run_realistic(opts) -> dict:
             r["gen_over_floor"] = r["generation"] / fl["seconds"] if fl["seconds"] else float("nan")
             res["pieces"]["trl_gen"] = r
             save()
-    if trl is not None and "trl_update" in res["pieces"]:
-        upd = res["pieces"]["trl_update"]["median"]
-        gen = res["pieces"].get("trl_gen", {}).get("generation", float("nan"))
-        res["trl_step_composite"] = {"generation": gen, "teacher": upd["teacher"], "update": upd["update"],
-                                     "update_incl_teacher": upd["update_incl_teacher"], "reward": upd["reward"],
-                                     "step": gen + upd["step"] - upd["generation"], "peak_gib": upd["peak_gib"],
-                                     **(mfu(upd, opts.warmup, ours_prompt_lens or [opts.prompt_len] * opts.completions))}
-    res["table"] = table(res)
+    finish(res)
     save()
     print("\n" + res["table"], flush=True)
     return res
 
 
+def finish(res: dict) -> dict:
+    """TRL's composite step (its own generation + its update on the same batch) and the table, from ``res`` alone."""
+    p = res["pieces"]
+    if "trl_update" in p:
+        upd = p["trl_update"]["median"]
+        g = p.get("trl_gen", {})
+        gen = g.get("generation", float("nan"))
+        res["trl_step_composite"] = {
+            "generation": gen, "teacher": upd["teacher"], "update": upd["update"],
+            "update_incl_teacher": upd["update_incl_teacher"], "reward": upd["reward"],
+            "step": gen + upd["step"] - upd["generation"],
+            "peak_gib": max(upd["peak_gib"], g.get("peak_gib", 0.0)),
+            **{k: upd[k] for k in ("mfu_useful", "mfu_padded") if k in upd}}
+    res["table"] = table(res)
+    return res
+
+
+def merge(paths: list[str]) -> dict:
+    """One result from the JSONs of several calls (pieces of later files win), with its table."""
+    out = None
+    for path in paths:
+        r = json.loads(Path(path).read_text())
+        if out is None:
+            out = r
+            continue
+        for k, v in r["pieces"].items():
+            if k == "ours":
+                out["pieces"].setdefault("ours", {}).update(v)
+            else:
+                out["pieces"][k] = v
+        out["floor"].update(r.get("floor", {}))
+        out["variant_notes"] = sorted(set(out.get("variant_notes", [])) | set(r.get("variant_notes", [])))
+        out.setdefault("merged_argv", [out["argv"]]).append(r["argv"])
+    return finish(out)
+
+
 def table(res: dict) -> str:
     """Markdown: one row per trainer / variant (medians of timed rows)."""
-    fl = next(iter(res["floor"].values()), {}) if res["floor"] else {}
+    fl = res["floor"].get(str(res.get("timed_batch", 0)), {})
     lines = [f"realistic step: {res['batch']['completions']} completions, cap {res['batch']['cap']}, "
              f"micro-batch {res['batch']['micro_batch']} x GA {res['batch']['grad_accum']}; floor of the first "
              f"batch {fl.get('seconds', float('nan')):.2f} s ({fl.get('completion_tokens', 0):,} completion tokens, "
@@ -418,7 +483,9 @@ def table(res: dict) -> str:
         step = m.get("step")
         tps = tokens / step if step else None
         mf = f"{fmt(m.get('mfu_useful'), '.1%')} / {fmt(m.get('mfu_padded'), '.1%')}" if "mfu_useful" in m else ""
-        gof = m["generation"] / floor_s if floor_s and m.get("generation") else None
+        gof = m.get("gen_over_floor")
+        if gof is None and floor_s and m.get("generation"):
+            gof = m["generation"] / floor_s
         lines.append(f"| {name} | {fmt(m.get('generation'))} | {fmt(m.get('teacher'))} | {fmt(m.get('update'))} | "
                      f"{fmt(m.get('update_incl_teacher'))} | {fmt(step)} | {fmt(tps, ',.0f')} | {fmt(gof)} | "
                      f"{fmt(m.get('peak_gib'))} | {mf} | {ok} |")
@@ -427,6 +494,8 @@ def table(res: dict) -> str:
     fs = fl.get("seconds")
     if "trl_step_composite" in res:
         g = res["pieces"].get("trl_gen", {})
+        if g.get("gen_over_floor") is not None:
+            res["trl_step_composite"]["gen_over_floor"] = g["gen_over_floor"]
         ok = "cut, extrapolated" if g.get("extrapolated") else ("yes" if g else "")
         row("TRL (own generate + update)", res["trl_step_composite"], tok, fs, ok)
     for name, p in res["pieces"].get("ours", {}).items():
@@ -465,9 +534,18 @@ def main(argv=None):
     ap.add_argument("--trl-gen-budget-s", type=float, default=240.0,
                     help="TRL's own generate: stop after this many seconds and extrapolate (0 = skip)")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--pieces", default="ours,trl_update,trl_gen",
+                    help="what to measure, in this order: ours (variants), trl_update, trl_gen")
     ap.add_argument("--grader-workers", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", nargs="+", default=None, help="JSONs of earlier calls: print their combined table")
     opts = ap.parse_args(argv)
+    if opts.merge:
+        res = merge(opts.merge)
+        if opts.json:
+            Path(opts.json).write_text(json.dumps(res, indent=1, default=str))
+        print(res["table"])
+        return res
     if opts.case == "short":
         return sb.main(rest + (["--json", opts.json] if opts.json and "--json" not in rest else []))
     if opts.tiny and opts.cap == 8192:

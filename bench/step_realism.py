@@ -84,7 +84,9 @@ class Batch:
 
 
 class ForcedLengths:
-    """Per-trainer schedule of drawn lengths; ``batch_id`` is set by the bench before each step."""
+    """Per-trainer schedule of drawn lengths: the generation call made while ``batch_id`` = k decodes batch k, and
+    each call advances ``batch_id`` by one (so an asynchronous trainer's early call for the next step gets the next
+    batch). The bench sets ``batch_id`` only to align a trainer with another's batches."""
 
     def __init__(self, cap: int, eos_id: int, seed: int = 0, clip_rate: float = CLIP_RATE, sigma: float = SIGMA):
         self.cap, self.eos_id, self.seed, self.clip_rate, self.sigma = cap, int(eos_id), seed, clip_rate, sigma
@@ -118,7 +120,6 @@ class ForcedEOSProcessor:
             self.p0 = input_ids.shape[1]
             self.eos_step = self.eos_step.to(scores.device)
         t = input_ids.shape[1] - self.p0  # index of the token being chosen
-        scores = scores.clone()
         scores[:, self.eos_id] = float("-inf")
         force = self.eos_step == t
         if bool(force.any()):
@@ -207,7 +208,9 @@ def install_forced(trainer, forced: ForcedLengths, record: dict | None = None) -
         return orig_generate(*a, logits_processor=lp, **k)
 
     def wrapped(prompt_ids, *a, **k):
-        b = forced.batch(len(prompt_ids))
+        bid = forced.batch_id
+        forced.batch_id += 1
+        b = forced.batch(len(prompt_ids), bid)
         dev = trainer.accelerator.device
         new = torch.tensor(b.eos_step, dtype=torch.long, device=dev)
         buf = _ACTIVE.get("buf")  # one persistent buffer: a graph kept across calls reads it at a fixed address
@@ -222,7 +225,7 @@ def install_forced(trainer, forced: ForcedLengths, record: dict | None = None) -
         finally:
             _ACTIVE.update(targets=None)
             model.generate = orig_generate
-        forced.calls.append({"batch": forced.batch_id, "rows": len(out), "tokens": sum(map(len, out)),
+        forced.calls.append({"batch": bid, "rows": len(out), "tokens": sum(map(len, out)),
                              "clipped": sum(b.clipped), "mismatched": forced.check(b, out)})
         return out
 

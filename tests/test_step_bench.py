@@ -62,10 +62,9 @@ def test_kv_bytes_per_token_qwen15():
 
 def test_forced_eos_processor_forces_and_suppresses():
     proc = sr.ForcedEOSProcessor([1, -1], eos_id=0)
-    scores = torch.zeros(2, 5)
-    out0 = proc(torch.zeros(2, 4, dtype=torch.long), scores)  # t = 0: nobody may end
+    out0 = proc(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5))  # t = 0: nobody may end
     assert torch.isinf(out0[:, 0]).all() and torch.isfinite(out0[:, 1:]).all()
-    out1 = proc(torch.zeros(2, 5, dtype=torch.long), scores)  # t = 1: row 0 must end, row 1 may not
+    out1 = proc(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5))  # t = 1: row 0 must end, row 1 may not
     assert out1[0, 0] == 0 and torch.isinf(out1[0, 1:]).all()
     assert torch.isinf(out1[1, 0]) and torch.isfinite(out1[1, 1:]).all()
 
@@ -97,8 +96,30 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     assert ours[0]["tokens"] == sum(lens)
     trl_u = res["pieces"]["trl_update"]["rows"][0]
     assert trl_u["mismatched"] == 0 and trl_u["tokens"] == sum(lens)
+    assert trl_u["generation_source"] == "replay of ours" and ours[0]["generation_calls"] == [0]
     g = res["pieces"]["trl_gen"]
     assert g["mismatched"] == 0 and not g["extrapolated"] and g["tokens"] == sum(lens)
     f = res["floor"]["0"]
     assert f["completion_tokens"] == sum(lens) and f["steps"] == max(lens) - 1
     assert "| ours/base (step) |" in res["table"]
+
+
+def test_realistic_tiny_generation_mode_and_merge(tmp_path):
+    """Generation-only variant mode honours the lengths on every call; --merge combines two calls' JSONs."""
+    import opd_step_realistic as osr
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    common = ["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "40",
+              "--prompt-len", "8", "--grader-workers", "0"]
+    ra = osr.main(common + ["--pieces", "ours", "--variant-mode", "generation", "--warmup", "1", "--steps", "1",
+                            "--json", str(a)])
+    rows = ra["pieces"]["ours"]["base"]["rows"]
+    assert [r["batch"] for r in rows] == [0, 1] and all(r["mismatched"] == 0 for r in rows)
+    for r in rows:
+        assert r["tokens"] == sum(sr.draw_lengths(8, 40, 0, r["batch"])[0])
+    assert "trl_update" not in ra["pieces"] and "trl_step_composite" not in ra
+    osr.main(common + ["--pieces", "trl_update", "--warmup", "1", "--trl-update-steps", "1", "--json", str(b)])
+    m = osr.main(["--merge", str(a), str(b)])
+    assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
+    assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
+    assert "ours/base (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
