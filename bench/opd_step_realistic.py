@@ -99,6 +99,20 @@ def variant_overrides(names: list[str]) -> tuple[dict[str, dict], list[str]]:
 class GADriver(sb.Driver):
     """``opd_step_bench.Driver`` with gradient accumulation: GA micro-steps (one generation) per optimizer step."""
 
+    def partial_warmup(self, micro: int) -> float:
+        """Warm-up of ``micro`` micro-steps (the generation, compilation of the update's shapes) and no optimizer
+        step; the trainer's micro-step counter and buffered batch are reset so the next step generates anew.
+        Returns its seconds."""
+        tr = self.tr
+        t0 = time.perf_counter()
+        for _ in range(micro):
+            tr.training_step(tr.model, next(self.it), None)
+        tr.model.zero_grad(set_to_none=True)
+        tr._step, tr._buffered_inputs = 0, None
+        sb.sync()
+        self.timer.take()
+        return time.perf_counter() - t0
+
     def step(self, tokens_expected: int) -> dict:
         tr, a = self.tr, self.tr.args
         cuda = torch.cuda.is_available()
@@ -346,8 +360,19 @@ def run_realistic(opts) -> dict:
             pids = tr._tokenize_prompts([p for p in prompts[: opts.completions // opts.G] for _ in range(opts.G)])[0]
             ours_prompt_lens = [len(p) for p in pids]
             piece = {"overrides": ov, "mode": opts.variant_mode, "build_s": time.perf_counter() - t_build, "rows": []}
-            res["pieces"]["ours"][name] = piece
+            key = name if opts.variant_mode == "step" else name + "@gen"
+            res["pieces"]["ours"][key] = piece
             for i in range(opts.warmup + opts.steps):
+                if i < opts.warmup and opts.warmup_micro and opts.variant_mode == "step":
+                    n0 = len(f.calls)
+                    w = d.partial_warmup(opts.warmup_micro)
+                    piece["rows"].append({"batch": i, "warmup": True, "partial_warmup_s": w,
+                                          "micro_steps": opts.warmup_micro,
+                                          "mismatched": sum(c["mismatched"] for c in f.calls[n0:])})
+                    print(f"ours/{name} batch {i}: partial warm-up ({opts.warmup_micro} micro-steps) {w:.1f} s",
+                          flush=True)
+                    save()
+                    continue
                 if opts.variant_mode == "generation":
                     r = measure_generation(tr, d.timer, pids, f, i)
                 else:
@@ -474,7 +499,9 @@ def table(res: dict) -> str:
              f"batch {fl.get('seconds', float('nan')):.2f} s ({fl.get('completion_tokens', 0):,} completion tokens, "
              f"{fl.get('clipped', 0)} clipped); HBM {res['hbm_bytes_per_s'] / 1e12:.2f} TB/s", "",
              "| trainer | generation s | teacher s | update s | update+teacher s | step s | step tok/s | gen / floor "
-             "| peak GiB | MFU (useful / padded) | lengths ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GiB | MFU (useful / padded) | lengths ok | TRL step / this step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    trl_step = res.get("trl_step_composite", {}).get("step")
 
     def fmt(x, spec=".2f"):
         return "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
@@ -488,7 +515,7 @@ def table(res: dict) -> str:
             gof = m["generation"] / floor_s
         lines.append(f"| {name} | {fmt(m.get('generation'))} | {fmt(m.get('teacher'))} | {fmt(m.get('update'))} | "
                      f"{fmt(m.get('update_incl_teacher'))} | {fmt(step)} | {fmt(tps, ',.0f')} | {fmt(gof)} | "
-                     f"{fmt(m.get('peak_gib'))} | {mf} | {ok} |")
+                     f"{fmt(m.get('peak_gib'))} | {mf} | {ok} | {fmt(trl_step / step if trl_step and step else None)} |")
 
     tok = fl.get("completion_tokens", 0)
     fs = fl.get("seconds")
@@ -530,6 +557,9 @@ def main(argv=None):
                     help="ours: whole optimizer steps, or only the generation call of the same batches")
     ap.add_argument("--warmup", type=int, default=1, help="ours: warm-up batches per variant")
     ap.add_argument("--steps", type=int, default=1, help="ours: timed batches per variant")
+    ap.add_argument("--warmup-micro", type=int, default=0,
+                    help="step mode: a warm-up is only this many micro-steps (generation + compilation, no "
+                         "optimizer step); 0 = whole steps. Not for async_generation.")
     ap.add_argument("--trl-update-steps", type=int, default=1, help="TRL steps with trainers.generation's decoder")
     ap.add_argument("--trl-gen-budget-s", type=float, default=240.0,
                     help="TRL's own generate: stop after this many seconds and extrapolate (0 = skip)")

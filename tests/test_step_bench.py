@@ -86,20 +86,22 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
 
     out = tmp_path / "r.json"
     res = osr.main(["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "48",
-                    "--prompt-len", "8", "--warmup", "0", "--steps", "1", "--trl-gen-budget-s", "600",
+                    "--prompt-len", "8", "--warmup", "1", "--warmup-micro", "1", "--steps", "1",
+                    "--trl-gen-budget-s", "600",
                     "--grader-workers", "0", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["table"] == res["table"]
-    ours = res["pieces"]["ours"]["base"]["rows"]
-    assert len(ours) == 1 and ours[0]["mismatched"] == 0
-    lens, clip = sr.draw_lengths(8, 48, 0, 0)
+    warm, *ours = res["pieces"]["ours"]["base"]["rows"]
+    assert warm["warmup"] and warm["micro_steps"] == 1 and warm["mismatched"] == 0  # batch 0, generated
+    assert len(ours) == 1 and ours[0]["mismatched"] == 0 and ours[0]["batch"] == 1
+    lens, clip = sr.draw_lengths(8, 48, 0, 1)  # the timed batch, for every trainer
     assert ours[0]["tokens"] == sum(lens)
     trl_u = res["pieces"]["trl_update"]["rows"][0]
     assert trl_u["mismatched"] == 0 and trl_u["tokens"] == sum(lens)
-    assert trl_u["generation_source"] == "replay of ours" and ours[0]["generation_calls"] == [0]
+    assert trl_u["generation_source"] == "replay of ours" and ours[0]["generation_calls"] == [1]
     g = res["pieces"]["trl_gen"]
     assert g["mismatched"] == 0 and not g["extrapolated"] and g["tokens"] == sum(lens)
-    f = res["floor"]["0"]
+    f = res["floor"]["1"]
     assert f["completion_tokens"] == sum(lens) and f["steps"] == max(lens) - 1
     assert "| ours/base (step) |" in res["table"]
 
@@ -113,7 +115,7 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
               "--prompt-len", "8", "--grader-workers", "0"]
     ra = osr.main(common + ["--pieces", "ours", "--variant-mode", "generation", "--warmup", "1", "--steps", "1",
                             "--json", str(a)])
-    rows = ra["pieces"]["ours"]["base"]["rows"]
+    rows = ra["pieces"]["ours"]["base@gen"]["rows"]
     assert [r["batch"] for r in rows] == [0, 1] and all(r["mismatched"] == 0 for r in rows)
     for r in rows:
         assert r["tokens"] == sum(sr.draw_lengths(8, 40, 0, r["batch"])[0])
@@ -122,4 +124,4 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
     m = osr.main(["--merge", str(a), str(b)])
     assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
     assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
-    assert "ours/base (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
+    assert "ours/base@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
