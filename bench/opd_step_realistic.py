@@ -43,6 +43,7 @@ import datetime as dt
 import gc
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -291,7 +292,14 @@ def run_realistic(opts) -> dict:
     n_s = sum(p.numel() for p in student.parameters())
     n_t = sum(p.numel() for p in teacher.parameters())
     prompts = sb.make_prompts(opts.completions, opts.prompt_len, s_shape["vocab_size"], 0)
-    out_dir = Path(tempfile.mkdtemp(prefix="opd_real_"))
+    out_dir = Path(tempfile.mkdtemp(prefix="opd_real_"))  # trainers' output dirs (nothing kept): removed at the end
+    try:
+        return _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_s, n_t, prompts, out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_s, n_t, prompts, out_dir) -> dict:
     sb._patch_grader()
     eos = tok.eos_token_id
     w_bytes, kv_tok = sr.weight_bytes(student), sr.kv_bytes_per_token(student.config)
@@ -392,10 +400,18 @@ def run_realistic(opts) -> dict:
             piece["median"] = summarize([r for r in piece["rows"] if not r["warmup"]])
             g = getattr(tr.model, "_opd_fast_generator", None)
             piece["fast_generator_stats"] = dict(g.stats) if g else None
+            # Free this variant's student, grads and optimizer state even if a cache (dynamo guards, closures)
+            # still references the trainer; the teacher is shared and stays.
+            if tr.optimizer is not None:
+                tr.optimizer.state.clear()
+            for prm in tr.model.parameters():
+                prm.grad = None
+                prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
             del tr, d
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+            piece["allocated_after_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
             save()
         # ---- TRL's update on the same batches (their completions replayed, or decoded by trainers.generation) ----
         if trl is not None and "trl_update" in pieces:
