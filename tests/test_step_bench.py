@@ -125,3 +125,20 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
     assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
     assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
     assert "ours/base@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
+
+
+def test_trl_refuses_a_teacher_with_more_rows(tmp_path):
+    """Why the bench cuts TRL's teacher to the student's rows: TRL 1.16 compares config.vocab_size and raises."""
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
+
+    import opd_step_bench as sb
+    import opd_step_realistic as osr
+
+    tok = sb.build_tokenizer(sb.TINY["vocab_size"])
+    student = sb.build_model(sb.TINY, tok, 1, "cpu")
+    teacher = sb.build_model(osr.TINY_TEACHER, tok, 2, "cpu")
+    args = DistillationConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], max_steps=1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                            train_dataset=Dataset.from_dict({"prompt": ["qa qb"]}), processing_class=tok)
