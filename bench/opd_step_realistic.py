@@ -236,9 +236,16 @@ class TracingProcessor:
         if self.p0 is None:
             self.p0, self.t0 = input_ids.shape[1], time.perf_counter()
         t = input_ids.shape[1] - self.p0
+        now = time.perf_counter() - self.t0
         if t % self.every == 0:
-            self.trace.append((t, time.perf_counter() - self.t0))
+            self.trace.append((t, now))
+        self.last = (t, now)
         return scores
+
+    def full_trace(self) -> list[tuple[int, float]]:
+        """The trace with the last step seen appended (where a cut generation stopped)."""
+        last = getattr(self, "last", None)
+        return self.trace + ([last] if last and (not self.trace or last[0] > self.trace[-1][0]) else [])
 
 
 def record(trainer, store: dict, forced: sr.ForcedLengths) -> None:
@@ -440,27 +447,21 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
             old_max_time = getattr(gcfg, "max_time", None)
             gcfg.max_time = opts.trl_gen_budget_s
             tracer = TracingProcessor()
-            orig_generate = trl.model.generate
-
-            def traced(*a, **k):
-                from transformers import LogitsProcessorList
-
-                lp = LogitsProcessorList(list(k.pop("logits_processor", None) or []) + [tracer])
-                return orig_generate(*a, logits_processor=lp, **k)
-
-            trl.model.generate = traced  # install_forced adds its processor on top of this one
+            trl._bench_processors = [tracer]  # install_forced's generate wrapper adds it after the forcing one
             try:
                 r = measure_generation(trl, d_trl.timer, trl_prompt_ids, f_trl, opts.warmup)
             finally:
                 gcfg.max_time = old_max_time
-                trl.model.generate = orig_generate
+                trl._bench_processors = None
             steps_needed = max(batch_stats(opts.warmup)[0])
-            done = tracer.trace[-1][0] if tracer.trace else 0
+            trace = tracer.full_trace()
+            done = trace[-1][0] + 1 if trace else 0  # tokens decoded when it stopped
             cut = r["mismatched"] > 0
-            r.update(trace=tracer.trace, extrapolated=cut, steps_needed=steps_needed, steps_traced=done)
-            if cut:
+            r.update(trace=trace, extrapolated=cut, steps_needed=steps_needed, steps_done=done)
+            if cut:  # measured time to the cut + the fitted time of the steps it did not decode
                 r["generation_measured"] = r["generation"]
-                r["generation"] = fit_extrapolate(tracer.trace, steps_needed)
+                r["peak_gib_at_cut"] = r["peak_gib"]
+                r["generation"] += fit_extrapolate(trace, steps_needed) - trace[-1][1]
             fl = floor_for(opts.warmup, [len(p) for p in trl_prompt_ids])
             r["gen_over_floor"] = r["generation"] / fl["seconds"] if fl["seconds"] else float("nan")
             res["pieces"]["trl_gen"] = r

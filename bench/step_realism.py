@@ -204,7 +204,8 @@ def install_forced(trainer, forced: ForcedLengths, record: dict | None = None) -
         from transformers import LogitsProcessorList
 
         proc = ForcedEOSProcessor(_ACTIVE["eos_list"], eos)
-        lp = LogitsProcessorList(list(k.pop("logits_processor", None) or []) + [proc])
+        extra = list(getattr(trainer, "_bench_processors", None) or [])  # e.g. the bench's step-time tracer
+        lp = LogitsProcessorList(list(k.pop("logits_processor", None) or []) + [proc] + extra)
         return orig_generate(*a, logits_processor=lp, **k)
 
     def wrapped(prompt_ids, *a, **k):

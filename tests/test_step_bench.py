@@ -85,7 +85,7 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     import opd_step_realistic as osr
 
     out = tmp_path / "r.json"
-    res = osr.main(["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "48",
+    res = osr.main(["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "32",
                     "--prompt-len", "8", "--warmup", "1", "--warmup-micro", "1", "--steps", "1",
                     "--trl-gen-budget-s", "600",
                     "--grader-workers", "0", "--json", str(out)])
@@ -94,13 +94,14 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     warm, *ours = res["pieces"]["ours"]["base"]["rows"]
     assert warm["warmup"] and warm["micro_steps"] == 1 and warm["mismatched"] == 0  # batch 0, generated
     assert len(ours) == 1 and ours[0]["mismatched"] == 0 and ours[0]["batch"] == 1
-    lens, clip = sr.draw_lengths(8, 48, 0, 1)  # the timed batch, for every trainer
+    lens, clip = sr.draw_lengths(8, 32, 0, 1)  # the timed batch, for every trainer
     assert ours[0]["tokens"] == sum(lens)
     trl_u = res["pieces"]["trl_update"]["rows"][0]
     assert trl_u["mismatched"] == 0 and trl_u["tokens"] == sum(lens)
     assert trl_u["generation_source"] == "replay of ours" and ours[0]["generation_calls"] == [1]
     g = res["pieces"]["trl_gen"]
     assert g["mismatched"] == 0 and not g["extrapolated"] and g["tokens"] == sum(lens)
+    assert g["trace"][0][0] == 0 and g["steps_done"] == max(lens)  # the tracer saw every step
     f = res["floor"]["1"]
     assert f["completion_tokens"] == sum(lens) and f["steps"] == max(lens) - 1
     assert "| ours/base (step) |" in res["table"]
@@ -111,16 +112,20 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
     import opd_step_realistic as osr
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    common = ["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "40",
+    common = ["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "24",
               "--prompt-len", "8", "--grader-workers", "0"]
     ra = osr.main(common + ["--pieces", "ours", "--variant-mode", "generation", "--warmup", "1", "--steps", "1",
                             "--json", str(a)])
     rows = ra["pieces"]["ours"]["base@gen"]["rows"]
     assert [r["batch"] for r in rows] == [0, 1] and all(r["mismatched"] == 0 for r in rows)
     for r in rows:
-        assert r["tokens"] == sum(sr.draw_lengths(8, 40, 0, r["batch"])[0])
+        assert r["tokens"] == sum(sr.draw_lengths(8, 24, 0, r["batch"])[0])
     assert "trl_update" not in ra["pieces"] and "trl_step_composite" not in ra
-    osr.main(common + ["--pieces", "trl_update", "--warmup", "1", "--trl-update-steps", "1", "--json", str(b)])
+    rb = osr.main(common + ["--pieces", "trl_update,trl_gen", "--warmup", "1", "--trl-update-steps", "1",
+                            "--trl-gen-budget-s", "0.3", "--json", str(b)])
+    g = rb["pieces"]["trl_gen"]  # cut by max_time: the rest is extrapolated from the trace
+    assert g["extrapolated"] and g["mismatched"] > 0 and g["steps_done"] < g["steps_needed"]
+    assert g["generation"] > g["generation_measured"] > 0.3
     m = osr.main(["--merge", str(a), str(b)])
     assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
     assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
