@@ -16,21 +16,26 @@ TRL and the 152,064-row teacher: ``DistillationTrainer.__init__`` raises unless 
 rows (``resize_token_embeddings``), what a TRL user has to do by hand; ours slices the heads to the shared range
 itself (``OPDTrainer.shared_vocab``). The 128 rows dropped are 0.08% of the teacher head's work.
 
-Pieces, each written to ``--json`` when measured (a cut run still reports), in this order:
-  trl_update   TRL step whose generation is ``trainers.generation``'s (``fast_generate_single_turn`` on TRL's
-               trainer) with the same drawn lengths: TRL's teacher / update phases on the exact realistic batch.
-  ours/<var>   OPDTrainer steps (``--warmup`` + ``--steps``) per variant; ``--variant-mode generation`` times only
-               the generation call of the same batch (levers that change only the decoder).
+Pieces (``--pieces``), each written to ``--json`` as soon as measured (a cut run still reports), in this order:
+  ours/<var>   OPDTrainer optimizer steps (``--warmup`` + ``--steps``; ``--warmup-micro N``: a warm-up is only the
+               generation and N micro-steps, enough to compile the update's shapes) per variant;
+               ``--variant-mode generation`` times only the generation call of the same batches (``<var>@gen``).
+  trl_update   TRL optimizer step on the same batch: its generation phase hands back the completions ours decoded
+               for that batch (same process) or runs ``trainers.generation`` on TRL's trainer, with the same drawn
+               lengths; so TRL's teacher / update phases are measured on the exact realistic batch.
   trl_gen      TRL's own HF generate over the same batch, cut after ``--trl-gen-budget-s`` (``max_time``); the
-               rest is extrapolated from its per-256-step trace (step time linear in the step index: the dynamic
-               cache grows by one token per step), flagged ``extrapolated``. TRL step = trl_gen + trl_update's
-               step minus its generation.
+               rest is extrapolated from its step-time trace (a + b x step, fitted: the dynamic cache grows by one
+               token a step), flagged ``extrapolated``. TRL's step = trl_gen + trl_update's step - its generation.
+Batch k has the same drawn lengths in every trainer and every call (seeded), so pieces of separate calls combine:
+``--merge a.json b.json`` prints the combined table.
 Variants (``--variants base,compact,compile,async,liger,all``): OPDConfig overrides; ``base`` = every lever field
 present off (the trainer as shipped otherwise: fast generation, compiled layers); a variant whose field does not
 exist in this checkout is skipped with a note. Floor: ``step_realism.decode_floor`` at the bandwidth measured in the
 run (device-to-device copy); generation/floor per generation measured.
 
-usage: python bench/opd_step_realistic.py --variants base,compact,compile --json $OUT/realistic.json
+usage: python bench/opd_step_realistic.py --variants base --warmup 1 --warmup-micro 1 --pieces ours --json a.json
+       python bench/opd_step_realistic.py --pieces trl_update,trl_gen --warmup 1 --json b.json
+       python bench/opd_step_realistic.py --merge a.json b.json
        python bench/opd_step_realistic.py --device cpu --tiny --steps 1 --warmup 0      (CPU smoke test)
        python bench/opd_step_realistic.py --case short -- --steps 2 --modes sampled --compiled-variant
 """
@@ -530,9 +535,10 @@ def table(res: dict) -> str:
         gof = m.get("gen_over_floor")
         if gof is None and floor_s and m.get("generation"):
             gof = m["generation"] / floor_s
+        ratio = trl_step / step if trl_step and step else None
         lines.append(f"| {name} | {fmt(m.get('generation'))} | {fmt(m.get('teacher'))} | {fmt(m.get('update'))} | "
                      f"{fmt(m.get('update_incl_teacher'))} | {fmt(step)} | {fmt(tps, ',.0f')} | {fmt(gof)} | "
-                     f"{fmt(m.get('peak_gib'))} | {mf} | {ok} | {fmt(trl_step / step if trl_step and step else None)} |")
+                     f"{fmt(m.get('peak_gib'))} | {mf} | {ok} | {fmt(ratio)} |")
 
     tok = fl.get("completion_tokens", 0)
     fs = fl.get("seconds")
