@@ -382,33 +382,42 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
             piece = {"overrides": ov, "mode": opts.variant_mode, "build_s": time.perf_counter() - t_build, "rows": []}
             key = name if opts.variant_mode == "step" else name + "@gen"
             res["pieces"]["ours"][key] = piece
-            for i in range(opts.warmup + opts.steps):
-                if i < opts.warmup and opts.warmup_micro and opts.variant_mode == "step":
-                    n0 = len(f.calls)
-                    w = d.partial_warmup(opts.warmup_micro)
-                    piece["rows"].append({"batch": i, "warmup": True, "partial_warmup_s": w,
-                                          "micro_steps": opts.warmup_micro,
-                                          "mismatched": sum(c["mismatched"] for c in f.calls[n0:])})
-                    print(f"ours/{name} batch {i}: partial warm-up ({opts.warmup_micro} micro-steps) {w:.1f} s",
-                          flush=True)
+            try:  # a variant that fails (e.g. a lever's decoder the forcing hook cannot follow) is reported
+                for i in range(opts.warmup + opts.steps):
+                    if i < opts.warmup and opts.warmup_micro and opts.variant_mode == "step":
+                        n0 = len(f.calls)
+                        w = d.partial_warmup(opts.warmup_micro)
+                        piece["rows"].append({"batch": i, "warmup": True, "partial_warmup_s": w,
+                                              "micro_steps": opts.warmup_micro,
+                                              "mismatched": sum(c["mismatched"] for c in f.calls[n0:])})
+                        print(f"ours/{name} batch {i}: partial warm-up ({opts.warmup_micro} micro-steps) {w:.1f} s",
+                              flush=True)
+                        save()
+                        continue
+                    if opts.variant_mode == "generation":
+                        r = measure_generation(tr, d.timer, pids, f, i)
+                    else:
+                        n0 = len(f.calls)
+                        r = d.step(tokens_of(i))  # batch i (f.batch_id advances per generation call)
+                        r["mismatched"] = sum(c["mismatched"] for c in f.calls[n0:])
+                        r["generation_calls"] = [c["batch"] for c in f.calls[n0:]]
+                    r["batch"], r["warmup"] = i, i < opts.warmup
+                    fl = floor_for(i, ours_prompt_lens)
+                    r["gen_over_floor"] = r["generation"] / fl["seconds"] if fl["seconds"] else float("nan")
+                    if opts.variant_mode == "step":
+                        r.update(mfu(r, i, ours_prompt_lens))
+                    piece["rows"].append(r)
+                    print(f"ours/{name} batch {i} ({'warm-up' if i < opts.warmup else 'timed'}): " + ", ".join(
+                        f"{k2}={v:.3f}" for k2, v in r.items() if isinstance(v, float)), flush=True)
                     save()
-                    continue
-                if opts.variant_mode == "generation":
-                    r = measure_generation(tr, d.timer, pids, f, i)
-                else:
-                    n0 = len(f.calls)
-                    r = d.step(tokens_of(i))  # batch i (f.batch_id advances per generation call)
-                    r["mismatched"] = sum(c["mismatched"] for c in f.calls[n0:])
-                    r["generation_calls"] = [c["batch"] for c in f.calls[n0:]]
-                r["batch"], r["warmup"] = i, i < opts.warmup
-                fl = floor_for(i, ours_prompt_lens)
-                r["gen_over_floor"] = r["generation"] / fl["seconds"] if fl["seconds"] else float("nan")
-                if opts.variant_mode == "step":
-                    r.update(mfu(r, i, ours_prompt_lens))
-                piece["rows"].append(r)
-                print(f"ours/{name} batch {i} ({'warm-up' if i < opts.warmup else 'timed'}): " + ", ".join(
-                    f"{k2}={v:.3f}" for k2, v in r.items() if isinstance(v, float)), flush=True)
-                save()
+            except Exception as e:  # noqa: BLE001 - recorded in the JSON, the next variant still runs
+                import traceback
+
+                piece["error"] = f"{type(e).__name__}: {e}"
+                piece["traceback"] = traceback.format_exc()[-4000:]
+                print(f"ours/{name} failed: {piece['error']}", flush=True)
+                if opts.fail_fast:
+                    raise
             piece["median"] = summarize([r for r in piece["rows"] if not r["warmup"]])
             g = getattr(tr.model, "_opd_fast_generator", None)
             piece["fast_generator_stats"] = dict(g.stats) if g else None
@@ -551,6 +560,8 @@ def table(res: dict) -> str:
     for name, p in res["pieces"].get("ours", {}).items():
         m = p.get("median", {})
         ok = "yes" if all(r.get("mismatched", 0) == 0 for r in p["rows"]) else "NO"
+        if p.get("error"):
+            ok = "failed: " + p["error"][:60]
         row(f"ours/{name} ({p['mode']})", m, tok, fs, ok)
     for n in res.get("variant_notes", []):
         lines.append(f"\n{n}")
@@ -590,6 +601,7 @@ def main(argv=None):
     ap.add_argument("--pieces", default="ours,trl_update,trl_gen",
                     help="what to measure, in this order: ours (variants), trl_update, trl_gen")
     ap.add_argument("--grader-workers", type=int, default=None)
+    ap.add_argument("--fail-fast", action="store_true", help="re-raise a variant's error (tests)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", nargs="+", default=None, help="JSONs of earlier calls: print their combined table")
     opts = ap.parse_args(argv)

@@ -88,7 +88,7 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     res = osr.main(["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "32",
                     "--prompt-len", "8", "--warmup", "1", "--warmup-micro", "1", "--steps", "1",
                     "--trl-gen-budget-s", "600",
-                    "--grader-workers", "0", "--json", str(out)])
+                    "--grader-workers", "0", "--fail-fast", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["table"] == res["table"]
     warm, *ours = res["pieces"]["ours"]["base"]["rows"]
@@ -113,7 +113,7 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     common = ["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "24",
-              "--prompt-len", "8", "--grader-workers", "0"]
+              "--prompt-len", "8", "--grader-workers", "0", "--fail-fast"]
     ra = osr.main(common + ["--pieces", "ours", "--variant-mode", "generation", "--warmup", "1", "--steps", "1",
                             "--json", str(a)])
     rows = ra["pieces"]["ours"]["base@gen"]["rows"]
