@@ -147,3 +147,29 @@ def test_trl_refuses_a_teacher_with_more_rows(tmp_path):
     with pytest.raises(ValueError, match="vocab_size"):
         DistillationTrainer(model=student, teacher_model=teacher, args=args,
                             train_dataset=Dataset.from_dict({"prompt": ["qa qb"]}), processing_class=tok)
+
+
+def test_fast_hook_follows_row_ids_of_a_compacted_batch():
+    """The FastGenerator hook forces EOS by original row (``row_ids``) and refuses a shrunk batch without them."""
+    from types import SimpleNamespace
+
+    from trainers import generation as gen
+    from trainers.generation import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=8, do_sample=False)
+    eos = torch.tensor([0])
+    targets = torch.tensor([0, 2, -1, 2])  # eos step per original row
+    logits = torch.zeros(2, 6)
+    logits[:, 4] = 1.0  # greedy picks token 4
+    orig = gen.sample_next
+    with sr.fast_generator_hook():
+        sr._ACTIVE.update(targets=targets, eos_id=0, alt_id=5)
+        try:
+            sr._ACTIVE["state"] = SimpleNamespace(step_idx=torch.tensor([2]), row_ids=torch.tensor([1, 2]))
+            assert gen.sample_next(logits, sp, eos, None).tolist() == [0, 4]  # row 1 ends at step 2, row 2 never
+            sr._ACTIVE["state"] = SimpleNamespace(step_idx=torch.tensor([2]))
+            with pytest.raises(RuntimeError, match="row_ids"):
+                gen.sample_next(logits, sp, eos, None)
+        finally:
+            sr._ACTIVE.update(targets=None, state=None)
+    assert gen.sample_next is orig  # restored on exit
