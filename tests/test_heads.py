@@ -8,6 +8,8 @@ fused kernels against the same references.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -128,6 +130,53 @@ def test_heads_whole_when_full_width_views_when_sliced(tmp_path, tokenizer, curr
     assert ws is s.get_output_embeddings().weight  # student already V rows: no slice (and no SliceBackward)
     full_t = t.get_output_embeddings().weight
     assert wt.shape[0] == V and wt.data_ptr() == full_t.data_ptr() and wt._base is full_t  # a view, not a copy
+
+
+def _plain_liger_logprobs(h, W, b, y):  # Liger's contract (T = 1), in plain torch
+    z = h.float() @ W.float().t() + (0 if b is None else b.float())
+    return _plain_logp(z, y)
+
+
+def _plain_liger_kl_sum(hs, ws, ht, wt, *, temperature=1.0):
+    return _plain_rkl(hs.float() @ ws.float().t() / temperature, ht.float() @ wt.float().t() / temperature).sum()
+
+
+@pytest.mark.parametrize("kl_mode,temperature", [("full", 1.0), ("sampled", 1.0), ("full", 0.8)])
+def test_trainer_liger_wiring_equals_trl(tmp_path, tokenizer, curriculum_path, monkeypatch,  # noqa: F811
+                                         kl_mode, temperature):
+    """head_kernel=liger in the trainer (Liger's kernels replaced by plain torch of the same contract, CPU):
+    loss, entropy, gradients and the kl/full_mean accumulator equal head_kernel=trl's; at T != 1 the
+    log-probs stay on TRL's kernel."""
+    import trainers.opd_config as opd_config
+
+    monkeypatch.setattr(opd_config, "liger_unavailable", lambda: None)
+    calls = []
+    monkeypatch.setattr(heads, "liger_token_logprobs", lambda *a: calls.append("lp") or _plain_liger_logprobs(*a))
+    monkeypatch.setattr(heads, "liger_reverse_kl_sum",
+                        lambda *a, **k: calls.append("kl") or _plain_liger_kl_sum(*a, **k))
+    teacher, V = _poisoned_big_teacher(tokenizer)
+    student = tiny_model(tokenizer, seed=1)
+    res = {}
+    for kernel in ("trl", "liger"):
+        tr = make_trainer(tmp_path / kernel, tokenizer, curriculum_path, model=copy.deepcopy(student),
+                          teacher=copy.deepcopy(teacher), kl_mode=kl_mode, teacher_context="teacher",
+                          temperature=temperature, head_kernel=kernel)
+        torch.manual_seed(0)
+        rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+        out = tr._generate_and_score_completions(rows)
+        out["advantages"] = torch.linspace(-1, 1, 8)
+        model = tr.accelerator.unwrap_model(tr.model)
+        loss, ent, _ = tr._compute_loss(model, out, int(out["completion_mask"].sum()))
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        res[kernel] = (loss, ent, grads, tr._acc.get("kl_full_sum", 0.0), out["completion_ids"])
+    assert torch.equal(res["trl"][4], res["liger"][4])  # same completions
+    torch.testing.assert_close(res["liger"][0], res["trl"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(res["liger"][1], res["trl"][1], rtol=1e-5, atol=1e-5)
+    for g, w in zip(res["liger"][2], res["trl"][2]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+    assert res["liger"][3] == pytest.approx(res["trl"][3], rel=1e-4)
+    want = (["lp", "lp"] if temperature == 1.0 else []) + (["kl"] if kl_mode == "full" else [])
+    assert sorted(calls) == sorted(want)
 
 
 # ---------------------------------------------------------------- losses / dispatch (CPU)

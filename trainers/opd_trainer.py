@@ -253,6 +253,16 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         self._skipped_steps = 0
         self._nonfinite_streak = 0
         self._init_offpolicy()
+        if args.head_kernel == "liger":  # say which terms Liger computes; TRL's kernels keep the others
+            (_, bs), (_, bt) = self._heads(self.accelerator.unwrap_model(self.model), teacher_model)
+            tf = [logit_transform(m.config) for m in (self.accelerator.unwrap_model(self.model), teacher_model)]
+            lp = heads.liger_fits("logprob", temperature=self.temperature, scales=[t[0] for t in tf],
+                                  softcaps=[t[1] for t in tf])
+            kl = heads.liger_fits("kl", temperature=self.temperature, biases=(bs, bt), scales=[t[0] for t in tf],
+                                  softcaps=[t[1] for t in tf]) and args.kl_mode == "full" and not args.full_topk
+            log.info("head_kernel=liger: sampled-token log-probs by %s, full reverse KL by %s (without rollout IS "
+                     "weights)", "Liger" if lp else "TRL (temperature != 1 or a logit transform)",
+                     "Liger" if kl else "TRL" if args.kl_mode == "full" else "- (sampled mode)")
         self.add_callback(_StepHooks(self))
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
