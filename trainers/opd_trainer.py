@@ -558,6 +558,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
 
         h_s = self._get_last_hidden_state(unwrapped_student, s_ids, s_mask, K)  # (B, K, H_s)
         hs = h_s.to(ws.device)[valid]
+        del h_s  # (B, K, H_s) with padding rows; the copy of the valid rows is what the graph needs
         s_logp, entropy = heads.token_logprobs(hs, ws, bs, targets, kernel=kernel, temperature=self.temperature,
                                                logit_scale=s_scale, softcap=s_cap, with_entropy=True)
         if not score_teacher:
