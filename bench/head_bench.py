@@ -22,7 +22,7 @@ checkpointing on (``--no-order-gc``: off), one micro-batch of ``--order-batch`` 
 tokens: peak memory of one loss forward + backward with the teacher's forward after the student's
 (the old order) and before it (the new order in ``OPDTrainer._compute_loss``).
 
-usage:  python bench/head_bench.py --json $OUT/head_bench.json [--order]
+usage:  python bench/head_bench.py --json $OUT/head_bench.json [--order [--no-heads] [--no-order-gc]]
         python bench/head_bench.py --device cpu --tokens 64 --vocab 500 --hidden 32 --teacher-hidden 48  (smoke)
 """
 
@@ -257,6 +257,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", action="store_true", help="also the teacher-before-student peak-memory part")
+    ap.add_argument("--no-heads", dest="heads", action="store_false", help="skip the head-kernel part")
     ap.add_argument("--order-batch", type=int, default=2)
     ap.add_argument("--order-kernel", default="trl")
     ap.add_argument("--no-order-gc", dest="order_gc", action="store_false",
@@ -281,7 +282,7 @@ def main(argv=None):
     except Exception:
         pass
     t0 = time.perf_counter()
-    res["heads"] = run_heads(o, device, variants)
+    res["heads"] = run_heads(o, device, variants) if o.heads else []
     if o.json:  # partial results survive a later failure
         Path(o.json).write_text(json.dumps(res, indent=1))
     if o.order:
