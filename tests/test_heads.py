@@ -303,3 +303,33 @@ def test_liger_and_trl_agree_in_bf16_at_qwen_width():
     kb = heads.reverse_kl(h, W, None, ht, Wt[:V], None, kernel="trl").sum()
     torch.testing.assert_close(ka, kb, rtol=1e-2, atol=1e-2)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kl_mode", ["sampled", "full"])
+def test_trainer_liger_equals_trl_on_cuda(tmp_path, tokenizer, curriculum_path, kl_mode):  # noqa: F811
+    """The trainer's micro-batch loss, entropy and gradients with head_kernel=liger = head_kernel=trl (fp32, CUDA,
+    teacher 2 rows wider), on the same rollouts."""
+    teacher, V = _poisoned_big_teacher(tokenizer)
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, model=tiny_model(tokenizer, seed=1), teacher=teacher,
+                      kl_mode=kl_mode, teacher_context="teacher", temperature=1.0, head_kernel="liger",
+                      use_cpu=False, compile_layers=False, fast_generation=False)
+    torch.manual_seed(0)
+    rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    out = tr._generate_and_score_completions(rows)
+    out["advantages"] = torch.linspace(-1, 1, 8, device=out["completion_ids"].device)
+    model = tr.accelerator.unwrap_model(tr.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    N = int(out["completion_mask"].sum())
+    res = {}
+    for kernel in ("trl", "liger"):
+        tr.args.head_kernel = kernel
+        tr._acc.clear()
+        loss, ent, _ = tr._compute_loss(model, out, N)
+        res[kernel] = (loss.detach(), ent, torch.autograd.grad(loss, params), tr._acc.get("kl_full_sum", 0.0))
+    torch.testing.assert_close(res["liger"][0], res["trl"][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res["liger"][1], res["trl"][1], rtol=1e-4, atol=1e-4)
+    for g, w in zip(res["liger"][2], res["trl"][2]):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-6)
+    assert res["liger"][3] == pytest.approx(res["trl"][3], rel=1e-4, abs=1e-6)
