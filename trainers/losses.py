@@ -280,7 +280,8 @@ def full_vocab_loss(kl: torch.Tensor, logp: torch.Tensor, advantages: torch.Tens
     rollout importance weight (1 without one): the positions were reached by the rollout engine's samples.
 
     Args:
-        kl: ``(n,)`` per-token reverse KL with grad (``full_reverse_kl`` or ``topk_reverse_kl``).
+        kl: ``(n,)`` per-token reverse KL with grad (``full_reverse_kl`` or ``topk_reverse_kl``), or its
+            0-dim sum over the n tokens (``trainers.heads.liger_reverse_kl_sum``; only without ``is_weights``).
         logp: ``(n,)`` student log-probs of the sampled tokens, with grad.
         advantages: ``(n,)`` sequence advantage per token.
         num_items: global completion-token count N.
@@ -288,8 +289,16 @@ def full_vocab_loss(kl: torch.Tensor, logp: torch.Tensor, advantages: torch.Tens
 
     Returns:
         ``(loss, kl_term, reward_term)``: the scalar loss and its two detached terms.
+
+    Raises:
+        ValueError: a summed (0-dim) ``kl`` with ``is_weights``.
     """
     w = torch.ones_like(logp) if is_weights is None else is_weights.detach().to(logp.dtype)
-    kl_term = w_kl * (w * kl).sum() / num_items
+    if kl.dim() == 0:
+        if is_weights is not None:
+            raise ValueError("a summed KL cannot take per-token importance weights: pass the (n,) per-token KL")
+        kl_term = w_kl * kl / num_items
+    else:
+        kl_term = w_kl * (w * kl).sum() / num_items
     reward_term = -w_reward * (w * advantages.detach().to(logp.dtype) * logp).sum() / num_items
     return kl_term + reward_term, kl_term.detach(), reward_term.detach()

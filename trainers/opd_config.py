@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from trl import DistillationConfig
 
+from trainers.heads import HEAD_KERNELS, liger_unavailable
 from trainers.sampler import MODES as CURRICULUM_MODES
 
 #: ``max_steps`` given to transformers: the wall clock ends training, never a step count (design.md section 6).
@@ -72,6 +73,12 @@ class OPDConfig(DistillationConfig):
                 "full: full-vocabulary reverse KL via TRL's chunked kernel (or top-k, see full_topk)."})
     full_topk: int = field(default=0, metadata={
         "help": "full mode only: >0 restricts the reverse KL to the student's top-k tokens (renormalised); 0 = exact."})
+    head_kernel: str = field(default="trl", metadata={
+        "help": "Kernels of the output-head terms (trainers.heads): trl = TRL's chunked log-prob / divergence "
+                "kernels; liger = Liger-Kernel 0.8.5's fused linear cross-entropy (sampled-token log-probs, "
+                "temperature 1 only) and fused linear JSD at beta 1 (full reverse KL, no bias / softcap / "
+                "rollout IS weights), TRL's kernels wherever Liger's maths would differ. liger needs CUDA and "
+                "liger_kernel."})
     w_kl: float = field(default=1.0, metadata={"help": "Weight of the reverse-KL term (0 = reward-only training)."})
     w_reward: float = field(default=1.0, metadata={"help": "Weight of the verifier-reward term (0 = pure distillation)."})
     num_generations: int = field(default=4, metadata={"help": "G: samples per prompt; the reward baseline is the group mean."})
@@ -224,6 +231,9 @@ class OPDConfig(DistillationConfig):
         need(self.sft_batch_size >= 1 and self.sft_batch_size % self.gradient_accumulation_steps == 0,
              f"sft_batch_size ({self.sft_batch_size}) must be a positive multiple of gradient_accumulation_steps")
         need(self.full_topk >= 0, f"full_topk must be >= 0, got {self.full_topk}")
+        need(self.head_kernel in HEAD_KERNELS, f"head_kernel must be one of {HEAD_KERNELS}, got {self.head_kernel!r}")
+        why = liger_unavailable() if self.head_kernel == "liger" else None
+        need(why is None, f"head_kernel=liger cannot run here: {why}; use head_kernel=trl")
         need(0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0, "need 0 <= epsilon_low < 1 and epsilon_high >= 0")
         need(self.advantage_eps > 0, "advantage_eps must be > 0")
         need(self.teacher_logprob_min is None or self.teacher_logprob_min < 0,

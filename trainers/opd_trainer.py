@@ -47,7 +47,7 @@ from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from data_tools.runio import write_json
-from trainers import losses, offpolicy
+from trainers import heads, losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  # noqa: F401 - re-exported
@@ -253,6 +253,16 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         self._skipped_steps = 0
         self._nonfinite_streak = 0
         self._init_offpolicy()
+        if args.head_kernel == "liger":  # say which terms Liger computes; TRL's kernels keep the others
+            (_, bs), (_, bt) = self._heads(self.accelerator.unwrap_model(self.model), teacher_model)
+            tf = [logit_transform(m.config) for m in (self.accelerator.unwrap_model(self.model), teacher_model)]
+            lp = heads.liger_fits("logprob", temperature=self.temperature, scales=[t[0] for t in tf],
+                                  softcaps=[t[1] for t in tf])
+            kl = heads.liger_fits("kl", temperature=self.temperature, biases=(bs, bt), scales=[t[0] for t in tf],
+                                  softcaps=[t[1] for t in tf]) and args.kl_mode == "full" and not args.full_topk
+            log.info("head_kernel=liger: sampled-token log-probs by %s, full reverse KL by %s (without rollout IS "
+                     "weights)", "Liger" if lp else "TRL (temperature != 1 or a logit transform)",
+                     "Liger" if kl else "TRL" if args.kl_mode == "full" else "- (sampled mode)")
         self.add_callback(_StepHooks(self))
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
@@ -480,7 +490,9 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
     def _heads(self, unwrapped_student, unwrapped_teacher):
         V = self.shared_vocab
         hs, ht = unwrapped_student.get_output_embeddings(), unwrapped_teacher.get_output_embeddings()
-        sl = lambda t: None if t is None else t[:V]  # noqa: E731 - slice to the shared vocabulary
+        # A row slice is a view; a head already V rows wide is passed whole, since the backward of a
+        # slice allocates a zero gradient of the full (V, H) base before copying into it.
+        sl = lambda t: None if t is None else (t if t.shape[0] == V else t[:V])  # noqa: E731
         return (sl(hs.weight), sl(hs.bias)), (sl(ht.weight), sl(ht.bias))
 
     @torch.no_grad()
@@ -513,7 +525,6 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         K = cids.size(1)
         s_ids = torch.cat([inputs["prompt_ids"], cids], dim=1)
         s_mask = torch.cat([inputs["prompt_mask"], cmask], dim=1)
-        h_s = self._get_last_hidden_state(unwrapped_student, s_ids, s_mask, K)  # (B, K, H_s)
 
         t0 = time.perf_counter()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
@@ -522,11 +533,14 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         t_scale, t_cap = logit_transform(unwrapped_teacher.config)
         valid = cmask.bool().to(ws.device)
         targets = cids.to(ws.device)[valid]
-        hs = h_s.to(ws.device)[valid]
+        kernel = a.head_kernel
+        ht = None
         # Reward-only training (sampled mode, w_kl = 0) never reads the teacher: skip its forward, so
         # that arm pays no teacher compute (bench/learning.py compares arms at equal GPU time).
         score_teacher = a.w_kl > 0 or a.kl_mode == "full"
         if score_teacher:
+            # The teacher runs before the student's forward: its no-grad activations then never sit on
+            # top of the student's saved ones (peak memory), and the values are the same.
             self.teacher_model.eval()
             t_ids = torch.cat([inputs["teacher_prompt_ids"], cids], dim=1)
             t_mask = torch.cat([inputs["teacher_prompt_mask"], cmask], dim=1)
@@ -534,13 +548,19 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
                 h_t = self._forward_redirection(self.teacher_model, unwrapped_teacher, self._get_last_hidden_state,
                                                 unwrapped_teacher, t_ids, t_mask, K)  # (B, K, H_t)
                 ht = h_t.to(wt.device)[valid]
-                t_logp, _ = losses.token_logprobs(ht, wt, bt, targets.to(wt.device), temperature=self.temperature,
-                                                  logit_scale=t_scale, softcap=t_cap)
+                del h_t  # the (B, K, H_t) tensor incl. padding: only the valid rows are kept
+                t_logp, _ = heads.token_logprobs(ht, wt, bt, targets.to(wt.device), kernel=kernel,
+                                                 temperature=self.temperature, logit_scale=t_scale, softcap=t_cap)
             t_logp = t_logp.to(ws.device)
+            if a.kl_mode == "sampled":
+                ht = None  # only the full-vocabulary KL reads the teacher's hidden states again
         self._timers["time/teacher"] += time.perf_counter() - t0
 
-        s_logp, entropy = losses.token_logprobs(hs, ws, bs, targets, temperature=self.temperature,
-                                                logit_scale=s_scale, softcap=s_cap, with_entropy=True)
+        h_s = self._get_last_hidden_state(unwrapped_student, s_ids, s_mask, K)  # (B, K, H_s)
+        hs = h_s.to(ws.device)[valid]
+        del h_s  # (B, K, H_s) with padding rows; the copy of the valid rows is what the graph needs
+        s_logp, entropy = heads.token_logprobs(hs, ws, bs, targets, kernel=kernel, temperature=self.temperature,
+                                               logit_scale=s_scale, softcap=s_cap, with_entropy=True)
         if not score_teacher:
             t_logp = s_logp.detach()  # k1 = 0: the KL metrics read 0 (not measured) in reward-only runs
         adv_tok = inputs["advantages"].to(ws.device).unsqueeze(1).expand_as(cids)[valid]
@@ -564,9 +584,9 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
                                             temperature=self.temperature, student_scale=s_scale,
                                             student_softcap=s_cap, teacher_scale=t_scale, teacher_softcap=t_cap)
             else:
-                kl, _ = losses.full_reverse_kl(hs, ws, bs, ht.to(ws.device), wt, bt, temperature=self.temperature,
-                                               student_scale=s_scale, student_softcap=s_cap,
-                                               teacher_scale=t_scale, teacher_softcap=t_cap)
+                kl = heads.reverse_kl(hs, ws, bs, ht.to(ws.device), wt, bt, kernel=kernel, temperature=self.temperature,
+                                      student_scale=s_scale, student_softcap=s_cap, teacher_scale=t_scale,
+                                      teacher_softcap=t_cap, is_weights=is_w)  # (n,), or its sum (Liger)
             loss, kl_term, r_term = losses.full_vocab_loss(kl, s_logp, adv_tok, N, w_kl=a.w_kl, w_reward=a.w_reward,
                                                            is_weights=is_w)
             self._acc["loss_kl"] += float(kl_term)
