@@ -44,7 +44,7 @@ def _record_batches(tr) -> list[tuple[int, dict]]:
 
 def _ref_logp(tokenizer, state_dict, out, temperature):
     """``(B, K)`` plain full-logits log-probs of the completion tokens under ``state_dict`` (0 where masked)."""
-    m = tiny_model(tokenizer)
+    m = tiny_model(tokenizer).to(out["prompt_ids"].device)
     m.load_state_dict(state_dict)
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
@@ -58,11 +58,23 @@ def _ref_logp(tokenizer, state_dict, out, temperature):
 def test_prefetch_uses_previous_weights_and_is_weights_match_reference(tmp_path, tokenizer, curriculum_path):
     """Step k+1's completions are the greedy decode of theta_{k-1} (behaviour_step = k-1), the recorded
     behaviour log-probs are theta_{k-1}'s, and the loss's IS weights are min(exp(logp_theta_k - logp_beh), cap)."""
+    _check_prefetch(tmp_path, tokenizer, curriculum_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefetch_on_cuda_side_stream(tmp_path, tokenizer, curriculum_path):
+    """The same on CUDA: decode in the worker thread on a side stream, its CUDA graph captured there
+    (thread_local capture) while the main thread trains; reference decodes on the main stream."""
+    _check_prefetch(tmp_path, tokenizer, curriculum_path, use_cpu=False)
+
+
+def _check_prefetch(tmp_path, tokenizer, curriculum_path, **kw):
     from trainers.generation import FastGenerator, sampling_params_from
 
     cap = 1.0  # truncation active on about half the tokens: both branches of the min are checked
     tr = make_trainer(tmp_path, tokenizer, curriculum_path, async_generation=True, fast_generation=True,
-                      generation_kwargs=GREEDY, debug_max_steps=3, vllm_importance_sampling_cap=cap)
+                      generation_kwargs=GREEDY, debug_max_steps=3, vllm_importance_sampling_cap=cap, **kw)
     model = tr.accelerator.unwrap_model(tr.model)
     weights = _Weights(model)
     tr.add_callback(weights)
@@ -89,7 +101,7 @@ def test_prefetch_uses_previous_weights_and_is_weights_match_reference(tmp_path,
     checked_is = 0
     for step, out in batches:
         version = step if step == 0 else step - 1
-        ref = tiny_model(tokenizer)
+        ref = tiny_model(tokenizer).to(out["prompt_ids"].device)
         ref.load_state_dict(weights.at[version])
         prompts = [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
         expect = gen.generate(ref, prompts, sp)
