@@ -163,7 +163,7 @@ class _StopAt(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= self.step:
-            control.should_training_stop = True
+            control.should_training_stop = control.should_save = True
 
 
 def test_stop_cancels_the_prefetch(tmp_path, tokenizer, curriculum_path):
@@ -210,3 +210,28 @@ def test_unsupported_settings_are_refused(tmp_path, kw, needle):
 
     with pytest.raises(ValueError, match=needle):
         make_args(tmp_path, async_generation=True, **kw)
+
+
+def test_resume_trains_every_batch_once(tmp_path, tokenizer, curriculum_path):
+    """Stopped after step 2 (its prefetch of step 3 dropped) and resumed to step 4: steps 1-4 trained the
+    same batches as an uninterrupted synchronous run; the resumed run's first step decodes synchronously."""
+    import json
+
+    from trainers.callbacks import find_resume_checkpoint
+
+    sync = make_trainer(tmp_path / "sync", tokenizer, curriculum_path, fast_generation=True, debug_max_steps=4)
+    sync.train()
+    a = make_trainer(tmp_path / "async", tokenizer, curriculum_path, async_generation=True, fast_generation=True,
+                     debug_max_steps=0)
+    a.add_callback(_StopAt(2))
+    a.train()
+    ckpt = find_resume_checkpoint(a.args.resume_dir)
+    assert ckpt is not None and ckpt.endswith("checkpoint-2")
+    b = make_trainer(tmp_path / "async", tokenizer, curriculum_path, async_generation=True, fast_generation=True,
+                     debug_max_steps=4)
+    b.train(resume_from_checkpoint=ckpt)
+    assert b.state.global_step == 4
+    assert _trained(b) == _trained(sync) and len(_trained(b)) == 4
+    recs = [json.loads(x) for x in b.args.metrics_path.read_text().splitlines()]
+    assert [(r["step"], r["async/staleness"]) for r in recs] == [(1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0)]
+    assert not any(t.name == THREAD and t.is_alive() for t in threading.enumerate())
