@@ -16,9 +16,13 @@ captured once and kept) and records the log-prob of every sampled token (``FastG
 vLLM rollouts (``OPDTrainer._rollout_is_weights`` -> ``losses.rollout_is_weights``).
 
 Why a Python thread is enough on one GPU: with the CUDA graph, a decode step is one ``graph.replay()``
-call (the binding releases the GIL while it launches) plus, every ``check_every`` steps, a host sync
-on a flag; the thread needs the GIL for a few microseconds per token step against a GPU step of
-milliseconds, and the main thread releases the GIL inside every ATen op it dispatches. What limits the
+call (``torch/csrc/cuda/Graph.cpp`` binds it with the GIL released, so a launch that blocks on a full
+launch queue does not hold the GIL) plus, every ``check_every`` steps, a host sync on a flag; the thread
+needs the GIL for a few microseconds per token step against a GPU step of milliseconds, and the main
+thread releases the GIL inside every ATen op it dispatches (torch's generated bindings). The graph is
+captured in the worker with ``capture_error_mode="thread_local"`` (the main thread keeps launching work
+meanwhile; the caching allocator routes only the capturing stream's allocations to the graph's pool),
+normally once: in the first, synchronous step, while the main thread waits. What limits the
 gain is the GPU itself: decode (bandwidth-bound, small grids) and the update (compute-bound GEMMs) share
 the SMs and the memory bandwidth, so the overlapped step is at best max(generation, update) and at
 worst their sum plus the snapshot copy (a few ms); it also holds the snapshot (one more copy of the

@@ -22,6 +22,8 @@ What this subclass adds (issue 3, design.md section 5):
 - An off-policy term on stage one's verified teacher solutions (curriculum column ``teacher_solution``):
   ``w_sft`` cross-entropy in on-policy steps and a clock-scheduled share of cross-entropy-only steps
   (``trainers.offpolicy.OffPolicyTerm``).
+- Optional one-step off-policy generation (``async_generation``, ``trainers.async_rollouts.AsyncGeneration``):
+  the next batch is decoded on a weight snapshot while the current update runs, with rollout IS.
 - Run-contract plumbing: resume state under ``<output_dir>/resume``, HF exports under ``ckpt_dir``,
   per-step metrics, rollout parquet files, a non-finite guard.
 
@@ -219,7 +221,9 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         if self.generation_batch_size % args.num_generations:
             raise ValueError(f"generation batch of {self.generation_batch_size} completions is not a multiple of "
                              f"num_generations={args.num_generations}")
-        fast = (torch.cuda.is_available() or args.async_generation) if args.fast_generation is None else args.fast_generation
+        fast = args.fast_generation
+        if fast is None:  # async_generation decodes with the fast path, also on CPU (tests)
+            fast = torch.cuda.is_available() or args.async_generation
         self._fast_generation = bool(fast) and not self.use_vllm
         if self._fast_generation:
             from trainers.generation import fast_path_unsupported
