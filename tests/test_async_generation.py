@@ -235,3 +235,24 @@ def test_resume_trains_every_batch_once(tmp_path, tokenizer, curriculum_path):
     recs = [json.loads(x) for x in b.args.metrics_path.read_text().splitlines()]
     assert [(r["step"], r["async/staleness"]) for r in recs] == [(1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0)]
     assert not any(t.name == THREAD and t.is_alive() for t in threading.enumerate())
+
+
+def test_snapshot_runs_its_own_weights(tokenizer):
+    """``make_snapshot`` drops instance-level forwards bound to the original layers (as compile_decoder_layers
+    installs): after the original's weights change, the snapshot still computes with its copied ones."""
+    from trainers.async_rollouts import make_snapshot
+
+    m = tiny_model(tokenizer, seed=5)
+    fn = type(m.model.layers[0]).forward
+    for layer in m.model.layers:  # the shape of compile_decoder_layers' wrapper, minus the compile
+        layer.forward = lambda *a, _layer=layer, **k: fn(_layer, *a, **k)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = m(input_ids=ids).logits
+        snap = make_snapshot(m)
+        for p in m.model.layers.parameters():
+            p.mul_(0.5)
+        after = m(input_ids=ids).logits
+        assert not torch.allclose(before, after)
+        torch.testing.assert_close(snap(input_ids=ids).logits, before)
+    assert not any(p.requires_grad for p in snap.parameters()) and not snap.training
