@@ -459,7 +459,7 @@ def run_trainer(opts):
     cls, native = opd_subclass()
     extra = {"fast_generation": True} if native else {}
     if "compile_layers" in OPDConfig.__dataclass_fields__:
-        extra["compile_layers"] = False  # "ours" = eager layers; "ours+compiled" turns the trainer's flag on
+        extra["compile_layers"] = bool(opts.compiled_variant)  # --compiled-variant: the shipped default on CUDA
     if opts.async_generation:
         extra["async_generation"] = True  # issue 15 lever (a): decode of step k+1 overlaps step k's update
     args = OPDConfig(output_dir=str(out), num_generations=opts.G, kl_mode=opts.modes[0], teacher_context="teacher",
@@ -501,7 +501,8 @@ def main(argv=None):
     ap.add_argument("--trl-each-mode", action="store_true", help="re-time TRL for every mode (it has only one)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--compiled-variant", action="store_true",
-                    help="also time OPDTrainer with torch.compile'd decoder layers (student: training only; teacher)")
+                    help="also time OPDTrainer with torch.compile'd decoder layers (student: training only; teacher); "
+                         "with --train-steps: train with them")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--train-steps", type=int, default=0, help=">0: also run OPDTrainer.train() for this many steps")
     ap.add_argument("--grader-workers", type=int, default=None)
