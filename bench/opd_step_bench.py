@@ -459,7 +459,9 @@ def run_trainer(opts):
     cls, native = opd_subclass()
     extra = {"fast_generation": True} if native else {}
     if "compile_layers" in OPDConfig.__dataclass_fields__:
-        extra["compile_layers"] = False  # "ours" = eager layers; "ours+compiled" turns the trainer's flag on
+        extra["compile_layers"] = bool(opts.compiled_variant)  # --compiled-variant: the shipped default on CUDA
+    if opts.async_generation:
+        extra["async_generation"] = True  # issue 15 lever (a): decode of step k+1 overlaps step k's update
     args = OPDConfig(output_dir=str(out), num_generations=opts.G, kl_mode=opts.modes[0], teacher_context="teacher",
                      model_dtype="bfloat16", per_device_train_batch_size=opts.prompts, gradient_accumulation_steps=1,
                      max_completion_length=opts.new_tokens, generation_kwargs={"min_new_tokens": opts.new_tokens},
@@ -473,7 +475,9 @@ def run_trainer(opts):
     wall = time.perf_counter() - t0
     lines = [json.loads(x) for x in args.metrics_path.read_text().splitlines() if x.strip()]
     keys = ("step", "time/step", "time/generation", "time/reward", "time/teacher", "time/update",
-            "throughput/tokens_per_s", "memory/peak_gib", "loss", "engine")
+            "throughput/tokens_per_s", "memory/peak_gib", "loss", "engine", "async/staleness", "async/overlap_s",
+            "async/wait_s", "async/generate_s", "sampling/importance_sampling_ratio/mean",
+            "sampling/sampling_logp_difference/mean")
     summary = {"trainer": cls.__name__ + (" (flag)" if native else " (bench subclass)"), "wall_s": wall,
                "steps": [{k: r.get(k) for k in keys} for r in lines],
                "checkpoints": sorted(p.name for p in Path(args.ckpt_dir).glob("checkpoint-*"))}
@@ -497,12 +501,15 @@ def main(argv=None):
     ap.add_argument("--trl-each-mode", action="store_true", help="re-time TRL for every mode (it has only one)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--compiled-variant", action="store_true",
-                    help="also time OPDTrainer with torch.compile'd decoder layers (student: training only; teacher)")
+                    help="also time OPDTrainer with torch.compile'd decoder layers (student: training only; teacher); "
+                         "with --train-steps: train with them")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--train-steps", type=int, default=0, help=">0: also run OPDTrainer.train() for this many steps")
     ap.add_argument("--grader-workers", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--train-json", default=None)
+    ap.add_argument("--async-generation", action="store_true",
+                    help="--train-steps only: OPDConfig.async_generation=True (one-step off-policy decode)")
     opts = ap.parse_args(argv)
     opts.modes = [m for m in opts.modes.split(",") if m]
     if opts.tiny and opts.device == "cpu":

@@ -79,10 +79,11 @@ def _rollout_schema():
                       ("bucket", pa.int64()), ("prompt", pa.string()), ("completion", pa.string()),
                       ("reward", pa.float64()), ("correct", pa.bool_()), ("extracted", pa.string()),
                       ("n_tokens", pa.int64()), ("finish_reason", pa.string()), ("advantage", pa.float64()),
-                      ("seq_kl", pa.float64())])
+                      ("seq_kl", pa.float64()), ("behaviour_step", pa.int64())])
 
 
 #: One row per sampled completion (``rollouts/step-XXXXXX.parquet``); ``seq_kl`` = sum over the
 #: completion's tokens of k1 = log pi_student - log pi_teacher (sampled reverse-KL estimate, nats);
-#: ``step`` = the optimizer step that first trained on it.
+#: ``step`` = the optimizer step that first trained on it; ``behaviour_step`` = optimizer steps in the weights
+#: that sampled it (``step - 1`` on-policy, ``step - 2`` under ``async_generation``'s one-step prefetch).
 ROLLOUT_SCHEMA = _rollout_schema()

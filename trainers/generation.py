@@ -136,6 +136,19 @@ def sample_next(logits: torch.Tensor, sp: SamplingParams, eos: torch.Tensor, all
     return (probs / q).argmax(dim=-1)
 
 
+def sampled_logprob(logits: torch.Tensor, tokens: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """``(B,)`` fp32 log-prob of ``tokens`` under ``log_softmax(logits / T)``, T = ``sp.temperature`` (1 if 0).
+
+    The distribution the trainer scores (``losses.token_logprobs`` at the trainer's temperature, no
+    top-k / top-p / min-new-tokens processing), as vLLM's default raw log-probs are: the behaviour
+    log-prob that the rollout importance weights compare with. Graph-capturable.
+    """
+    z = logits.float()
+    if sp.temperature not in (0.0, 1.0):
+        z = z / sp.temperature
+    return z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)
+
+
 def group_runs(prompt_ids: list[list[int]]) -> list[int]:
     """Lengths of runs of identical consecutive prompts (a prompt's G samples come in a row)."""
     runs: list[int] = []
@@ -151,7 +164,7 @@ class _DecodeState:
     """Static buffers, cache and (on CUDA) the captured decode step for one (B, L, sampling) shape."""
 
     def __init__(self, model, B: int, L: int, N: int, sp: SamplingParams, eos: torch.Tensor, pad_id: int,
-                 use_graph: bool, use_gqa: bool):
+                 use_graph: bool, use_gqa: bool, record_logprobs: bool = False):
         from transformers import StaticCache
 
         dev = next(model.parameters()).device
@@ -167,6 +180,8 @@ class _DecodeState:
         self.step_idx = torch.zeros(1, dtype=torch.long, device=dev)
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=dev)
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        # optional (B, N) log-prob of each sampled token (behaviour policy of async generation)
+        self.logp = torch.zeros(B, N, dtype=torch.float32, device=dev) if record_logprobs else None
         self.graph = None
         self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         self.weights_key = _weights_key(model)
@@ -188,6 +203,8 @@ class _DecodeState:
         logits = out.logits[:, -1, :].float()
         allow = (self.step_idx >= self.sp.min_new_tokens) if self.sp.min_new_tokens else None
         nxt = sample_next(logits, self.sp, self.eos, allow)
+        if self.logp is not None:
+            self.logp.index_copy_(1, self.step_idx, sampled_logprob(logits, nxt, self.sp).unsqueeze(1))
         nxt = torch.where(self.finished, torch.full_like(nxt, self.pad_id), nxt)
         self.out.index_copy_(1, self.step_idx, nxt.unsqueeze(1))
         if self.eos.numel():
@@ -220,10 +237,15 @@ class FastGenerator:
             cache, ~1.1 GiB for 32 x 1,280 tokens of a Qwen2.5-1.5B, stays allocated through the
             update phase). False (default): free them after each call and capture again next call
             (one eager step + a capture, tens of milliseconds), so training peaks no higher than TRL's.
+        capture_error_mode: ``torch.cuda.graph``'s mode; "thread_local" when another thread keeps
+            launching work during the capture (``trainers.async_rollouts``).
+        stop_event: a ``threading.Event`` checked at each "all finished?" check: set = stop decoding
+            early (the call's output is then incomplete; the caller discards it).
     """
 
     def __init__(self, pad_token_id: int, eos_token_ids, *, len_bucket: int = 256, use_cuda_graph: bool | None = None,
-                 gqa_attention: bool = True, check_every: int = 128, keep_cache: bool = False):
+                 gqa_attention: bool = True, check_every: int = 128, keep_cache: bool = False,
+                 capture_error_mode: str = "global", stop_event=None):
         self.pad_id = int(pad_token_id)
         self.eos_ids = [int(e) for e in ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or [])]
         self.len_bucket = max(1, int(len_bucket))
@@ -231,13 +253,16 @@ class FastGenerator:
         self.gqa_attention = gqa_attention and _register_attention()
         self.check_every = max(1, int(check_every))
         self.keep_cache = keep_cache
+        self.capture_error_mode = capture_error_mode
+        self.stop_event = stop_event
         self._state: _DecodeState | None = None
         self.stats: dict[str, float] = {}
 
-    def _get_state(self, model, B, L, N, sp, eos, use_graph) -> _DecodeState:
+    def _get_state(self, model, B, L, N, sp, eos, use_graph, record_logprobs=False) -> _DecodeState:
         st = self._state
         if (st is not None and st.model is model and (st.B, st.L, st.N, st.sp) == (B, L, N, sp)
-                and st.use_graph == use_graph and st.weights_key == _weights_key(model)):
+                and st.use_graph == use_graph and st.weights_key == _weights_key(model)
+                and (st.logp is not None) == record_logprobs):
             return st
         self._state = None  # drop the old cache/graph before allocating a new one
         if st is not None:
@@ -245,23 +270,28 @@ class FastGenerator:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         use_gqa = self.gqa_attention and getattr(model.config, "_attn_implementation", "eager") in ("sdpa", "eager")
-        self._state = _DecodeState(model, B, L, N, sp, eos, self.pad_id, use_graph, use_gqa)
+        self._state = _DecodeState(model, B, L, N, sp, eos, self.pad_id, use_graph, use_gqa, record_logprobs)
         self.stats["captures"] = self.stats.get("captures", 0) + 1
         return self._state
 
     @torch.no_grad()
-    def generate(self, model, prompt_ids: list[list[int]], sp: SamplingParams) -> list[list[int]]:
-        """Completion ids per prompt, cut after the first EOS (EOS kept), like TRL's HF path."""
+    def generate(self, model, prompt_ids: list[list[int]], sp: SamplingParams, *, return_logprobs: bool = False):
+        """Completion ids per prompt, cut after the first EOS (EOS kept), like TRL's HF path.
+
+        ``return_logprobs``: return ``(ids, logprobs)``, ``logprobs[i][j]`` the fp32 log-prob of token j of
+        completion i under the sampling model (``sampled_logprob``), aligned with ``ids[i]``.
+        """
         dev = next(model.parameters()).device
         B = len(prompt_ids)
         N = int(sp.max_new_tokens)
         if B == 0 or N <= 0:
-            return [[] for _ in prompt_ids]
+            empty = [[] for _ in prompt_ids]
+            return (empty, [[] for _ in prompt_ids]) if return_logprobs else empty
         P = max(len(p) for p in prompt_ids)
         L = int(math.ceil((P + N) / self.len_bucket) * self.len_bucket)
         use_graph = dev.type == "cuda" if self.use_cuda_graph is None else (self.use_cuda_graph and dev.type == "cuda")
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
-        st = self._get_state(model, B, L, N, sp, eos, use_graph)
+        st = self._get_state(model, B, L, N, sp, eos, use_graph, return_logprobs)
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         pmask = torch.zeros(B, P, dtype=torch.long)
@@ -285,6 +315,8 @@ class FastGenerator:
                         use_cache=True, logits_to_keep=1, **kw)
             allow = torch.tensor(sp.min_new_tokens <= 0, device=dev) if sp.min_new_tokens else None
             first = sample_next(out.logits[:, -1, :].float(), sp, eos, allow)
+            if st.logp is not None:
+                st.logp[:, 0] = sampled_logprob(out.logits[:, -1, :], first, sp)
             del out
             st.out[:, 0] = first
             if eos.numel():
@@ -295,6 +327,7 @@ class FastGenerator:
             st.step_idx.fill_(1)
             self._decode(st, N)
             toks = st.out.cpu()
+            lps = st.logp.cpu().tolist() if st.logp is not None else None
         finally:
             model.train(was_training)
             if not self.keep_cache:
@@ -305,7 +338,13 @@ class FastGenerator:
         for row in toks.tolist():
             cut = next((j + 1 for j, t in enumerate(row) if t in eos_set), len(row))
             res.append(row[:cut])
+        if return_logprobs:
+            return res, [lp[: len(r)] for lp, r in zip(lps, res)]
         return res
+
+    def _stop(self, st: _DecodeState) -> bool:
+        # the only host syncs of the loop: every check_every steps
+        return bool(st.finished.all()) or (self.stop_event is not None and self.stop_event.is_set())
 
     def _decode(self, st: _DecodeState, N: int) -> None:
         t = 1
@@ -313,7 +352,7 @@ class FastGenerator:
             while t < N:
                 st.step()
                 t += 1
-                if t % self.check_every == 0 and bool(st.finished.all()):
+                if t % self.check_every == 0 and self._stop(st):
                     return
             return
         if st.graph is None:
@@ -327,13 +366,13 @@ class FastGenerator:
             if t >= N:
                 return
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, capture_error_mode=self.capture_error_mode):
                 st.step()
             st.graph = g
         while t < N:
             st.graph.replay()
             t += 1
-            if t % self.check_every == 0 and bool(st.finished.all()):
+            if t % self.check_every == 0 and self._stop(st):
                 return
 
 
@@ -483,7 +522,7 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
 
 __all__ = ["SamplingParams", "sampling_params_from", "FastGenerator", "generator_for", "fast_generate_single_turn",
            "fast_path_unsupported", "fsdp2_full_weights", "FSDPHooksNotFound", "gqa_decode_attention", "sample_next",
-           "group_runs"]
+           "sampled_logprob", "group_runs"]
 
 
 def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:

@@ -91,9 +91,10 @@ class OPDConfig(DistillationConfig):
         "help": "sampled mode: clamp k1 = log pi_student - log pi_teacher to [-k1_clamp, k1_clamp] after the teacher "
                 "floor (verl clamps its KL estimates to +-10); empty = no clamp. kl/sampled_mean stays unclamped."})
     vllm_importance_sampling_correction: bool = field(default=True, metadata={
-        "help": "vLLM generation: weight each token's loss by the truncated importance ratio min(pi_trainer / "
-                "pi_vllm, vllm_importance_sampling_cap) of the sampled token (TRL GRPO's token_truncate, verl's "
-                "rollout IS), correcting for the engines' log-prob mismatch (logged as sampling/*)."})
+        "help": "vLLM generation (and async_generation): weight each token's loss by the truncated importance ratio "
+                "min(pi_trainer / pi_rollout, vllm_importance_sampling_cap) of the sampled token (TRL GRPO's "
+                "token_truncate, verl's rollout IS), correcting for the engines' log-prob mismatch and, under "
+                "async_generation, the one-step policy lag (logged as sampling/*)."})
     vllm_importance_sampling_cap: float = field(default=2.0, metadata={
         "help": "Upper bound C on the rollout importance ratio (verl's rollout_is_threshold default and the "
                 "truncated-IS paper's C = 2; TRL's clip_max default is 3)."})
@@ -155,6 +156,13 @@ class OPDConfig(DistillationConfig):
         "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
                 "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used. Under FSDP2 "
                 "the student's weights are gathered once per generation call; FSDP1 and ZeRO-3 keep TRL's HF generate."})
+    async_generation: bool = field(default=False, metadata={
+        "help": "One-step off-policy generation (trainers.async_rollouts): while step k's update runs, a background "
+                "thread decodes step k+1's batch on a snapshot of the weights at the end of step k-1 (side CUDA "
+                "stream), recording each sampled token's log-prob; the update weights tokens by the truncated ratio "
+                "min(pi_theta / pi_snapshot, vllm_importance_sampling_cap) when vllm_importance_sampling_correction is "
+                "on. Costs one more copy of the student's weights plus the decode cache during the update. One process, "
+                "fast_generation, no vLLM, num_iterations = 1, no off-policy step share. Logged as async/*, sampling/*."})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
                 "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
@@ -275,6 +283,15 @@ class OPDConfig(DistillationConfig):
         need(gen % self.num_generations == 0,
              f"per_device_train_batch_size x gradient_accumulation_steps ({gen}) must be a multiple of "
              f"num_generations ({self.num_generations}) so each prompt's group fits in a generation batch")
+        if self.async_generation:
+            why = ("use_vllm (the async decode runs trainers.generation's fast path on a weight snapshot)" if self.use_vllm
+                   else "fast_generation=False (it decodes with the fast path)" if self.fast_generation is False
+                   else "num_iterations > 1 (a reused batch already carries its PPO pi_old)" if self.num_iterations > 1
+                   else "sft_share_start / sft_share_end > 0 (off-policy steps would leave a prefetch waiting)"
+                   if self.sft_share_start > 0 or self.sft_share_end > 0
+                   else f"{self.world_size} processes (one background decode on one device)" if self.world_size > 1
+                   else None)
+            need(why is None, f"async_generation does not support {why}; set async_generation=False")
         if self.prompt_style is not None:
             from data_tools.prompts import STYLES
 

@@ -22,6 +22,8 @@ What this subclass adds (issue 3, design.md section 5):
 - An off-policy term on stage one's verified teacher solutions (curriculum column ``teacher_solution``):
   ``w_sft`` cross-entropy in on-policy steps and a clock-scheduled share of cross-entropy-only steps
   (``trainers.offpolicy.OffPolicyTerm``).
+- Optional one-step off-policy generation (``async_generation``, ``trainers.async_rollouts.AsyncGeneration``):
+  the next batch is decoded on a weight snapshot while the current update runs, with rollout IS.
 - Run-contract plumbing: resume state under ``<output_dir>/resume``, HF exports under ``ckpt_dir``,
   per-step metrics, rollout parquet files, a non-finite guard.
 
@@ -47,7 +49,7 @@ from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from data_tools.runio import write_json
-from trainers import heads, losses, offpolicy
+from trainers import async_rollouts, heads, losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  # noqa: F401 - re-exported
@@ -130,7 +132,7 @@ class _StepHooks(TrainerCallback):
         self.trainer._finish_step()
 
 
-class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
+class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, DistillationTrainer):
     """On-policy distillation + verifier reward (see the module docstring and ``OPDConfig``).
 
     Args:
@@ -219,7 +221,9 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         if self.generation_batch_size % args.num_generations:
             raise ValueError(f"generation batch of {self.generation_batch_size} completions is not a multiple of "
                              f"num_generations={args.num_generations}")
-        fast = torch.cuda.is_available() if args.fast_generation is None else args.fast_generation
+        fast = args.fast_generation
+        if fast is None:  # async_generation decodes with the fast path, also on CPU (tests)
+            fast = torch.cuda.is_available() or args.async_generation
         self._fast_generation = bool(fast) and not self.use_vllm
         if self._fast_generation:
             from trainers.generation import fast_path_unsupported
@@ -278,6 +282,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
                                                static={"engine": self.engine, "experiment": args.experiment_name,
                                                        "kl_mode": args.kl_mode,
                                                        "truncated_completions": args.truncated_completions}))
+        self._init_async()  # last: its stop callback must follow the deadline's
 
     def time_fraction(self) -> float:
         """Fraction of the training window used, in [0, 1]: 0 when training starts, 1 at the horizon.
@@ -342,6 +347,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
         return super()._tokenize_prompts(prompts)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        if self._async is not None and self.model.training and images is None and not multimodal_fields:
+            return self._async_generate(prompt_ids)  # trainers.async_rollouts: one-step off-policy
         # Fast HF path (trainers.generation): same contract as TRL's HF branch; falls back to it for
         # multimodal inputs or generation settings the fast path lacks (e.g. repetition_penalty).
         if self._fast_generation and images is None and not multimodal_fields:
@@ -483,6 +490,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
                     "finish_reason": "length" if truncated[i] else "stop",
                     "advantage": float(out["advantages"][i]),
                     "seq_kl": float("nan"),
+                    "behaviour_step": self.state.global_step if self._behaviour_step is None else self._behaviour_step,
                 } for i, x in enumerate(inputs)],
             }
         return out
@@ -681,7 +689,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, DistillationTrainer):
             m["ppo/clip_frac"].append(tot["clipped"] / n)
             m["ppo/ratio_mean"].append(tot["ratio_sum"] / n)
             m["kl/clamped_frac"].append(tot["k1_clamped"] / n)
-        if self._rollout_is:
+        if self._rollout_is or self._async_is:
             self._log_rollout_is(m, tot)
         step_s = time.perf_counter() - self._step_t0
         gen, rew, teach = (self._timers.get(k, 0.0) for k in ("time/generation", "time/reward", "time/teacher"))

@@ -1,0 +1,312 @@
+"""One-step off-policy generation: the next batch's rollouts are decoded while the current update runs.
+
+``OPDConfig.async_generation`` (issue 15, lever a). The schedule (TRL's ``experimental.async_grpo``,
+verl's one-step off-policy recipe, NeMo-RL and slime ship the same idea with separate rollout engines):
+
+    step k start:  take R_k (sampled during step k-1 by theta_{k-2}; synchronously by theta_{k-1} when
+                   nothing was prefetched); copy theta_{k-1} into the snapshot; launch the decode of
+                   batch k+1 on it in a background thread; then grade R_k, score it with the teacher,
+                   run the update theta_{k-1} -> theta_k, all in the main thread.
+    step k+1:      trains theta_k on R_{k+1} sampled by theta_{k-1}: staleness 1.
+
+The generator decodes a *snapshot copy* of the student (same dtype, fixed addresses, so its CUDA graph is
+captured once and kept) and records the log-prob of every sampled token (``FastGenerator``'s
+``return_logprobs``). The trainer weights each token by the truncated importance ratio
+``min(pi_theta_k(y) / pi_theta_{k-1}(y), vllm_importance_sampling_cap)`` through the same code path as
+vLLM rollouts (``OPDTrainer._rollout_is_weights`` -> ``losses.rollout_is_weights``).
+
+Why a Python thread is enough on one GPU: with the CUDA graph, a decode step is one ``graph.replay()``
+call (``torch/csrc/cuda/Graph.cpp`` binds it with the GIL released, so a launch that blocks on a full
+launch queue does not hold the GIL) plus, every ``check_every`` steps, a host sync on a flag; the thread
+needs the GIL for a few microseconds per token step against a GPU step of milliseconds, and the main
+thread releases the GIL inside every ATen op it dispatches (torch's generated bindings). The graph is
+captured in the worker with ``capture_error_mode="thread_local"`` (the main thread keeps launching work
+meanwhile; the caching allocator routes only the capturing stream's allocations to the graph's pool),
+normally once: in the first, synchronous step, while the main thread waits. What limits the
+gain is the GPU itself: decode (bandwidth-bound, small grids) and the update (compute-bound GEMMs) share
+the SMs and the memory bandwidth, so the overlapped step is at best max(generation, update) and at
+worst their sum plus the snapshot copy (a few ms); it also holds the snapshot (one more copy of the
+student's weights) and the decode KV cache through the update.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerCallback
+
+from trainers.generation import FastGenerator, SamplingParams
+
+
+@dataclass
+class Rollouts:
+    """One generation batch from the snapshot: ids and behaviour log-probs per completion.
+
+    ``version``: optimizer steps in the weights that sampled (``state.global_step`` at the snapshot);
+    ``generate_s``: the decode's wall seconds; ``wait_s``: seconds the main thread blocked on it.
+    """
+
+    prompt_ids: list[list[int]]
+    version: int
+    completions: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    generate_s: float = 0.0
+    wait_s: float = 0.0
+    error: BaseException | None = None
+    cancelled: bool = False
+
+
+def make_snapshot(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen deep copy of ``model`` for the generator: eval mode, no grad, own config.
+
+    Instance-level ``forward`` overrides (``compile_decoder_layers``' closures bind the *original*
+    layers) are removed so the copy runs its own weights; its config is a separate object, so the
+    decode step's attention switch never shows in the trainer's forward.
+    """
+    kept = model.__dict__.pop("_opd_fast_generator", None)  # a captured graph is not copyable
+    try:
+        snap = copy.deepcopy(model)
+    finally:
+        if kept is not None:
+            model._opd_fast_generator = kept
+    for m in snap.modules():
+        m.__dict__.pop("forward", None)
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    for p in snap.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    return snap.eval()
+
+
+class AsyncRollouts:
+    """A weight snapshot of the student and one background decode on it at a time.
+
+    Args:
+        model: the (unwrapped, single-process) student; copied once here.
+        pad_token_id, eos_token_ids: as ``FastGenerator``.
+
+    Thread contract: ``launch``, ``take``, ``generate_now``, ``cancel`` are called from the main thread
+    only; the worker thread touches the snapshot, its ``FastGenerator`` and its own ``Rollouts``.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids):
+        self.snapshot = make_snapshot(model)
+        self.device = next(model.parameters()).device
+        self._stop = threading.Event()
+        # keep_cache: the snapshot's addresses never change, so the captured decode step is reused each step
+        self.generator = FastGenerator(pad_token_id, eos_token_ids, keep_cache=True,
+                                       capture_error_mode="thread_local", stop_event=self._stop)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._thread: threading.Thread | None = None
+        self._job: Rollouts | None = None
+
+    # ---- weights ----
+    @torch.no_grad()
+    def _copy_weights(self, model: torch.nn.Module):
+        """theta -> snapshot on the main stream; returns the event the decode stream waits for (CUDA)."""
+        src = list(model.parameters())
+        dst = list(self.snapshot.parameters())
+        if len(src) != len(dst):
+            raise RuntimeError(f"snapshot has {len(dst)} parameters, the student {len(src)}")
+        torch._foreach_copy_(dst, [s.detach() for s in src])
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def _run(self, job: Rollouts, sp: SamplingParams, ready) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.stream is None:
+                job.completions, job.logprobs = self.generator.generate(self.snapshot, job.prompt_ids, sp,
+                                                                        return_logprobs=True)
+            else:
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    self.stream.wait_event(ready)
+                    job.completions, job.logprobs = self.generator.generate(self.snapshot, job.prompt_ids, sp,
+                                                                            return_logprobs=True)
+            job.cancelled = self._stop.is_set()
+        except BaseException as e:  # re-raised in the main thread by take()
+            job.error = e
+        job.generate_s = time.perf_counter() - t0
+
+    # ---- main-thread API ----
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def launch(self, model: torch.nn.Module, prompt_ids: list[list[int]], sp: SamplingParams, version: int) -> None:
+        """Copy ``model``'s weights into the snapshot and start decoding ``prompt_ids`` in the background.
+
+        Raises ``RuntimeError`` if a decode is still in flight (``take`` or ``cancel`` it first).
+        """
+        if self._thread is not None:
+            raise RuntimeError("a background generation is still pending: take() or cancel() it first")
+        ready = self._copy_weights(model)
+        self._stop.clear()
+        self._job = Rollouts(prompt_ids=[list(p) for p in prompt_ids], version=int(version))
+        self._thread = threading.Thread(target=self._run, args=(self._job, sp, ready), name="opd-async-generation",
+                                        daemon=True)
+        self._thread.start()
+
+    def _join(self) -> None:
+        t = self._thread
+        while t is not None and t.is_alive():
+            t.join(timeout=0.5)  # a timed join stays interruptible by the main thread's signal handlers
+        self._thread = None
+
+    def take(self, prompt_ids: list[list[int]]) -> Rollouts | None:
+        """The prefetched rollouts of ``prompt_ids`` (waiting for the decode to finish), or None if none was
+        launched or it was for other prompts (then it is cancelled and dropped). Re-raises the worker's error."""
+        if self._job is None:
+            return None
+        if self._job.prompt_ids != [list(p) for p in prompt_ids]:
+            self.cancel()
+            return None
+        t0 = time.perf_counter()
+        self._join()
+        job, self._job = self._job, None
+        job.wait_s = time.perf_counter() - t0
+        if job.error is not None:
+            raise job.error
+        return None if job.cancelled else job
+
+    def generate_now(self, model: torch.nn.Module, prompt_ids: list[list[int]], sp: SamplingParams,
+                     version: int) -> Rollouts:
+        """Synchronous decode of ``prompt_ids`` by ``model``'s current weights (through the snapshot, so the
+        log-probs come from the same code path); staleness 0."""
+        self.launch(model, prompt_ids, sp, version)
+        job = self.take(prompt_ids)
+        assert job is not None
+        return job
+
+    def cancel(self) -> None:
+        """Stop the in-flight decode (at its next check, <= ``check_every`` token steps) and join its thread."""
+        if self._thread is None:
+            self._job = None
+            return
+        self._stop.set()
+        self._join()
+        self._job = None
+        self._stop.clear()
+
+
+class _AsyncStop(TrainerCallback):
+    """Cancels the prefetch as soon as training is to stop (deadline, max steps, signal), before the final save."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_training_stop:
+            self.trainer._async_shutdown()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._async_shutdown()
+
+
+class AsyncGeneration:
+    """``OPDTrainer``'s async-generation methods (a mixin; reads ``args``, ``accelerator``, ``model``, ``state``,
+    ``generation_config``, ``_tokenize_prompts``, ``_metrics``, ``_fast_generation``, ``use_vllm``).
+
+    The trainer calls ``_init_async`` at the end of ``__init__`` and ``_async_generate`` from
+    ``_generate_single_turn``; ``get_batch_samples`` (one optimizer step's dataloader batches, here plus the
+    next step's, kept as a lookahead) and ``train`` (shutdown on any exit) wrap transformers' own.
+
+    Ordering: the dataloader is read one step ahead *within* an epoch, so each batch is still trained
+    exactly once, at the step it has without async; the first step of every epoch (and of a resumed run)
+    decodes synchronously (staleness 0). A prefetch in flight when training stops is cancelled and dropped:
+    its batch was never trained, and a resumed run (which skips ``global_step`` steps of batches) decodes it
+    again from the saved weights.
+    """
+
+    def _init_async(self) -> None:
+        a = self.args
+        self._async: AsyncRollouts | None = None
+        self._async_is = False
+        self._behaviour_step: int | None = None
+        self._lookahead: tuple | None = None
+        if not a.async_generation:
+            return
+        if self.accelerator.num_processes != 1:
+            raise ValueError("async_generation runs one background decode on one device; it does not support "
+                             f"{self.accelerator.num_processes} processes")
+        if self.use_vllm:
+            raise ValueError("async_generation decodes with trainers.generation's fast path, not vLLM")
+        from trainers.generation import sampling_params_from
+
+        if not self._fast_generation or sampling_params_from(self.generation_config) is None:
+            raise ValueError("async_generation needs the fast HF generator (trainers.generation), which is off here: "
+                             "fast_generation=False, a sharded setup (FSDP1 / ZeRO-3), or a generation setting it "
+                             "lacks (repetition_penalty, beams, suppress_tokens, ...)")
+        model = self.accelerator.unwrap_model(self.model)
+        self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids)
+        self._async_is = bool(a.vllm_importance_sampling_correction)
+        self.add_callback(_AsyncStop(self))
+
+    def _async_shutdown(self) -> None:
+        if getattr(self, "_async", None) is not None:
+            self._async.cancel()
+        self._lookahead = None
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # also on HorizonReached / errors: no decode outlives train()
+            self._async_shutdown()
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if getattr(self, "_async", None) is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        la, self._lookahead = self._lookahead, None
+        if la is not None and la[0] is epoch_iterator:
+            batches = la[1]
+        else:
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        nxt, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._lookahead = (epoch_iterator, nxt) if nxt else None
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _next_prompt_ids(self) -> list[list[int]] | None:
+        """Token ids of the next optimizer step's generation batch, or None (epoch end, last debug step)."""
+        a = self.args
+        if self._lookahead is None or (a.debug_max_steps and self.state.global_step + 1 >= a.debug_max_steps):
+            return None
+        # the first of a step's GA dataloader batches is the whole local generation batch (RepeatSampler contract)
+        prompts = [x["prompt"] for x in self._lookahead[1][0]]
+        return self._tokenize_prompts(copy.deepcopy(prompts))[0]
+
+    def _async_generate(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """This step's completions: the prefetch if it holds these prompts, else a synchronous decode; then the
+        next step's prefetch is launched on the weights as they are now (before this step's update)."""
+        from trainers.generation import sampling_params_from
+
+        sp = sampling_params_from(self.generation_config)
+        model = self.accelerator.unwrap_model(self.model)
+        step = self.state.global_step
+        job = self._async.take(prompt_ids)
+        overlap = 0.0
+        if job is None:
+            job = self._async.generate_now(model, prompt_ids, sp, step)
+        else:
+            overlap = max(job.generate_s - job.wait_s, 0.0)
+        nxt = self._next_prompt_ids()
+        if nxt is not None:
+            self._async.launch(model, nxt, sp, step)
+        m = self._metrics["train"]
+        m["async/staleness"].append(float(step - job.version))
+        m["async/overlap_s"].append(overlap)  # decode seconds hidden behind the previous step's main thread
+        m["async/wait_s"].append(job.wait_s)
+        m["async/generate_s"].append(job.generate_s)
+        self._behaviour_step = job.version
+        self._sampling_logps = job.logprobs if self._async_is else None
+        return job.completions
+
+
+__all__ = ["AsyncRollouts", "AsyncGeneration", "Rollouts", "make_snapshot"]
