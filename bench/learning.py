@@ -453,10 +453,12 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
         write_text("", out / "metrics" / "train.jsonl")
     else:
         saved = train(cfg, recipe, cfg.mark_list, offset_s=offset, budget_s=cfg.budget_s)
-    evals = []
-    for s in saved:
-        evals += evaluate(cfg, s["path"], name=name, mark_s=s["mark_s"], train_s=s["train_s"], step=s["step"],
-                          out_dir=out)
+    evals, done = [], {}
+    for s in saved:  # marks passed within one step share its export: evaluated once (same model, same seed)
+        if s["path"] not in done:
+            done[s["path"]] = evaluate(cfg, s["path"], name=name, mark_s=s["mark_s"], train_s=s["train_s"],
+                                       step=s["step"], out_dir=out)
+        evals += [{**r, "mark_s": s["mark_s"], "train_s": s["train_s"]} for r in done[s["path"]]]
     if saved and saved[0]["path"] != student_path:
         shutil.rmtree(out / "marks", ignore_errors=True)  # weights are not kept; the evaluations are
     _write_evals(evals, name, cfg)

@@ -211,8 +211,8 @@ class LearningConfig:
 
 
 #: Settings that may differ between invocations on one run directory: the arms asked for this time,
-#: the deadline, what the fast-generation check decided, and where the directory lives.
-LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "fast_generation_used", "out")
+#: the deadline and its overhead estimate, what the fast-generation check decided, and where the directory lives.
+LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out")
 
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
