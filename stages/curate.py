@@ -90,6 +90,7 @@ class CurateConfig:
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
+    dtype: str = field(default="auto", metadata={"help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
     band_high: float = field(default=1.0, metadata={"help": "... and p < band_high (exclusive: the default drops problems the student always solves)."})
@@ -128,6 +129,8 @@ class CurateConfig:
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.order not in ("easy_to_hard", "hard_to_easy", "mixed"):
             raise ValueError(f"order must be easy_to_hard, hard_to_easy or mixed, got {self.order!r}")
         if not 0.0 < self.temperature <= 2.0 or not 0.0 < self.top_p <= 1.0:
@@ -173,7 +176,7 @@ def _versions() -> dict:
 def _fingerprint(cfg: CurateConfig, models: dict) -> str:
     """What makes finished chunks reusable: data, models, prompts and sampling (not filter settings)."""
     keys = ("train_data", "limit", "teacher_context", "privileged_reference", "prompt_style", "teacher_samples", "student_samples",
-            "max_tokens", "temperature", "top_p", "seed", "chunk_size", "max_model_len")
+            "max_tokens", "temperature", "top_p", "seed", "chunk_size", "max_model_len", "dtype")
     # chunk i holds the i-th slice of the seeded visiting order (curate()), not of the input file
     blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models, "visit_order": "seeded_shuffle"}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -422,7 +425,8 @@ def curate(cfg: CurateConfig) -> dict:
     model_of = {"teacher": teacher, "student": student}
     timings: dict[str, float] = {}
     engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=out / ".engine.pids.json",
-                     gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
+                     gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
+                     dtype=cfg.dtype)
     engine = None
     engine_used: dict = {}  # stays empty when every chunk was already on disk
 

@@ -131,6 +131,12 @@ class EvalConfig:
                 "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
+    dtype: str = field(default="auto", metadata={
+        "help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16. Recorded in "
+                "summary.json (engine.dtype)."})
+    grade_all_filters: bool = field(default=False, metadata={
+        "help": "Also grade every sample under both grader answer filters (columns correct_math, correct_numeric; "
+                "null when off): shows what an equal-expression answer adds over a number (bench/learning.py)."})
     grader_timeout_s: float = field(default=5.0, metadata={"help": "Per-answer bound on the sympy grading step."})
     grader_workers: int | None = field(default=None, metadata={
         "help": "Grader threads (each drives a math-verify subprocess); default min(8, CPUs)."})
@@ -156,6 +162,8 @@ class EvalConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.grader_timeout_s <= 0:
             raise ValueError(f"grader_timeout_s must be > 0, got {self.grader_timeout_s}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
 
 
 # -------------------------------------------------------------------------------------- protocols
@@ -279,6 +287,8 @@ def _opd_numeric_grader(preds, golds, truncated, timeout_s, workers):
 #: (``data_tools.grader``); ``opd_numeric_grader``: a plain-number gold needs a plain-number answer, so an
 #: unevaluated expression ("41 * 74") is wrong -- for arithmetic tasks (grader ``answer_filter="numeric"``).
 ANSWER_FILTERS: dict[str, Callable] = {"opd_math_grader": _opd_math_grader, "opd_numeric_grader": _opd_numeric_grader}
+#: The ``data_tools.grader`` answer filter of each named filter (``grade_all_filters`` columns ``correct_<name>``).
+GRADER_FILTER = {"opd_math_grader": "math", "opd_numeric_grader": "numeric"}
 
 
 # ----------------------------------------------------------------------------- models, checkpoints
@@ -382,6 +392,8 @@ SAMPLES_SCHEMA = pa.schema([
     ("completion", pa.string()),
     ("extracted", pa.string()),
     ("correct", pa.bool_()),
+    ("correct_math", pa.bool_()),
+    ("correct_numeric", pa.bool_()),
     ("grader_path", pa.string()),
     ("n_tokens", pa.int64()),
     ("n_prompt_tokens", pa.int64()),
@@ -476,7 +488,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
                     gpu_memory_utilization=cfg.gpu_memory_utilization,
                     tensor_parallel_size=cfg.tensor_parallel_size,
-                    pid_file=out_dir / "eval" / label / ".engine.pids.json")
+                    pid_file=out_dir / "eval" / label / ".engine.pids.json", dtype=cfg.dtype)
     engine_name, engine_dtype, startup_s = engine.name, engine.dtype, engine.startup_s
     grade = ANSWER_FILTERS[eff["answer_filter"]]
     samples: list[dict] = []
@@ -490,8 +502,16 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
             t_grade = time.time()
             verdicts = grade([s.completion for s in chunk], [str(rows[s.prompt_index]["answer"]) for s in chunk],
                              [s.finish_reason == "length" for s in chunk], cfg.grader_timeout_s, cfg.grader_workers)
+            both = {}  # grader filter -> verdicts, when every filter is recorded
+            if cfg.grade_all_filters:
+                both[GRADER_FILTER[eff["answer_filter"]]] = verdicts
+                for name, f in GRADER_FILTER.items():
+                    if f not in both:
+                        both[f] = ANSWER_FILTERS[name](
+                            [s.completion for s in chunk], [str(rows[s.prompt_index]["answer"]) for s in chunk],
+                            [s.finish_reason == "length" for s in chunk], cfg.grader_timeout_s, cfg.grader_workers)
             grade_s += time.time() - t_grade
-            for s, v in zip(chunk, verdicts):
+            for j, (s, v) in enumerate(zip(chunk, verdicts)):
                 r = rows[s.prompt_index]
                 samples.append({
                     "label": label, "model": target.path, "checkpoint_step": target.step,
@@ -499,6 +519,7 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
                     "problem_id": str(r["problem_id"]), "problem_index": s.prompt_index,
                     "sample_index": s.sample_index, "completion": s.completion, "extracted": v.extracted,
                     "correct": bool(v.correct), "grader_path": v.path, "n_tokens": s.n_tokens,
+                    **{f"correct_{f}": bool(both[f][j].correct) if both else None for f in GRADER_FILTER.values()},
                     "n_prompt_tokens": s.n_prompt_tokens, "finish_reason": s.finish_reason,
                     "gold": str(r["answer"]), "source": None if r.get("source") is None else str(r["source"]),
                     "level": None if r.get("level") is None else str(r["level"]), "engine": engine_name})

@@ -39,8 +39,12 @@ EXIT_BAD_CONFIG = 2
 EXIT_NONFINITE = 3
 
 
-def run(args) -> dict:
-    """Train with a parsed ``OPDConfig``; returns the summary written to ``train_summary.json``."""
+def run(args, on_trainer=None) -> dict:
+    """Train with a parsed ``OPDConfig``; returns the summary written to ``train_summary.json``.
+
+    ``on_trainer``: called with the built ``OPDTrainer`` before training starts (a hook for callers that
+    add callbacks or their own clock, e.g. bench/learning.py's evaluation marks); None for the CLI.
+    """
     from transformers import PrinterCallback, ProgressCallback
 
     from data_tools.runio import write_json
@@ -61,6 +65,8 @@ def run(args) -> dict:
         trainer.add_callback(hard_stop)  # last: it must see the other callbacks' should_save
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)  # _Console prints one short line per step instead
+    if on_trainer is not None:
+        on_trainer(trainer)
 
     resume = find_resume_checkpoint(args.resume_dir) if args.resume else None
     began = time.time() - start

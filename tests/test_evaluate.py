@@ -341,3 +341,45 @@ def test_math500_file_is_the_declared_question_set():
     assert ev.question_set_deviations(n, n, None, 500) == []
     assert ev.question_set_deviations(n, 5, 5, 500)[0] == "question set: first 5 of 500 problems (--limit 5)"
     assert len(ev.question_set_hash(loaded.rows)) == 64
+
+
+def test_grade_all_filters_records_both_verdicts(tmp_path, monkeypatch, clean_env):
+    """grade_all_filters: correct_math / correct_numeric per sample, as data_tools.grader grades each filter;
+    off: both null. A fake engine answers fixed texts (no model run); the embedded tokenizer renders prompts."""
+    from data_tools.engine import Sample
+    from data_tools.grader import grade_batch
+
+    problems = [{"id": "p1", "problem": "What is 41 x 74?", "answer": "3034"},
+                {"id": "p2", "problem": "What is 2 + 3?", "answer": "5"}]
+    texts = {0: ["\\boxed{41 * 74}", "\\boxed{3034}"], 1: ["\\boxed{5}", "\\boxed{6}"]}
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in problems))
+
+    class Fake:
+        name, dtype, startup_s = "fake", "float32", 0.0
+
+        def __init__(self, model, **kw):
+            self.kw = kw
+
+        def generate(self, prompts, *, n, **kw):
+            yield [Sample(i, j, texts[i][j], 5, 20, "stop") for i in range(len(prompts)) for j in range(n)]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ev, "make_engine", lambda kind, model, **kw: Fake(model, **kw))
+    for flag in (True, False):
+        cfg = ev.EvalConfig(protocol="synth_heldout", eval_data=str(data), n_samples=2, output_dir=str(tmp_path / "o"),
+                            label=f"run{flag}", grade_all_filters=flag, dtype="float32")
+        (s,) = ev.run(cfg)
+        rows = pq.read_table(s["files"]["samples"]).to_pylist()
+        preds = [t for i in (0, 1) for t in texts[i]]
+        golds = ["3034", "3034", "5", "5"]
+        assert [r["correct"] for r in rows] == [v.correct for v in grade_batch(preds, golds, answer_filter="numeric")]
+        if flag:
+            for f in ("math", "numeric"):
+                assert [r[f"correct_{f}"] for r in rows] == [v.correct for v in grade_batch(preds, golds, answer_filter=f)]
+            assert [r["correct_math"] for r in rows] == [True, True, True, False]  # "41 * 74" is equal as mathematics
+            assert [r["correct_numeric"] for r in rows] == [False, True, True, False]  # but it is not a number
+        else:
+            assert all(r["correct_math"] is None and r["correct_numeric"] is None for r in rows)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from bench.learning import ARMS, LearningConfig, MarkClock, merge_settings
 from bench.learning_report import paired_difference, report
@@ -156,11 +157,25 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cfg = LearningConfig(out=str(out), preset="cpu_smoke")
     per_mark = cfg.n_test * cfg.eval_samples
+    from bench.learning import arm_recipe
+
     for arm in ("a", "c", "d", "f"):
         t = pq.read_table(out / "evals" / f"{arm}.parquet").to_pylist()
         assert len(t) == per_mark * len(cfg.mark_list), arm
         assert sorted({r["mark_s"] for r in t}) == cfg.mark_list
         assert all(r["train_s"] >= r["mark_s"] for r in t)
+        assert all(r["correct_numeric"] is not None and r["correct_math"] is not None for r in t)
+        # the arm ran the recipe it saved, through stages.train and stages.evaluate
+        saved = yaml.safe_load((out / "arms" / arm / "train.yaml").read_text())
+        assert saved == arm_recipe(cfg, arm) and saved["output_dir"] == str(out / "arms" / arm)
+        trained = (out / "arms" / arm / "metrics" / "train.jsonl").read_text() != ""  # stage one may use d's, f's budget
+        assert (out / "arms" / arm / "train_summary.json").exists() == trained
+        steps = {r["step"]: r["mark_s"] for r in sorted(t, key=lambda r: -r["mark_s"])}  # first mark of each export
+        assert sorted(p.name for p in (out / "arms" / arm / "eval").iterdir()) == sorted(
+            f"{arm}-{m:g}" for m in steps.values())  # one stages.evaluate run per export
+        assert not (out / "arms" / arm / "marks").exists()  # mark exports are deleted once evaluated
+    manifest = json.loads((out / "stage_one" / "curate" / "manifest.json").read_text())
+    assert manifest["engine"]["name"] == "hf-cpu" and manifest["config"]["teacher_samples"] == cfg.stage_one_samples
     assert pq.read_table(out / "evals" / "student.parquet").num_rows == per_mark
     assert pq.read_table(out / "data" / "stage_one.parquet").num_rows == cfg.stage_one_problems
     assert (out / "arms" / "a" / "metrics" / "train.jsonl").exists()
@@ -179,7 +194,8 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "teacher").num_parameters() > 100_000_000
-    assert (out / "arms" / "d" / "metrics" / "train.jsonl").exists()  # the SFT arm logs its steps too
+    recs_d = [json.loads(x) for x in (out / "arms" / "d" / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert all(r["sft/off_policy_step"] == 1.0 for r in recs_d)  # SFT: every step off-policy
     # a re-run with the same settings skips every finished piece; one asking for fewer arms keeps the others
     p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0 and p2.stdout.count("already done") == 4, p2.stdout[-2000:]
@@ -229,3 +245,33 @@ def test_report_pools_seeds_of_one_arm(tmp_path):
     assert res["arms"]["c"]["marks"]["10.0"]["avg_at_k"] == pytest.approx(0.5)
     assert res["arms"]["c"]["last_mark_by_run"] == {"c": 0.5, "c-s1": 0.5}
     assert res["comparisons_at_last_mark"]["c"]["gain_over_start"] == pytest.approx(0.5)
+
+
+def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
+    """Every arm's recipe is a stages.train YAML that OPDConfig parses to the arm's objective (README table)."""
+    from bench.learning import _yaml, arm_recipe
+    from data_tools.config import parse_config
+    from trainers.opd_config import OPDConfig
+
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="a", w_sft=0.5, sft_share_start=0.7, sft_share_end=0.1)
+    (cfg.dir).mkdir(parents=True)
+    (cfg.dir / "settings.json").write_text(json.dumps({"start_path": str(tmp_path / "start")}))
+    teacher = str(cfg.dir / "teacher")
+    # arm: (w_kl, w_reward, w_sft, sft_share_start, sft_share_end, teacher_model, teacher_context, kl_mode, own curriculum)
+    want = {"a": (0, 1, 0, 0, 0, None, "teacher", "sampled", False), "b": (1, 0, 0, 0, 0, teacher, "teacher", "sampled", False),
+            "c": (1, 1, 0, 0, 0, teacher, "teacher", "sampled", False), "d": (0, 0, 0, 1, 1, None, "teacher", "sampled", True),
+            "e": (1, 1, 0, 0, 0, None, "privileged", "sampled", False),
+            "f": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "sampled", True),
+            "g": (1, 1, 0, 0, 0, None, "privileged", "sampled", True), "h": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "full", True)}
+    assert set(want) == set(ARMS)
+    for arm, w in want.items():
+        name = f"{arm}@3e-05-s2"
+        (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / f"{arm}.yaml"))], env={})
+        got = (args.w_kl, args.w_reward, args.w_sft, args.sft_share_start, args.sft_share_end, args.teacher_model,
+               args.teacher_context, args.kl_mode, args.curriculum_path.startswith(str(cfg.dir / "arms" / name)))
+        assert got == w, arm
+        assert (args.learning_rate, args.seed, args.student_model) == (3e-5, 2, str(tmp_path / "start"))
+        assert (args.output_dir, args.num_generations, args.per_device_train_batch_size) == (
+            str(cfg.dir / "arms" / name), cfg.num_generations, cfg.completions_per_step)
+        assert (args.max_completion_length, args.temperature, args.answer_filter) == (
+            cfg.max_new_tokens, cfg.train_temperature, cfg.answer_filter)

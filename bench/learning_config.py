@@ -1,0 +1,237 @@
+"""Settings of bench/learning.py: the arms, presets, ``LearningConfig`` and the resume rules of a run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ARMS = {
+    "a": "reward only (w_kl=0)",
+    "b": "OPD only (w_reward=0)",
+    "c": "OPD + reward",
+    "d": "off-policy SFT on teacher's verified solutions",
+    "e": "OPD + reward, privileged self-teacher",
+    "f": "combined: OPD + reward + SFT on verified solutions, clock-scheduled mix",
+    "g": "OPD + reward, privileged self-teacher shown the solution and the final answer",
+    "h": "combined as f, exact full-vocabulary reverse KL (kl_mode=full)",
+}
+#: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``lr``, then ``-s<seed>`` when its
+#: seed is not ``seed`` (``f@3e-05-s1``). The name is the file name of its evaluations.
+ARM_RUN = re.compile(r"([a-z])(?:@([0-9.]+(?:e[+-]?[0-9]+)?))?(?:-s([0-9]+))?")
+TASKS = ("ladder", "gsm8k")
+#: Named sets of settings. cpu_smoke: toy sizes to run every piece on a CPU in minutes; its teacher
+#: (4 s of SFT, 16-token cap) verifies nothing, so arm d fine-tunes on all of its samples.
+PRESETS: dict[str, dict] = {
+    "": {},
+    "cpu_smoke": dict(n_train=48, n_test=6, budget_s=6.0, marks="3,6", teacher_sft_s=4.0, completions_per_step=8,
+                      num_generations=4, max_new_tokens=16, eval_samples=2, stage_one_problems=16, sft_batch_size=8,
+                      eval_batch=64, sft_filter="none"),
+}
+SHARED = Path(os.environ.get("OPD_SHARED_DIR", ROOT.parent / "shared"))
+
+
+@dataclass
+class LearningConfig:
+    """Settings of one learning-efficacy run (written to ``<out>/settings.json``; arms re-read it)."""
+
+    out: str = field(default="", metadata={"help": "Run directory (outside the repo). Required."})
+    task: str = field(default="ladder", metadata={"help": "ladder: data_tools.synth hard ladder; gsm8k: GSM8K."})
+    arms: str = field(default="a,b,c,d,e", metadata={
+        "help": "Comma-separated arms to run, in this order (see ARMS); 'f@3e-5' runs arm f at that learning rate."})
+    arm_lr: str = field(default="", metadata={
+        "help": "Learning rates per arm, e.g. 'd=5e-5,f=3e-5' (arms not named, and not given as x@lr, use lr)."})
+    seeds: str = field(default="", metadata={
+        "help": "Comma-separated seeds: every arm runs once per seed (same data, start, teacher); empty = seed."})
+    start_sft_s: float = field(default=0.0, metadata={
+        "help": "Training seconds of SFT on the reference solutions that make the starting student (0 = the raw "
+                "model): regime (i) ~15 (in the teacher's format, about half its score), regime (ii) until SFT "
+                "gains little. The teacher is this start + teacher_sft_s more."})
+    w_sft: float = field(default=1.0, metadata={"help": "Arms f, h: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
+    sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h: share of training seconds in off-policy steps at 0 s."})
+    sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h: the same share at budget_s (linear in between)."})
+    student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
+    n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
+    n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
+    gsm8k_dir: str = field(default=str(SHARED / "data"), metadata={"help": "Folder of gsm8k_{train,test}.jsonl."})
+    budget_s: float = field(default=150.0, metadata={"help": "Training seconds per arm (its own clock, evals paused)."})
+    marks: str = field(default="15,30,60,100,150", metadata={
+        "help": "Training-clock seconds at which each arm is evaluated (the last one ends the arm; <= budget_s)."})
+    teacher_sft_s: float = field(default=90.0, metadata={"help": "Training seconds of the teacher's fine-tuning."})
+    start_sft_steps: int = field(default=0, metadata={
+        "help": "> 0: the start's SFT runs this many optimizer steps instead of start_sft_s seconds. A step count is "
+                "reproducible for a seed, so pieces of one experiment run on different (fresh) machines rebuild the "
+                "same start."})
+    teacher_sft_steps: int = field(default=0, metadata={"help": "> 0: the same for the teacher (instead of teacher_sft_s)."})
+    teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
+    lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW, constant)."})
+    sft_batch_size: int = field(default=64, metadata={"help": "Sequences per optimizer step for SFT (teacher and arm d)."})
+    num_generations: int = field(default=8, metadata={"help": "G: samples per prompt for arms a, b, c, e."})
+    completions_per_step: int = field(default=128, metadata={"help": "Completions per optimizer step (a, b, c, e)."})
+    train_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of on-policy rollouts."})
+    max_new_tokens: int = field(default=96, metadata={"help": "Completion cap in training rollouts, stage one and evaluation."})
+    eval_samples: int = field(default=4, metadata={"help": "k of avg@k."})
+    eval_temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of evaluation and stage one."})
+    eval_batch: int = field(default=1200, metadata={"help": "Sequences per generation call in evaluation / stage one."})
+    stage_one_problems: int = field(default=6000, metadata={"help": "Arm d: training problems the teacher samples."})
+    stage_one_samples: int = field(default=1, metadata={"help": "Arm d: teacher samples per problem."})
+    sft_filter: str = field(default="verified", metadata={
+        "help": "Arm d: verified = fine-tune only on graded-correct, finished, distinct teacher samples (the "
+                "classical recipe); none = on every teacher sample (an ablation; lets the CPU smoke test run arm d "
+                "with a teacher that solves nothing)."})
+    prompt_style: str = field(default="reasoning", metadata={"help": "data_tools.prompts style of every prompt."})
+    answer_filter: str = field(default="numeric", metadata={
+        "help": "Grader answer filter of the training reward and stage one's verification (data_tools.grader): "
+                "numeric = the answer must be a number (arithmetic tasks); math = any equal expression."})
+    report_filter: str = field(default="numeric", metadata={
+        "help": "Answer filter of the reported avg@k (both are stored per sample: correct_numeric, correct_math)."})
+    seed: int = field(default=0, metadata={"help": "Seed of every arm (data order, sampling, evaluation)."})
+    engine: str = field(default="hf", metadata={
+        "help": "Engine of stage one and evaluation (data_tools.engine): hf (the fast decoder of the training "
+                "rollouts), vllm, or auto (vllm where it imports)."})
+    fast_generation: bool = field(default=True, metadata={
+        "help": "trainers.generation's static-cache / CUDA-graph generation for rollouts and evaluation."})
+    deadline_s: float = field(default=0.0, metadata={
+        "help": "Whole-run wall-clock limit (0 = none): an arm that cannot finish before it is skipped and reported."})
+    arm_overhead_s: float = field(default=90.0, metadata={
+        "help": "Estimated seconds an arm spends outside its budget (start-up, mark exports, evaluations), for "
+                "deadline_s; after each arm run the largest overhead measured in this invocation is used if larger."})
+    preset: str = field(default="", metadata={
+        "help": "cpu_smoke: tiny sizes and budgets (PRESETS). It sets the fields still at their defaults: a flag given "
+                "with another value wins."})
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) == defaults[name]:  # a flag given on the command line wins over the preset
+                setattr(self, name, value)
+        if not self.out:
+            raise ValueError("--out is required (a run directory outside the repo)")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        bad = [a for a in self.arm_list if not ARM_RUN.fullmatch(a) or a[0] not in ARMS or "-s" in a]
+        if bad or not self.arm_list:
+            raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)} (each optionally @lr), "
+                             f"got {self.arms!r}")
+        try:
+            rates, seeds = self.arm_lr_table, self.seed_list
+        except ValueError:
+            raise ValueError(f"arm_lr must read like 'd=5e-5,f=3e-5' and seeds like '0,1,2', got {self.arm_lr!r}, "
+                             f"{self.seeds!r}") from None
+        if any(k not in ARMS or v <= 0 for k, v in rates.items()) or min(seeds) < 0:
+            raise ValueError(f"arm_lr names arms of {sorted(ARMS)} with rates > 0, seeds are >= 0; got "
+                             f"{self.arm_lr!r}, {self.seeds!r}")
+        if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
+            raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
+        if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
+            raise ValueError("need start_sft_s >= 0, w_sft >= 0 and sft shares in [0, 1]")
+        m = self.mark_list
+        if not m or any(x <= 0 for x in m) or m != sorted(set(m)) or m[-1] > self.budget_s:
+            raise ValueError(f"marks must be increasing positive seconds <= budget_s ({self.budget_s}), got {self.marks!r}")
+        for name in ("n_train", "n_test", "eval_samples", "num_generations", "completions_per_step", "max_new_tokens",
+                     "sft_batch_size", "eval_batch", "stage_one_problems", "stage_one_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.completions_per_step % self.num_generations:
+            raise ValueError(f"completions_per_step ({self.completions_per_step}) must be a multiple of "
+                             f"num_generations ({self.num_generations})")
+        if min(self.budget_s, self.teacher_sft_s, self.lr, self.teacher_lr) <= 0:
+            raise ValueError("budget_s, teacher_sft_s, lr and teacher_lr must be > 0")
+        from data_tools.grader import ANSWER_FILTERS
+
+        for name in ("answer_filter", "report_filter"):
+            if getattr(self, name) not in ANSWER_FILTERS:
+                raise ValueError(f"{name} must be one of {ANSWER_FILTERS}, got {getattr(self, name)!r}")
+        from data_tools.engine import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.sft_filter not in ("verified", "none"):
+            raise ValueError(f"sft_filter must be 'verified' or 'none', got {self.sft_filter!r}")
+        if self.eval_temperature <= 0 or self.train_temperature <= 0:
+            raise ValueError("temperatures must be > 0 (sampling)")
+
+    @property
+    def arm_list(self) -> list[str]:
+        return [a.strip() for a in self.arms.split(",") if a.strip()]
+
+    @property
+    def arm_lr_table(self) -> dict[str, float]:
+        return {k.strip(): float(v) for k, v in (x.split("=", 1) for x in self.arm_lr.split(",") if x.strip())}
+
+    @property
+    def seed_list(self) -> list[int]:
+        return [int(x) for x in self.seeds.split(",") if x.strip()] or [self.seed]
+
+    def run_name(self, arm: str, lr: float, seed: int) -> str:
+        return arm + (f"@{lr:g}" if lr != self.lr else "") + (f"-s{seed}" if seed != self.seed else "")
+
+    @property
+    def instances(self) -> list[str]:
+        """The arm runs this invocation asks for (``ARM_RUN`` names): every arm at its rate, for every seed."""
+        out = []
+        for spec in self.arm_list:
+            arm, lr, _ = ARM_RUN.fullmatch(spec).groups()
+            rate = float(lr) if lr else self.arm_lr_table.get(arm, self.lr)
+            out += [self.run_name(arm, rate, s) for s in self.seed_list]
+        return list(dict.fromkeys(out))
+
+    def parse_run(self, name: str) -> tuple[str, float, int]:
+        """``(arm, learning rate, seed)`` of a run name. Raises ValueError for a name ``ARM_RUN`` does not match."""
+        m = ARM_RUN.fullmatch(name)
+        if not m or m.group(1) not in ARMS:
+            raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1')")
+        return m.group(1), float(m.group(2)) if m.group(2) else self.lr, int(m.group(3)) if m.group(3) else self.seed
+
+    def label(self, group: str) -> str:
+        """Label of an arm (a run name without its seed) for tables and the plot."""
+        arm, lr, _ = self.parse_run(group)
+        text = ("off-policy SFT on all teacher samples (sft_filter=none)" if arm == "d" and self.sft_filter == "none"
+                else ARMS[arm])
+        return text + (f", lr {lr:g}" if lr != self.lr else "")
+
+    @property
+    def mark_list(self) -> list[float]:
+        try:
+            return [float(x) for x in self.marks.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"marks must be comma-separated seconds, got {self.marks!r}") from None
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.out).expanduser().resolve()
+
+
+
+
+#: Settings that may differ between invocations on one run directory: the arms asked for this time,
+#: the deadline and its overhead estimate, what the fast-generation check decided, and where the directory lives.
+LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out")
+
+
+def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
+    """The settings to record for a (re)started run: ``new``, with the arms of ``old`` kept and its
+    ``fast_generation_used`` decision reused.
+
+    Raises:
+        ValueError: ``old`` records other values for a setting outside ``LOOSE_SETTINGS`` (a different
+            experiment: mixing its results would be wrong); the message names them.
+    """
+    out = dict(new)
+    if old is None:
+        out["fast_generation_used"] = bool(new.get("fast_generation", True))
+        return out
+    a = {k: v for k, v in old.items() if k not in LOOSE_SETTINGS}
+    b = {k: v for k, v in new.items() if k not in LOOSE_SETTINGS}
+    if a != b:
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        raise ValueError(f"the run directory holds a run with other settings ({diff}); use another --out")
+    out["arms"] = ",".join(x for x in dict.fromkeys(old.get("arms", "").split(",") + arms) if x)
+    out["fast_generation_used"] = old.get("fast_generation_used", old.get("fast_generation", True))
+    return out
