@@ -147,6 +147,8 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
              compile_layers=False, report_to="none", dataloader_num_workers=0)
     if arm in ("d", "sft"):
         r.update(sft_share_start=1.0, sft_share_end=1.0)
+    if cfg.warmup_steps and arm != "sft":  # the start and the teacher are built as before, for every experiment alike
+        r.update(lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps)
     if arm in ("f", "h"):
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if not torch.cuda.is_available():

@@ -69,6 +69,11 @@ class LearningConfig:
     teacher_sft_steps: int = field(default=0, metadata={"help": "> 0: the same for the teacher (instead of teacher_sft_s)."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
     lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW, constant)."})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "> 0: every arm's rate rises linearly over its first N optimizer steps, then stays constant "
+                "(transformers' constant_with_warmup). Adam's first update is about lr x sign(g) on every weight; "
+                "without a warm-up, rates above 1e-5 break the start in one step (bench/LEARNING.md, the 5e-5 "
+                "collapse). Counted in steps, so every arm gets the same number of small first updates."})
     sft_batch_size: int = field(default=64, metadata={"help": "Sequences per optimizer step for SFT (teacher and arm d)."})
     num_generations: int = field(default=8, metadata={"help": "G: samples per prompt for arms a, b, c, e."})
     completions_per_step: int = field(default=128, metadata={"help": "Completions per optimizer step (a, b, c, e)."})
@@ -141,6 +146,8 @@ class LearningConfig:
         if self.completions_per_step % self.num_generations:
             raise ValueError(f"completions_per_step ({self.completions_per_step}) must be a multiple of "
                              f"num_generations ({self.num_generations})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if min(self.budget_s, self.teacher_sft_s, self.lr, self.teacher_lr) <= 0:
             raise ValueError("budget_s, teacher_sft_s, lr and teacher_lr must be > 0")
         from data_tools.grader import ANSWER_FILTERS

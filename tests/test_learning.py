@@ -275,3 +275,34 @@ def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
             str(cfg.dir / "arms" / name), cfg.num_generations, cfg.completions_per_step)
         assert (args.max_completion_length, args.temperature, args.answer_filter) == (
             cfg.max_new_tokens, cfg.train_temperature, cfg.answer_filter)
+
+
+def test_warmup_steps_reach_every_arm_but_not_the_start(tmp_path):
+    """``warmup_steps`` makes each arm's recipe a constant_with_warmup schedule of that many steps, and the
+    trainer's scheduler then follows transformers' formula: lr * step / N for the first N steps."""
+    from bench.learning import _yaml, arm_recipe, train_recipe
+    from data_tools.config import parse_config
+    from trainers.opd_config import OPDConfig
+
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="a", warmup_steps=10)
+    cfg.dir.mkdir(parents=True)
+    (cfg.dir / "settings.json").write_text(json.dumps({"start_path": str(tmp_path / "start")}))
+    for arm in ("a", "d", "f"):
+        (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, arm), tmp_path / f"{arm}.yaml"))], env={})
+        assert (getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type), args.warmup_steps) == (
+            "constant_with_warmup", 10), arm
+    sft = train_recipe(cfg, "sft", student="s", curriculum=tmp_path / "c.parquet", out_dir=tmp_path / "o", lr=1e-5, seed=0)
+    assert sft["lr_scheduler_type"] == "constant" and "warmup_steps" not in sft
+    import torch
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-5)
+    sched = get_scheduler("constant_with_warmup", opt, num_warmup_steps=10, num_training_steps=100)
+    lrs = []
+    for _ in range(12):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0 and abs(lrs[5] - 1.5e-5) < 1e-12 and lrs[10] == lrs[11] == 3e-5
+    with pytest.raises(ValueError, match="warmup_steps"):
+        LearningConfig(out=str(tmp_path / "x"), warmup_steps=-1)
