@@ -148,54 +148,94 @@ def group_runs(prompt_ids: list[list[int]]) -> list[int]:
 
 
 class _DecodeState:
-    """Static buffers, cache and (on CUDA) the captured decode step for one (B, L, sampling) shape."""
+    """Static buffers, the ``DecodeKV`` cache and (on CUDA) the captured decode steps for one (B, L, sampling) shape.
+
+    Per-slot buffers (``cur_tok``, ``pos_ids``, ``finished``, ``rows``, ``force_len`` and the cache) hold the
+    live rows in slots ``[:kv.b]``; ``rows`` maps a slot to its row of ``out`` (the caller's order), so batch
+    compaction moves slots and never the output. ``graphs`` holds one captured step per window
+    ``(kv.b, kv.lb)``, all in one memory pool (they run one after another, and everything they keep lives in
+    the static buffers, so their scratch memory can be shared).
+    """
 
     def __init__(self, model, B: int, L: int, N: int, sp: SamplingParams, eos: torch.Tensor, pad_id: int,
-                 use_graph: bool, use_gqa: bool):
-        from transformers import StaticCache
+                 use_graph: bool, use_gqa: bool, compiled: bool, forcing: bool):
+        from trainers.decode_kv import DecodeKV
 
         dev = next(model.parameters()).device
         self.model, self.B, self.L, self.N, self.sp = model, B, L, N, sp
-        self.use_graph, self.use_gqa = use_graph, use_gqa
-        self.cache = StaticCache(config=model.config, max_cache_len=L)
-        self.eos, self.pad_id = eos, pad_id
+        self.use_graph, self.use_gqa, self.compiled, self.forcing = use_graph, use_gqa, compiled, forcing
         self.dtype = next(model.parameters()).dtype
-        self.mask = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)
+        self.kv = DecodeKV(B, L, self.dtype, dev)
+        self.eos, self.pad_id = eos, pad_id
+        # an id that is no EOS, written in place of an EOS sampled before a forced length (bench/test hook)
+        self.filler = next(i for i in range(len(eos) + 1) if i not in set(eos.tolist()))
         self.cur_tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.pos_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.write_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.step_idx = torch.zeros(1, dtype=torch.long, device=dev)
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=dev)
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.graph = None
+        self.rows = torch.arange(B, device=dev)
+        self.force_len = torch.zeros(B, dtype=torch.long, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
         self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         self.weights_key = _weights_key(model)
 
-    # one decode step: everything on device, in place on the static buffers
+    def force(self, nxt: torch.Tensor, s) -> torch.Tensor:
+        """Bench/test hook: slot i emits EOS as its ``force_len[i]``-th token and no EOS before."""
+        fl = self.force_len[: nxt.numel()]
+        if self.eos.numel():
+            nxt = torch.where(torch.isin(nxt, self.eos), torch.full_like(nxt, self.filler), nxt)
+        return torch.where(fl == s + 1, self.eos[:1].expand_as(nxt), nxt)
+
+    # one decode step over the window (kv.b, kv.lb): everything on device, in place on the static buffers
     def step(self):
-        m = self.model
-        self.mask.index_fill_(3, self.write_pos, True)
-        am = torch.where(self.mask, 0.0, torch.finfo(self.dtype).min).to(self.dtype)
+        from trainers.decode_kv import KV_ATTN_NAME, active_kv, decode_layers_compiled
+
+        m, kv = self.model, self.kv
+        b = kv.b
+        kv.pos = self.write_pos
+        kv.mask[:b].index_fill_(3, self.write_pos, 0.0)
         kw = {"cache_position": self.write_pos} if self.pass_cache_position else {}
+        if self.use_gqa:  # cache_attention writes and reads the cache; the model sees no cache and no mask
+            kw.update(attention_mask=None, past_key_values=None, use_cache=False)
+        else:  # the model's own attention over DecodeKV's window
+            kw.update(attention_mask=kv.mask[:b, :, :, : kv.lb], past_key_values=kv, use_cache=True)
         attn = m.config._attn_implementation
-        if self.use_gqa:
-            m.config._attn_implementation = _ATTN_NAME
-        try:
-            out = m(input_ids=self.cur_tok, position_ids=self.pos_ids, attention_mask=am,
-                    past_key_values=self.cache, use_cache=True, **kw)
-        finally:
-            m.config._attn_implementation = attn
+        with contextlib.ExitStack() as stack:
+            if self.use_gqa:
+                m.config._attn_implementation = KV_ATTN_NAME
+                stack.enter_context(active_kv(kv))
+            if self.compiled:
+                stack.enter_context(decode_layers_compiled(m, b))
+            try:
+                out = m(input_ids=self.cur_tok[:b], position_ids=self.pos_ids[:b], **kw)
+            finally:
+                m.config._attn_implementation = attn
         logits = out.logits[:, -1, :].float()
+        del out
         allow = (self.step_idx >= self.sp.min_new_tokens) if self.sp.min_new_tokens else None
         nxt = sample_next(logits, self.sp, self.eos, allow)
-        nxt = torch.where(self.finished, torch.full_like(nxt, self.pad_id), nxt)
-        self.out.index_copy_(1, self.step_idx, nxt.unsqueeze(1))
+        if self.forcing:
+            nxt = self.force(nxt, self.step_idx)
+        fin = self.finished[:b]
+        nxt = torch.where(fin, torch.full_like(nxt, self.pad_id), nxt)
+        self.out.index_put_((self.rows[:b], self.step_idx.expand(b)), nxt)
         if self.eos.numel():
-            self.finished.logical_or_(torch.isin(nxt, self.eos))
-        self.cur_tok.copy_(nxt.unsqueeze(1))
-        self.pos_ids.add_(1)
+            fin.logical_or_(torch.isin(nxt, self.eos))
+        self.cur_tok[:b].copy_(nxt.unsqueeze(1))
+        self.pos_ids[:b].add_(1)
         self.write_pos.add_(1)
         self.step_idx.add_(1)
+
+    def compact(self, nb: int, written: int) -> None:
+        """Keep ``nb`` slots, live rows first (plus finished ones up to ``nb``); ``written`` cache positions."""
+        b = self.kv.b
+        idx = torch.argsort(self.finished[:b].to(torch.uint8), stable=True)[:nb]
+        self.kv.compact(idx, written)
+        for buf in (self.cur_tok, self.pos_ids, self.finished, self.rows, self.force_len):
+            buf[:nb].copy_(buf[:b].index_select(0, idx))
 
 
 def _weights_key(model) -> tuple:
@@ -203,6 +243,15 @@ def _weights_key(model) -> tuple:
     # parameter is still there (in-place optimizer updates keep them; FSDP2's per-call all-gather in
     # ``fsdp2_full_weights`` allocates them anew, so a kept graph is re-captured unless they land back).
     return tuple(p.data_ptr() for p in model.parameters())
+
+
+_warned_compile: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned_compile:
+        _warned_compile.add(msg)
+        log.warning(msg)
 
 
 class FastGenerator:
@@ -215,77 +264,123 @@ class FastGenerator:
             nearby prompt lengths reuse the captured step.
         use_cuda_graph: None = on CUDA devices.
         gqa_attention: decode with ``gqa_decode_attention`` (True) or the model's own attention.
-        check_every: decode steps between "all sequences finished?" checks (the only host syncs).
-        keep_cache: keep the static KV cache and captured graph between calls (no re-capture, but the
+        check_every: decode steps between "all sequences finished?" checks (the only host syncs; with
+            ``compaction`` also where the batch is compacted).
+        keep_cache: keep the static KV cache and captured graphs between calls (no re-capture, but the
             cache, ~1.1 GiB for 32 x 1,280 tokens of a Qwen2.5-1.5B, stays allocated through the
             update phase). False (default): free them after each call and capture again next call
-            (one eager step + a capture, tens of milliseconds), so training peaks no higher than TRL's.
+            (one eager step + a capture per window, tens of milliseconds each), so training peaks no higher
+            than TRL's.
+        compaction: stop paying for finished rows and unwritten positions (``trainers.decode_kv``): the
+            decode attention reads ``[:lb]`` (``attn_len`` buckets of ``attn_bucket``), and at a check the
+            live rows are moved to the smallest batch bucket (halvings of B, down to ``min_batch_bucket``)
+            that holds them. One CUDA graph per window ``(b, lb)`` met. Greedy tokens equal compaction off.
+        compile_step: the decode step's decoder layers through ``torch.compile`` (``dynamic=False``, one
+            compile per batch bucket; needs CUDA graphs and ``gqa_attention``: otherwise it is off, with a
+            warning). The attention over the cache stays eager inside the captured graph.
+        attn_bucket: base of the attention length buckets (tokens).
+        min_batch_bucket: smallest batch a compaction goes to (below it, the weights' read dominates a step).
     """
 
     def __init__(self, pad_token_id: int, eos_token_ids, *, len_bucket: int = 256, use_cuda_graph: bool | None = None,
-                 gqa_attention: bool = True, check_every: int = 128, keep_cache: bool = False):
+                 gqa_attention: bool = True, check_every: int = 128, keep_cache: bool = False,
+                 compaction: bool = False, compile_step: bool = False, attn_bucket: int = 256,
+                 min_batch_bucket: int = 8):
+        from trainers.decode_kv import register_kv_attention
+
         self.pad_id = int(pad_token_id)
         self.eos_ids = [int(e) for e in ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or [])]
         self.len_bucket = max(1, int(len_bucket))
         self.use_cuda_graph = use_cuda_graph
-        self.gqa_attention = gqa_attention and _register_attention()
+        self.gqa_attention = gqa_attention and _register_attention() and register_kv_attention()
         self.check_every = max(1, int(check_every))
         self.keep_cache = keep_cache
+        self.compaction, self.compile_step = bool(compaction), bool(compile_step)
+        self.attn_bucket, self.min_batch_bucket = max(1, int(attn_bucket)), max(1, int(min_batch_bucket))
         self._state: _DecodeState | None = None
+        #: cumulative: ``captures`` decode states built, ``graphs`` CUDA graphs captured, ``compactions``
         self.stats: dict[str, float] = {}
+        #: the last call: ``steps``, ``row_steps`` (sum of b), ``attn_row_tokens`` (sum of b x lb), ``graphs``,
+        #: ``compactions``, ``capture_s`` (warm-up steps + captures, synchronised), ``compiled_batch_sizes``
+        self.last: dict = {}
 
-    def _get_state(self, model, B, L, N, sp, eos, use_graph) -> _DecodeState:
+    def _get_state(self, model, B, L, N, sp, eos, use_graph, forcing) -> _DecodeState:
+        use_gqa = self.gqa_attention and getattr(model.config, "_attn_implementation", "eager") in ("sdpa", "eager")
+        compiled = self.compile_step
+        if compiled and not (use_graph and use_gqa):
+            _warn_once("decode_compile needs CUDA graphs and the GQA decode attention (a CUDA device, sdpa/eager "
+                       "attention): the decode step runs eagerly")
+            compiled = False
         st = self._state
         if (st is not None and st.model is model and (st.B, st.L, st.N, st.sp) == (B, L, N, sp)
-                and st.use_graph == use_graph and st.weights_key == _weights_key(model)):
+                and (st.use_graph, st.compiled, st.forcing) == (use_graph, compiled, forcing)
+                and st.weights_key == _weights_key(model)):
             return st
         self._state = None  # drop the old cache/graph before allocating a new one
         if st is not None:
             del st
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        use_gqa = self.gqa_attention and getattr(model.config, "_attn_implementation", "eager") in ("sdpa", "eager")
-        self._state = _DecodeState(model, B, L, N, sp, eos, self.pad_id, use_graph, use_gqa)
+        self._state = _DecodeState(model, B, L, N, sp, eos, self.pad_id, use_graph, use_gqa, compiled, forcing)
         self.stats["captures"] = self.stats.get("captures", 0) + 1
         return self._state
 
     @torch.no_grad()
-    def generate(self, model, prompt_ids: list[list[int]], sp: SamplingParams) -> list[list[int]]:
-        """Completion ids per prompt, cut after the first EOS (EOS kept), like TRL's HF path."""
+    def generate(self, model, prompt_ids: list[list[int]], sp: SamplingParams,
+                 forced_lengths: list[int] | None = None) -> list[list[int]]:
+        """Completion ids per prompt, cut after the first EOS (EOS kept), like TRL's HF path.
+
+        ``forced_lengths``: bench/test hook (random-weight models): row i ends with an EOS as its
+        ``forced_lengths[i]``-th token (an EOS sampled earlier is replaced by a non-EOS id); needs EOS ids.
+        """
         dev = next(model.parameters()).device
         B = len(prompt_ids)
         N = int(sp.max_new_tokens)
         if B == 0 or N <= 0:
             return [[] for _ in prompt_ids]
+        if forced_lengths is not None and (len(forced_lengths) != B or not self.eos_ids):
+            raise ValueError("forced_lengths needs one length per prompt and an EOS id")
         P = max(len(p) for p in prompt_ids)
         L = int(math.ceil((P + N) / self.len_bucket) * self.len_bucket)
         use_graph = dev.type == "cuda" if self.use_cuda_graph is None else (self.use_cuda_graph and dev.type == "cuda")
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
-        st = self._get_state(model, B, L, N, sp, eos, use_graph)
+        st = self._get_state(model, B, L, N, sp, eos, use_graph, forced_lengths is not None)
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        pmask = torch.zeros(B, P, dtype=torch.long)
+        pmask = torch.zeros(B, P, dtype=torch.bool)
         for i, p in enumerate(prompt_ids):
             if p:
                 ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-                pmask[i, P - len(p):] = 1
+                pmask[i, P - len(p):] = True
         ids, pmask = ids.to(dev), pmask.to(dev)
-        pos = (pmask.cumsum(-1) - 1).masked_fill(pmask == 0, 0)
+        pos = (pmask.long().cumsum(-1) - 1).masked_fill(~pmask, 0)
+        minf = torch.finfo(st.dtype).min
+        # additive masks (0 / dtype min, not -inf): a left-pad query row that sees no key stays finite
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        pre_mask = torch.where(causal[None, None] & pmask[:, None, None, :], 0.0, minf).to(st.dtype)
 
         was_training = model.training
         model.eval()
+        kv = st.kv
         try:
-            st.cache.reset()
+            kv.b, kv.lb, kv.pos, kv.seen = B, P, torch.arange(P, device=dev), 0
+            kv.mask.fill_(minf)
+            kv.mask[:, 0, 0, :P] = torch.where(pmask, 0.0, minf).to(st.dtype)
             st.finished.zero_()
             st.out.fill_(self.pad_id)
-            st.mask.zero_()
-            st.mask[:, 0, 0, :P] = pmask.bool()
-            kw = {"cache_position": torch.arange(P, device=dev)} if st.pass_cache_position else {}
-            out = model(input_ids=ids, attention_mask=pmask, position_ids=pos, past_key_values=st.cache,
+            st.rows.copy_(torch.arange(B, device=dev))
+            if forced_lengths is not None:
+                st.force_len.copy_(torch.tensor(forced_lengths, dtype=torch.long))
+            kw = {"cache_position": kv.pos} if st.pass_cache_position else {}
+            out = model(input_ids=ids, attention_mask=pre_mask, position_ids=pos, past_key_values=kv,
                         use_cache=True, logits_to_keep=1, **kw)
+            del pre_mask
+            kv.seen, kv.lb = P, L
             allow = torch.tensor(sp.min_new_tokens <= 0, device=dev) if sp.min_new_tokens else None
             first = sample_next(out.logits[:, -1, :].float(), sp, eos, allow)
             del out
+            if st.forcing:
+                first = st.force(first, 0)
             st.out[:, 0] = first
             if eos.numel():
                 st.finished.copy_(torch.isin(first, eos))
@@ -293,13 +388,13 @@ class FastGenerator:
             st.pos_ids.copy_(pos[:, -1:] + 1)
             st.write_pos.fill_(P)
             st.step_idx.fill_(1)
-            self._decode(st, N)
+            self._decode(st, N, P)
             toks = st.out.cpu()
         finally:
             model.train(was_training)
             if not self.keep_cache:
-                self._state = None  # frees the cache, buffers and the graph's memory pool
-                del st
+                self._state = None  # frees the cache, buffers and the graphs' memory pool
+                del st, kv
         res = []
         eos_set = set(self.eos_ids)
         for row in toks.tolist():
@@ -307,42 +402,70 @@ class FastGenerator:
             res.append(row[:cut])
         return res
 
-    def _decode(self, st: _DecodeState, N: int) -> None:
+    def _decode(self, st: _DecodeState, N: int, P: int) -> None:
+        """Decode steps 1..N-1: a check every ``check_every`` steps (all finished? compact?), then one step."""
+        import time
+
+        from trainers.decode_kv import attn_len, batch_buckets, compiled_batch_sizes
+
+        kv = st.kv
+        buckets = batch_buckets(st.B, self.min_batch_bucket) if self.compaction else [st.B]
+        last = {"steps": 0, "row_steps": 0, "attn_row_tokens": 0, "graphs": 0, "compactions": 0, "capture_s": 0.0}
+        self.last = last
         t = 1
-        if not st.use_graph:
+        try:
             while t < N:
-                st.step()
-                t += 1
-                if t % self.check_every == 0 and bool(st.finished.all()):
-                    return
-            return
-        if st.graph is None:
-            if t < N:  # warm-up on a side stream (a real decode step), then capture (not executed)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
+                if t % self.check_every == 0:
+                    live = int((~st.finished[: kv.b]).sum())  # the host sync
+                    if live == 0:
+                        return
+                    nb = min((x for x in buckets if x >= live), default=kv.b)
+                    if nb < kv.b:
+                        st.compact(nb, P + t - 1)
+                        last["compactions"] += 1
+                if self.compaction:  # the step at t writes position P + t - 1 and attends over [:P + t]
+                    kv.lb = attn_len(P + t, st.L, self.attn_bucket)
+                key = (kv.b, kv.lb)
+                last["steps"] += 1
+                last["row_steps"] += kv.b
+                last["attn_row_tokens"] += kv.b * kv.lb
+                if not st.use_graph:
                     st.step()
-                torch.cuda.current_stream().wait_stream(s)
+                elif key in st.graphs:
+                    st.graphs[key].replay()
+                else:  # warm-up (a real decode step, also where a compile happens) on a side stream, then capture
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        st.step()
+                    torch.cuda.current_stream().wait_stream(s)
+                    if t + 1 < N:  # the capture records a step for the next ones; it executes nothing
+                        if st.pool is None:
+                            st.pool = torch.cuda.graph_pool_handle()
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, pool=st.pool):
+                            st.step()
+                        st.graphs[key] = g
+                        last["graphs"] += 1
+                        self.stats["graphs"] = self.stats.get("graphs", 0) + 1
+                    torch.cuda.synchronize()
+                    last["capture_s"] += time.perf_counter() - t0
                 t += 1
-            if t >= N:
-                return
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                st.step()
-            st.graph = g
-        while t < N:
-            st.graph.replay()
-            t += 1
-            if t % self.check_every == 0 and bool(st.finished.all()):
-                return
+        finally:
+            self.stats["compactions"] = self.stats.get("compactions", 0) + last["compactions"]
+            last["compiled_batch_sizes"] = sorted(compiled_batch_sizes(st.model)) if st.compiled else []
 
 
 def generator_for(model, pad_token_id: int, eos_token_ids, **kw) -> FastGenerator:
-    """The ``FastGenerator`` kept on ``model`` (created on first use; reused while ids match)."""
+    """The ``FastGenerator`` kept on ``model`` (created on first use; reused while ids and ``kw`` match)."""
     g = getattr(model, "_opd_fast_generator", None)
-    key = (int(pad_token_id), tuple(eos_token_ids if not isinstance(eos_token_ids, int) else [eos_token_ids]))
-    if g is None or (g.pad_id, tuple(g.eos_ids)) != key:
+    key = (int(pad_token_id), tuple(eos_token_ids if not isinstance(eos_token_ids, int) else [eos_token_ids]),
+           tuple(sorted(kw.items())))
+    if g is None or getattr(g, "_key", None) != key:
         g = FastGenerator(pad_token_id, eos_token_ids, **kw)
+        g._key = key
         setattr(model, "_opd_fast_generator", g)
     return g
 
