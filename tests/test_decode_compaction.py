@@ -136,3 +136,26 @@ def test_decode_compile_falls_back_on_cpu(caplog):
         got = compacting(compile_step=True).generate(model, ps, SamplingParams(max_new_tokens=N, do_sample=False))
     assert got == hf_greedy(model, ps, N, PAD, EOS)
     assert any("decode_compile" in r.message for r in caplog.records)
+
+
+def test_trainer_flags_reach_the_generator():
+    """``OPDConfig.decode_compaction`` / ``decode_compile`` as ``fast_generate_single_turn`` reads them."""
+    from tests.test_fsdp_generation import stub_trainer
+    from trainers.generation import fast_generate_single_turn
+    from trainers.opd_config import OPDConfig
+
+    names = {f for f in OPDConfig.__dataclass_fields__}
+    assert {"decode_compaction", "decode_compile"} <= names
+    assert OPDConfig.__dataclass_fields__["decode_compaction"].default is False
+    model = small_vocab_model()
+    ps = rows()
+    tr = stub_trainer(model, N)
+    tr.generation_config.eos_token_id, tr.eos_token_ids, tr._tokenizer.pad_token_id = EOS, EOS, PAD
+    tr.args.decode_compaction = True
+    got = fast_generate_single_turn(tr, ps)
+    gen = model._opd_fast_generator
+    assert gen.compaction and not gen.compile_step
+    assert got == hf_greedy(model, ps, N, PAD, EOS)
+    tr.args.decode_compaction = False
+    fast_generate_single_turn(tr, ps)
+    assert model._opd_fast_generator is not gen and not model._opd_fast_generator.compaction

@@ -600,7 +600,10 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
                 log.warning("fast generation off under FSDP2 (%s): using TRL's HF generate", e)
                 _warned_hooks = True
             return None
-        gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids)
+        args = trainer.args
+        gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
+                            compaction=bool(getattr(args, "decode_compaction", False)),
+                            compile_step=bool(getattr(args, "decode_compile", False)))
         return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
 
 
