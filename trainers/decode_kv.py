@@ -189,7 +189,8 @@ def decode_layers_compiled(model, b: int):
         model._opd_decode_compiled = comp
         model._opd_decode_compiled_b = set()
     cfg = torch._dynamo.config
-    need = 64 + 4 * len(layers)  # decode buckets x resume functions, next to the training-side entries
+    # entries per code object: (batch buckets + training's) x layers, should dynamo key them by layer instance
+    need = 64 + 8 * len(layers)
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(need, getattr(cfg, name)))

@@ -18,7 +18,12 @@ the first EOS, EOS included) and decodes the whole batch in one call:
   for "all finished" every ``check_every`` steps only); the graph, cache and buffers are kept on
   the model and reused while the weights keep their storage (in-place optimizer updates do);
 - decode attention over the static cache is a grouped-query kernel that reads each KV head once
-  (HF's SDPA path with a mask repeats the KV heads to all query heads every step).
+  (HF's SDPA path with a mask repeats the KV heads to all query heads every step);
+- ``compaction`` (``OPDConfig.decode_compaction``): the decode attention reads only the written length
+  rounded up to a bucket, and finished rows are dropped by moving the live ones into a smaller batch
+  bucket, one captured graph per (batch, length) window (``trainers.decode_kv``);
+- ``compile_step`` (``OPDConfig.decode_compile``): the decode step's decoder layers are ``torch.compile``d
+  (once per batch bucket) and captured inside the same CUDA graphs.
 
 Under FSDP2 (``fully_shard``, e.g. accelerate's ``fsdp_version: 2``) ``fsdp2_full_weights`` all-gathers
 the student's weights once per generation call and detaches FSDP's forward hooks for the call, so the
@@ -177,6 +182,7 @@ class _DecodeState:
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
         self.rows = torch.arange(B, device=dev)
         self.force_len = torch.zeros(B, dtype=torch.long, device=dev)
+        self.mask_stub = torch.zeros(B, 1, 1, 1, dtype=self.dtype, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
@@ -198,8 +204,10 @@ class _DecodeState:
         kv.pos = self.write_pos
         kv.mask[:b].index_fill_(3, self.write_pos, 0.0)
         kw = {"cache_position": self.write_pos} if self.pass_cache_position else {}
-        if self.use_gqa:  # cache_attention writes and reads the cache; the model sees no cache and no mask
-            kw.update(attention_mask=None, past_key_values=None, use_cache=False)
+        if self.use_gqa:  # cache_attention writes and reads the cache and its mask; the model sees neither
+            # (a 4-D mask passes HF's mask creation as is in every version; its shape is fixed per b, so the
+            # compiled layers' guards never see the length bucket or the static length)
+            kw.update(attention_mask=self.mask_stub[:b], past_key_values=None, use_cache=False)
         else:  # the model's own attention over DecodeKV's window
             kw.update(attention_mask=kv.mask[:b, :, :, : kv.lb], past_key_values=kv, use_cache=True)
         attn = m.config._attn_implementation
