@@ -11,14 +11,17 @@ the first EOS, EOS included) and decodes the whole batch in one call:
 
 - all samples of the batch (G per prompt, prompts repeated consecutively) share one prefill call
   and one decode loop;
-- a static KV cache (``transformers.StaticCache``) whose length is rounded up to ``len_bucket``, so
-  the decode step has fixed shapes across calls;
+- a static KV cache (``trainers.decode_kv.DecodeKV``: one K and one V tensor per layer, written at a
+  position buffer, so the same code serves every transformers version's cache protocol) whose length is
+  rounded up to ``len_bucket``, so the decode step has fixed shapes across calls; the prefill runs the
+  model's own attention (sdpa for flash-attention models) under an additive 4-D mask;
 - on CUDA, one decode step (mask update, model forward, sampling, EOS bookkeeping, buffer updates)
   is captured once as a CUDA graph and replayed N-2 times with no host synchronisation (a check
   for "all finished" every ``check_every`` steps only); the graph, cache and buffers are kept on
   the model and reused while the weights keep their storage (in-place optimizer updates do);
 - decode attention over the static cache is a grouped-query kernel that reads each KV head once
-  (HF's SDPA path with a mask repeats the KV heads to all query heads every step);
+  (HF's SDPA path with a mask repeats the KV heads to all query heads every step), called from
+  ``decode_kv.cache_attention``, which also writes the new token's K/V;
 - ``compaction`` (``OPDConfig.decode_compaction``): the decode attention reads only the written length
   rounded up to a bucket, and finished rows are dropped by moving the live ones into a smaller batch
   bucket, one captured graph per (batch, length) window (``trainers.decode_kv``);
@@ -46,8 +49,6 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger(__name__)
-
-_ATTN_NAME = "opd_gqa_decode"
 
 
 @dataclass(frozen=True)
@@ -100,17 +101,6 @@ def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None
     p = torch.softmax(s, dim=-1).to(value.dtype)
     o = torch.matmul(p, value).view(B, H, q, D).transpose(1, 2).contiguous()
     return o, None
-
-
-def _register_attention() -> bool:
-    try:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(_ATTN_NAME, gqa_decode_attention)
-        return True
-    except Exception as e:  # pragma: no cover - older/newer transformers
-        log.warning("cannot register the GQA decode attention (%s): decoding with the model's attention", e)
-        return False
 
 
 def sample_next(logits: torch.Tensor, sp: SamplingParams, eos: torch.Tensor, allow_eos: torch.Tensor | None):
@@ -210,17 +200,13 @@ class _DecodeState:
             kw.update(attention_mask=self.mask_stub[:b], past_key_values=None, use_cache=False)
         else:  # the model's own attention over DecodeKV's window
             kw.update(attention_mask=kv.mask[:b, :, :, : kv.lb], past_key_values=kv, use_cache=True)
-        attn = m.config._attn_implementation
         with contextlib.ExitStack() as stack:
+            stack.enter_context(attn_implementation(m, KV_ATTN_NAME if self.use_gqa else None))
             if self.use_gqa:
-                m.config._attn_implementation = KV_ATTN_NAME
                 stack.enter_context(active_kv(kv))
             if self.compiled:
                 stack.enter_context(decode_layers_compiled(m, b))
-            try:
-                out = m(input_ids=self.cur_tok[:b], position_ids=self.pos_ids[:b], **kw)
-            finally:
-                m.config._attn_implementation = attn
+            out = m(input_ids=self.cur_tok[:b], position_ids=self.pos_ids[:b], **kw)
         logits = out.logits[:, -1, :].float()
         del out
         allow = (self.step_idx >= self.sp.min_new_tokens) if self.sp.min_new_tokens else None
@@ -244,6 +230,23 @@ class _DecodeState:
         self.kv.compact(idx, written)
         for buf in (self.cur_tok, self.pos_ids, self.finished, self.rows, self.force_len):
             buf[:nb].copy_(buf[:b].index_select(0, idx))
+
+
+@contextlib.contextmanager
+def attn_implementation(model, name: str | None):
+    """``model``'s attention implementation set to ``name`` for the block.
+
+    ``None``: the model's own if it takes the decoder's additive 4-D masks (``sdpa``, ``eager``), else ``sdpa``
+    (flash-attention kernels take no such mask; every HF decoder also runs on sdpa).
+    """
+    old = model.config._attn_implementation
+    if name is None:
+        name = old if old in ("sdpa", "eager") else "sdpa"
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
 
 
 def _weights_key(model) -> tuple:
@@ -300,7 +303,7 @@ class FastGenerator:
         self.eos_ids = [int(e) for e in ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or [])]
         self.len_bucket = max(1, int(len_bucket))
         self.use_cuda_graph = use_cuda_graph
-        self.gqa_attention = gqa_attention and _register_attention() and register_kv_attention()
+        self.gqa_attention = gqa_attention and register_kv_attention()
         self.check_every = max(1, int(check_every))
         self.keep_cache = keep_cache
         self.compaction, self.compile_step = bool(compaction), bool(compile_step)
@@ -313,11 +316,11 @@ class FastGenerator:
         self.last: dict = {}
 
     def _get_state(self, model, B, L, N, sp, eos, use_graph, forcing) -> _DecodeState:
-        use_gqa = self.gqa_attention and getattr(model.config, "_attn_implementation", "eager") in ("sdpa", "eager")
+        use_gqa = self.gqa_attention
         compiled = self.compile_step
         if compiled and not (use_graph and use_gqa):
-            _warn_once("decode_compile needs CUDA graphs and the GQA decode attention (a CUDA device, sdpa/eager "
-                       "attention): the decode step runs eagerly")
+            _warn_once("decode_compile needs CUDA graphs and the GQA decode attention (a CUDA device, "
+                       "gqa_attention=True): the decode step runs eagerly")
             compiled = False
         st = self._state
         if (st is not None and st.model is model and (st.B, st.L, st.N, st.sp) == (B, L, N, sp)
@@ -380,8 +383,9 @@ class FastGenerator:
             if forced_lengths is not None:
                 st.force_len.copy_(torch.tensor(forced_lengths, dtype=torch.long))
             kw = {"cache_position": kv.pos} if st.pass_cache_position else {}
-            out = model(input_ids=ids, attention_mask=pre_mask, position_ids=pos, past_key_values=kv,
-                        use_cache=True, logits_to_keep=1, **kw)
+            with attn_implementation(model, None):
+                out = model(input_ids=ids, attention_mask=pre_mask, position_ids=pos, past_key_values=kv,
+                            use_cache=True, logits_to_keep=1, **kw)
             del pre_mask
             kv.seen, kv.lb = P, L
             allow = torch.tensor(sp.min_new_tokens <= 0, device=dev) if sp.min_new_tokens else None
