@@ -19,7 +19,7 @@ training (``keep_cache=False`` re-captures every call).
 Floor: per decode step, the weights plus the live rows' KV (each row's own prompt + tokens so far) read once
 at the measured device-to-device copy bandwidth, summed over the steps to the longest row.
 
-usage:  python bench/decode_bench.py [--modes base,compaction,compile,both] [--out decode_bench.json]
+usage:  python bench/decode_bench.py [--modes base,compaction,both,compile] [--out decode_bench.json]
         python bench/decode_bench.py --device cpu --tiny      (CPU smoke test of the same code)
 Writes JSON (to --out, default $OUT/decode_bench.json or ./decode_bench.json) and prints it.
 """
@@ -118,7 +118,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny model, short lengths (CPU smoke test)")
-    ap.add_argument("--modes", default="base,compaction,compile,both")
+    ap.add_argument("--modes", default="base,compaction,both,compile",
+                    help="comma-separated, of " + ",".join(MODES))
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--G", type=int, default=4)
     ap.add_argument("--cap", type=int, default=8192)
@@ -165,6 +166,7 @@ def main(argv=None) -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
+    path = Path(o.out or Path(os.environ.get("OUT", ".")) / "decode_bench.json")
     # first CUDA use (cuBLAS handles, allocator) outside every timing
     FastGenerator(PAD, [EOS], check_every=8).generate(model, prompt_ids[:8], SamplingParams(max_new_tokens=16))
     for mode in [m for m in o.modes.split(",") if m]:
@@ -202,6 +204,7 @@ def main(argv=None) -> dict:
                  dynamo_frames_compiled_in_call=_dynamo_frames() - frames0,
                  peak_rise_gb=((torch.cuda.max_memory_allocated(dev) - before) / 1e9) if dev.type == "cuda" else None)
         res["modes"][mode] = r
+        path.write_text(json.dumps(res, indent=1))  # after every mode: a run cut short keeps what it measured
         print(f"[decode_bench] {mode}: {wall:.1f}s, {r['tokens_per_s']:.0f} tok/s, {r['x_floor']:.2f}x floor, "
               f"{r['graphs_captured']} graphs, {r['compactions']} compactions", flush=True)
         del gen, out
@@ -209,7 +212,6 @@ def main(argv=None) -> dict:
     if base:
         for m, r in res["modes"].items():
             r["speedup_vs_base"] = base["wall_s"] / r["wall_s"]
-    path = Path(o.out or Path(os.environ.get("OUT", ".")) / "decode_bench.json")
     path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return res

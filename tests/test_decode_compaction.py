@@ -159,3 +159,22 @@ def test_trainer_flags_reach_the_generator():
     tr.args.decode_compaction = False
     fast_generate_single_turn(tr, ps)
     assert model._opd_fast_generator is not gen and not model._opd_fast_generator.compaction
+
+
+def test_decode_bench_lengths_floor_and_warmup():
+    import statistics
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import decode_bench as db
+
+    n = db.draw_lengths(128, 1500.0, 8192, 0.06, seed=2)
+    assert statistics.median(n) == 1500 and sum(x == 8192 for x in n) == 8 and min(n) >= 1
+    assert n != sorted(n) and sorted(n) == sorted(db.draw_lengths(128, 1500.0, 8192, 0.06, seed=3))
+    # two rows, prompts 2 and 3 tokens, lengths 2 and 4: steps 1..3; live KV (2+1)+(3+1), (3+2), (3+3)
+    assert db.floor_bytes([2, 3], [2, 4], weight_bytes=100, kv_token_bytes=10) == (3, 3 * 100 + 10 * (7 + 5 + 6))
+    wl, cap = db.warmup_lengths(128, 128)
+    assert len(wl) == 128 and cap > max(wl)
+    live = [sum(x > t for x in wl) for t in (128, 256, 384, 512)]
+    assert live == [64, 32, 16, 8]
