@@ -15,7 +15,9 @@ keeps one K and one V tensor ``(B, KVH, L, D)`` per layer, allocated once, and a
   left out here: the trainer's batch is fixed per step).
 
 Each ``(b, lb)`` is one static shape: ``trainers.generation`` captures one CUDA graph per window met (one
-memory pool for all), so a call of 128 x 8k captures at most 25 + 4 graphs.
+memory pool for all; the windows met form one path, the length growing and the batch shrinking), so the
+realistic call of ``bench/decode_bench.py`` (128 rows, prompts up to 512 tokens, cap 8,192) captures 27.
+Compaction frees no memory (the cache keeps its ``B`` rows): the peak is the prefill's anyway.
 
 ``decode_layers_compiled``: the decode step's decoder layers run through one ``torch.compile``d function
 (``dynamic=False``, inductor's default mode: no cudagraph trees, the caller captures the graph). The
