@@ -48,10 +48,12 @@ class HFEngine:
         dtype: ``"auto"`` = bfloat16 on CUDA, float32 on CPU (as the vLLM engine).
         max_batch: most sequences per decode call (a prompt's ``n`` samples always share one call).
         device: ``None`` = CUDA when available.
+        decode_compaction, decode_compile: ``FastGenerator``'s ``compaction`` / ``compile_step`` (as OPDConfig's).
     """
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048, gpu_memory_utilization: float = 0.85,
-                 dtype: str = "auto", max_batch: int = 512, device: str | None = None, **_vllm_only):
+                 dtype: str = "auto", max_batch: int = 512, device: str | None = None, decode_compaction: bool = False,
+                 decode_compile: bool = False, **_vllm_only):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,7 +73,8 @@ class HFEngine:
         if not self.eos_ids:
             raise ValueError(f"{model}: neither the tokenizer nor generation_config names an EOS token")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.generator = FastGenerator(pad, self.eos_ids, len_bucket=128, check_every=32)
+        self.generator = FastGenerator(pad, self.eos_ids, len_bucket=128, check_every=32, compaction=decode_compaction,
+                                       compile_step=decode_compile)
         per_seq = kv_bytes_per_token(self.model.config, torch.finfo(getattr(torch, self.dtype)).bits // 8) * max_model_len
         if gpu:
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -48,6 +48,36 @@ def test_fast_decoder_equals_hf_generate_greedy_on_cuda(gqa):
     assert gen._state is None and gen.stats["captures"] == 1  # the graph was captured (and freed after the call)
 
 
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_compacting_decoder_equals_hf_generate_greedy_on_cuda(compile_step):
+    """Compaction (and compiled decode layers) with CUDA graphs per window = ``model.generate`` (float32, greedy).
+
+    A second call re-captures its graphs but compiles nothing new: one compile per batch bucket met.
+    """
+    from tests.test_decode_compaction import EOS, N, PAD, rows, small_vocab_model
+    from trainers.decode_kv import compiled_batch_sizes
+    from trainers.generation import FastGenerator, SamplingParams
+
+    model = small_vocab_model().cuda()
+    ps = rows()
+    ref = hf_greedy(model, ps, N, PAD, EOS)
+    gen = FastGenerator(PAD, EOS, len_bucket=8, check_every=2, compaction=True, attn_bucket=4, min_batch_bucket=1,
+                        compile_step=compile_step)
+    sp = SamplingParams(max_new_tokens=N, do_sample=False)
+    assert gen.generate(model, ps, sp) == ref
+    assert gen.last["compactions"] >= 2 and gen.last["graphs"] >= 4
+    if compile_step:
+        sizes = compiled_batch_sizes(model)
+        assert 12 in sizes and len(sizes) >= 3 and sizes <= {12, 6, 3, 2, 1}
+        from torch._dynamo.utils import counters
+
+        frames = counters["frames"]["total"]
+        assert gen.generate(model, ps, sp) == ref
+        assert counters["frames"]["total"] == frames  # no recompile on the second call
+    else:
+        assert compiled_batch_sizes(model) == set()
+
+
 def test_hf_engine_greedy_matches_hf_generate_on_smollm2():
     """The hf engine (float32 here) on the real model: greedy text, token counts and finish reasons."""
     from transformers import AutoModelForCausalLM

@@ -89,18 +89,20 @@ class AsyncRollouts:
     Args:
         model: the (unwrapped, single-process) student; copied once here.
         pad_token_id, eos_token_ids: as ``FastGenerator``.
+        generator_kw: further ``FastGenerator`` arguments (``compaction``, ``compile_step``).
 
     Thread contract: ``launch``, ``take``, ``generate_now``, ``cancel`` are called from the main thread
     only; the worker thread touches the snapshot, its ``FastGenerator`` and its own ``Rollouts``.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids, **generator_kw):
         self.snapshot = make_snapshot(model)
         self.device = next(model.parameters()).device
         self._stop = threading.Event()
         # keep_cache: the snapshot's addresses never change, so the captured decode step is reused each step
         self.generator = FastGenerator(pad_token_id, eos_token_ids, keep_cache=True,
-                                       capture_error_mode="thread_local", stop_event=self._stop)
+                                       capture_error_mode="thread_local", stop_event=self._stop,
+                                       **generator_kw)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread: threading.Thread | None = None
         self._job: Rollouts | None = None
@@ -246,7 +248,9 @@ class AsyncGeneration:
                              "fast_generation=False, a sharded setup (FSDP1 / ZeRO-3), or a generation setting it "
                              "lacks (repetition_penalty, beams, suppress_tokens, ...)")
         model = self.accelerator.unwrap_model(self.model)
-        self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids)
+        self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
+                                    compaction=bool(self.args.decode_compaction),
+                                    compile_step=bool(self.args.decode_compile))
         self._async_is = bool(a.vllm_importance_sampling_correction)
         self.add_callback(_AsyncStop(self))
 

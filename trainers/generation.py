@@ -11,14 +11,22 @@ the first EOS, EOS included) and decodes the whole batch in one call:
 
 - all samples of the batch (G per prompt, prompts repeated consecutively) share one prefill call
   and one decode loop;
-- a static KV cache (``transformers.StaticCache``) whose length is rounded up to ``len_bucket``, so
-  the decode step has fixed shapes across calls;
+- a static KV cache (``trainers.decode_kv.DecodeKV``: one K and one V tensor per layer, written at a
+  position buffer, so the same code serves every transformers version's cache protocol) whose length is
+  rounded up to ``len_bucket``, so the decode step has fixed shapes across calls; the prefill runs the
+  model's own attention (sdpa for flash-attention models) under an additive 4-D mask;
 - on CUDA, one decode step (mask update, model forward, sampling, EOS bookkeeping, buffer updates)
   is captured once as a CUDA graph and replayed N-2 times with no host synchronisation (a check
   for "all finished" every ``check_every`` steps only); the graph, cache and buffers are kept on
   the model and reused while the weights keep their storage (in-place optimizer updates do);
 - decode attention over the static cache is a grouped-query kernel that reads each KV head once
-  (HF's SDPA path with a mask repeats the KV heads to all query heads every step).
+  (HF's SDPA path with a mask repeats the KV heads to all query heads every step), called from
+  ``decode_kv.cache_attention``, which also writes the new token's K/V;
+- ``compaction`` (``OPDConfig.decode_compaction``): the decode attention reads only the written length
+  rounded up to a bucket, and finished rows are dropped by moving the live ones into a smaller batch
+  bucket, one captured graph per (batch, length) window (``trainers.decode_kv``);
+- ``compile_step`` (``OPDConfig.decode_compile``): the decode step's decoder layers are ``torch.compile``d
+  (once per batch bucket) and captured inside the same CUDA graphs.
 
 Under FSDP2 (``fully_shard``, e.g. accelerate's ``fsdp_version: 2``) ``fsdp2_full_weights`` all-gathers
 the student's weights once per generation call and detaches FSDP's forward hooks for the call, so the
@@ -41,8 +49,6 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger(__name__)
-
-_ATTN_NAME = "opd_gqa_decode"
 
 
 @dataclass(frozen=True)
@@ -97,17 +103,6 @@ def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None
     return o, None
 
 
-def _register_attention() -> bool:
-    try:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(_ATTN_NAME, gqa_decode_attention)
-        return True
-    except Exception as e:  # pragma: no cover - older/newer transformers
-        log.warning("cannot register the GQA decode attention (%s): decoding with the model's attention", e)
-        return False
-
-
 def sample_next(logits: torch.Tensor, sp: SamplingParams, eos: torch.Tensor, allow_eos: torch.Tensor | None):
     """Next token ids ``(B,)`` from fp32 logits ``(B, V)``; no host synchronisation (graph-capturable)."""
     if allow_eos is not None and eos.numel():
@@ -136,6 +131,17 @@ def sample_next(logits: torch.Tensor, sp: SamplingParams, eos: torch.Tensor, all
     return (probs / q).argmax(dim=-1)
 
 
+def group_runs(prompt_ids: list[list[int]]) -> list[int]:
+    """Lengths of runs of identical consecutive prompts (a prompt's G samples come in a row)."""
+    runs: list[int] = []
+    for i, p in enumerate(prompt_ids):
+        if i and p == prompt_ids[i - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
 def sampled_logprob(logits: torch.Tensor, tokens: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """``(B,)`` fp32 log-prob of ``tokens`` under ``log_softmax(logits / T)``, T = ``sp.temperature`` (1 if 0).
 
@@ -149,70 +155,120 @@ def sampled_logprob(logits: torch.Tensor, tokens: torch.Tensor, sp: SamplingPara
     return z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)
 
 
-def group_runs(prompt_ids: list[list[int]]) -> list[int]:
-    """Lengths of runs of identical consecutive prompts (a prompt's G samples come in a row)."""
-    runs: list[int] = []
-    for i, p in enumerate(prompt_ids):
-        if i and p == prompt_ids[i - 1]:
-            runs[-1] += 1
-        else:
-            runs.append(1)
-    return runs
-
-
 class _DecodeState:
-    """Static buffers, cache and (on CUDA) the captured decode step for one (B, L, sampling) shape."""
+    """Static buffers, the ``DecodeKV`` cache and (on CUDA) the captured decode steps for one (B, L, sampling) shape.
+
+    Per-slot buffers (``cur_tok``, ``pos_ids``, ``finished``, ``rows``, ``force_len`` and the cache) hold the
+    live rows in slots ``[:kv.b]``; ``rows`` maps a slot to its row of ``out`` (the caller's order), so batch
+    compaction moves slots and never the output. ``graphs`` holds one captured step per window
+    ``(kv.b, kv.lb)``, all in one memory pool (they run one after another, and everything they keep lives in
+    the static buffers, so their scratch memory can be shared).
+    """
 
     def __init__(self, model, B: int, L: int, N: int, sp: SamplingParams, eos: torch.Tensor, pad_id: int,
-                 use_graph: bool, use_gqa: bool, record_logprobs: bool = False):
-        from transformers import StaticCache
+                 use_graph: bool, use_gqa: bool, compiled: bool, forcing: bool, record_logprobs: bool = False):
+        from trainers.decode_kv import DecodeKV
 
         dev = next(model.parameters()).device
         self.model, self.B, self.L, self.N, self.sp = model, B, L, N, sp
-        self.use_graph, self.use_gqa = use_graph, use_gqa
-        self.cache = StaticCache(config=model.config, max_cache_len=L)
-        self.eos, self.pad_id = eos, pad_id
+        self.use_graph, self.use_gqa, self.compiled, self.forcing = use_graph, use_gqa, compiled, forcing
         self.dtype = next(model.parameters()).dtype
-        self.mask = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)
+        self.kv = DecodeKV(B, L, self.dtype, dev)
+        self.eos, self.pad_id = eos, pad_id
+        # an id that is no EOS, written in place of an EOS sampled before a forced length (bench/test hook)
+        self.filler = next(i for i in range(len(eos) + 1) if i not in set(eos.tolist()))
         self.cur_tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.pos_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.write_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.step_idx = torch.zeros(1, dtype=torch.long, device=dev)
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=dev)
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        # optional (B, N) log-prob of each sampled token (behaviour policy of async generation)
+        # optional (B, N) log-prob of each sampled token (the behaviour policy of async generation)
         self.logp = torch.zeros(B, N, dtype=torch.float32, device=dev) if record_logprobs else None
-        self.graph = None
+        self.rows = torch.arange(B, device=dev)
+        self.force_len = torch.zeros(B, dtype=torch.long, device=dev)
+        self.mask_stub = torch.zeros(B, 1, 1, 1, dtype=self.dtype, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
         self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         self.weights_key = _weights_key(model)
 
-    # one decode step: everything on device, in place on the static buffers
+    @property
+    def row_ids(self) -> torch.Tensor:
+        """``(b,)`` the caller's row of each live slot of the current window (after compactions)."""
+        return self.rows[: self.kv.b]
+
+    def force(self, nxt: torch.Tensor, s) -> torch.Tensor:
+        """Bench/test hook: slot i emits EOS as its ``force_len[i]``-th token and no EOS before."""
+        fl = self.force_len[: nxt.numel()]
+        if self.eos.numel():
+            nxt = torch.where(torch.isin(nxt, self.eos), torch.full_like(nxt, self.filler), nxt)
+        return torch.where(fl == s + 1, self.eos[:1].expand_as(nxt), nxt)
+
+    # one decode step over the window (kv.b, kv.lb): everything on device, in place on the static buffers
     def step(self):
-        m = self.model
-        self.mask.index_fill_(3, self.write_pos, True)
-        am = torch.where(self.mask, 0.0, torch.finfo(self.dtype).min).to(self.dtype)
+        from trainers.decode_kv import KV_ATTN_NAME, active_kv, decode_layers_compiled
+
+        m, kv = self.model, self.kv
+        b = kv.b
+        kv.pos = self.write_pos
+        kv.mask[:b].index_fill_(3, self.write_pos, 0.0)
         kw = {"cache_position": self.write_pos} if self.pass_cache_position else {}
-        attn = m.config._attn_implementation
-        if self.use_gqa:
-            m.config._attn_implementation = _ATTN_NAME
-        try:
-            out = m(input_ids=self.cur_tok, position_ids=self.pos_ids, attention_mask=am,
-                    past_key_values=self.cache, use_cache=True, **kw)
-        finally:
-            m.config._attn_implementation = attn
+        if self.use_gqa:  # cache_attention writes and reads the cache and its mask; the model sees neither
+            # (a 4-D mask passes HF's mask creation as is in every version; its shape is fixed per b, so the
+            # compiled layers' guards never see the length bucket or the static length)
+            kw.update(attention_mask=self.mask_stub[:b], past_key_values=None, use_cache=False)
+        else:  # the model's own attention over DecodeKV's window
+            kw.update(attention_mask=kv.mask[:b, :, :, : kv.lb], past_key_values=kv, use_cache=True)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(attn_implementation(m, KV_ATTN_NAME if self.use_gqa else None))
+            if self.use_gqa:
+                stack.enter_context(active_kv(kv))
+            if self.compiled:
+                stack.enter_context(decode_layers_compiled(m, b))
+            out = m(input_ids=self.cur_tok[:b], position_ids=self.pos_ids[:b], **kw)
         logits = out.logits[:, -1, :].float()
+        del out
         allow = (self.step_idx >= self.sp.min_new_tokens) if self.sp.min_new_tokens else None
         nxt = sample_next(logits, self.sp, self.eos, allow)
+        if self.forcing:
+            nxt = self.force(nxt, self.step_idx)
+        fin = self.finished[:b]
+        nxt = torch.where(fin, torch.full_like(nxt, self.pad_id), nxt)
+        self.out.index_put_((self.rows[:b], self.step_idx.expand(b)), nxt)
         if self.logp is not None:
-            self.logp.index_copy_(1, self.step_idx, sampled_logprob(logits, nxt, self.sp).unsqueeze(1))
-        nxt = torch.where(self.finished, torch.full_like(nxt, self.pad_id), nxt)
-        self.out.index_copy_(1, self.step_idx, nxt.unsqueeze(1))
+            self.logp.index_put_((self.rows[:b], self.step_idx.expand(b)), sampled_logprob(logits, nxt, self.sp))
         if self.eos.numel():
-            self.finished.logical_or_(torch.isin(nxt, self.eos))
-        self.cur_tok.copy_(nxt.unsqueeze(1))
-        self.pos_ids.add_(1)
+            fin.logical_or_(torch.isin(nxt, self.eos))
+        self.cur_tok[:b].copy_(nxt.unsqueeze(1))
+        self.pos_ids[:b].add_(1)
         self.write_pos.add_(1)
         self.step_idx.add_(1)
+
+    def compact(self, nb: int, written: int) -> None:
+        """Keep ``nb`` slots, live rows first (plus finished ones up to ``nb``); ``written`` cache positions."""
+        b = self.kv.b
+        idx = torch.argsort(self.finished[:b].to(torch.uint8), stable=True)[:nb]
+        self.kv.compact(idx, written)
+        for buf in (self.cur_tok, self.pos_ids, self.finished, self.rows, self.force_len):
+            buf[:nb].copy_(buf[:b].index_select(0, idx))
+
+
+@contextlib.contextmanager
+def attn_implementation(model, name: str | None):
+    """``model``'s attention implementation set to ``name`` for the block.
+
+    ``None``: the model's own if it takes the decoder's additive 4-D masks (``sdpa``, ``eager``), else ``sdpa``
+    (flash-attention kernels take no such mask; every HF decoder also runs on sdpa).
+    """
+    old = model.config._attn_implementation
+    if name is None:
+        name = old if old in ("sdpa", "eager") else "sdpa"
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
 
 
 def _weights_key(model) -> tuple:
@@ -220,6 +276,15 @@ def _weights_key(model) -> tuple:
     # parameter is still there (in-place optimizer updates keep them; FSDP2's per-call all-gather in
     # ``fsdp2_full_weights`` allocates them anew, so a kept graph is re-captured unless they land back).
     return tuple(p.data_ptr() for p in model.parameters())
+
+
+_warned_compile: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned_compile:
+        _warned_compile.add(msg)
+        log.warning(msg)
 
 
 class FastGenerator:
@@ -232,11 +297,22 @@ class FastGenerator:
             nearby prompt lengths reuse the captured step.
         use_cuda_graph: None = on CUDA devices.
         gqa_attention: decode with ``gqa_decode_attention`` (True) or the model's own attention.
-        check_every: decode steps between "all sequences finished?" checks (the only host syncs).
-        keep_cache: keep the static KV cache and captured graph between calls (no re-capture, but the
+        check_every: decode steps between "all sequences finished?" checks (the only host syncs; with
+            ``compaction`` also where the batch is compacted).
+        keep_cache: keep the static KV cache and captured graphs between calls (no re-capture, but the
             cache, ~1.1 GiB for 32 x 1,280 tokens of a Qwen2.5-1.5B, stays allocated through the
             update phase). False (default): free them after each call and capture again next call
-            (one eager step + a capture, tens of milliseconds), so training peaks no higher than TRL's.
+            (one eager step + a capture per window, tens of milliseconds each), so training peaks no higher
+            than TRL's.
+        compaction: stop paying for finished rows and unwritten positions (``trainers.decode_kv``): the
+            decode attention reads ``[:lb]`` (``attn_len`` buckets of ``attn_bucket``), and at a check the
+            live rows are moved to the smallest batch bucket (halvings of B, down to ``min_batch_bucket``)
+            that holds them. One CUDA graph per window ``(b, lb)`` met. Greedy tokens equal compaction off.
+        compile_step: the decode step's decoder layers through ``torch.compile`` (``dynamic=False``, one
+            compile per batch bucket; needs CUDA graphs and ``gqa_attention``: otherwise it is off, with a
+            warning). The attention over the cache stays eager inside the captured graph.
+        attn_bucket: base of the attention length buckets (tokens).
+        min_batch_bucket: smallest batch a compaction goes to (below it, the weights' read dominates a step).
         capture_error_mode: ``torch.cuda.graph``'s mode; "thread_local" when another thread keeps
             launching work during the capture (``trainers.async_rollouts``).
         stop_event: a ``threading.Event`` checked at each "all finished?" check: set = stop decoding
@@ -245,41 +321,60 @@ class FastGenerator:
 
     def __init__(self, pad_token_id: int, eos_token_ids, *, len_bucket: int = 256, use_cuda_graph: bool | None = None,
                  gqa_attention: bool = True, check_every: int = 128, keep_cache: bool = False,
-                 capture_error_mode: str = "global", stop_event=None):
+                 compaction: bool = False, compile_step: bool = False, attn_bucket: int = 256,
+                 min_batch_bucket: int = 8, capture_error_mode: str = "global", stop_event=None):
+        from trainers.decode_kv import register_kv_attention
+
         self.pad_id = int(pad_token_id)
         self.eos_ids = [int(e) for e in ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or [])]
         self.len_bucket = max(1, int(len_bucket))
         self.use_cuda_graph = use_cuda_graph
-        self.gqa_attention = gqa_attention and _register_attention()
+        self.gqa_attention = gqa_attention and register_kv_attention()
         self.check_every = max(1, int(check_every))
         self.keep_cache = keep_cache
+        self.compaction, self.compile_step = bool(compaction), bool(compile_step)
+        self.attn_bucket, self.min_batch_bucket = max(1, int(attn_bucket)), max(1, int(min_batch_bucket))
         self.capture_error_mode = capture_error_mode
         self.stop_event = stop_event
         self._state: _DecodeState | None = None
+        #: cumulative: ``captures`` decode states built, ``graphs`` CUDA graphs captured, ``compactions``
         self.stats: dict[str, float] = {}
+        #: the last call: ``steps``, ``row_steps`` (sum of b), ``attn_row_tokens`` (sum of b x lb), ``graphs``,
+        #: ``compactions``, ``capture_s`` (warm-up steps + captures, synchronised), ``compiled_batch_sizes``
+        self.last: dict = {}
 
-    def _get_state(self, model, B, L, N, sp, eos, use_graph, record_logprobs=False) -> _DecodeState:
+    def _get_state(self, model, B, L, N, sp, eos, use_graph, forcing, record_logprobs=False) -> _DecodeState:
+        use_gqa = self.gqa_attention
+        compiled = self.compile_step
+        if compiled and not (use_graph and use_gqa):
+            _warn_once("decode_compile needs CUDA graphs and the GQA decode attention (a CUDA device, "
+                       "gqa_attention=True): the decode step runs eagerly")
+            compiled = False
         st = self._state
         if (st is not None and st.model is model and (st.B, st.L, st.N, st.sp) == (B, L, N, sp)
-                and st.use_graph == use_graph and st.weights_key == _weights_key(model)
-                and (st.logp is not None) == record_logprobs):
+                and (st.use_graph, st.compiled, st.forcing) == (use_graph, compiled, forcing)
+                and st.weights_key == _weights_key(model) and (st.logp is not None) == record_logprobs):
             return st
         self._state = None  # drop the old cache/graph before allocating a new one
         if st is not None:
             del st
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        use_gqa = self.gqa_attention and getattr(model.config, "_attn_implementation", "eager") in ("sdpa", "eager")
-        self._state = _DecodeState(model, B, L, N, sp, eos, self.pad_id, use_graph, use_gqa, record_logprobs)
+        self._state = _DecodeState(model, B, L, N, sp, eos, self.pad_id, use_graph, use_gqa, compiled, forcing,
+                                   record_logprobs)
         self.stats["captures"] = self.stats.get("captures", 0) + 1
         return self._state
 
     @torch.no_grad()
-    def generate(self, model, prompt_ids: list[list[int]], sp: SamplingParams, *, return_logprobs: bool = False):
+    def generate(self, model, prompt_ids: list[list[int]], sp: SamplingParams,
+                 forced_lengths: list[int] | None = None, *, return_logprobs: bool = False):
         """Completion ids per prompt, cut after the first EOS (EOS kept), like TRL's HF path.
 
         ``return_logprobs``: return ``(ids, logprobs)``, ``logprobs[i][j]`` the fp32 log-prob of token j of
         completion i under the sampling model (``sampled_logprob``), aligned with ``ids[i]``.
+
+        ``forced_lengths``: bench/test hook (random-weight models): row i ends with an EOS as its
+        ``forced_lengths[i]``-th token (an EOS sampled earlier is replaced by a non-EOS id); needs EOS ids.
         """
         dev = next(model.parameters()).device
         B = len(prompt_ids)
@@ -287,52 +382,69 @@ class FastGenerator:
         if B == 0 or N <= 0:
             empty = [[] for _ in prompt_ids]
             return (empty, [[] for _ in prompt_ids]) if return_logprobs else empty
+        if forced_lengths is not None and (len(forced_lengths) != B or not self.eos_ids):
+            raise ValueError("forced_lengths needs one length per prompt and an EOS id")
         P = max(len(p) for p in prompt_ids)
         L = int(math.ceil((P + N) / self.len_bucket) * self.len_bucket)
         use_graph = dev.type == "cuda" if self.use_cuda_graph is None else (self.use_cuda_graph and dev.type == "cuda")
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
-        st = self._get_state(model, B, L, N, sp, eos, use_graph, return_logprobs)
+        st = self._get_state(model, B, L, N, sp, eos, use_graph, forced_lengths is not None, return_logprobs)
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        pmask = torch.zeros(B, P, dtype=torch.long)
+        pmask = torch.zeros(B, P, dtype=torch.bool)
         for i, p in enumerate(prompt_ids):
             if p:
                 ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-                pmask[i, P - len(p):] = 1
+                pmask[i, P - len(p):] = True
         ids, pmask = ids.to(dev), pmask.to(dev)
-        pos = (pmask.cumsum(-1) - 1).masked_fill(pmask == 0, 0)
+        pos = (pmask.long().cumsum(-1) - 1).masked_fill(~pmask, 0)
+        minf = torch.finfo(st.dtype).min
+        # additive masks (0 / dtype min, not -inf): a left-pad query row that sees no key stays finite
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        pre_mask = torch.where(causal[None, None] & pmask[:, None, None, :], 0.0, minf).to(st.dtype)
 
         was_training = model.training
         model.eval()
+        kv = st.kv
         try:
-            st.cache.reset()
+            kv.b, kv.lb, kv.pos, kv.seen = B, P, torch.arange(P, device=dev), 0
+            kv.mask.fill_(minf)
+            kv.mask[:, 0, 0, :P] = torch.where(pmask, 0.0, minf).to(st.dtype)
             st.finished.zero_()
             st.out.fill_(self.pad_id)
-            st.mask.zero_()
-            st.mask[:, 0, 0, :P] = pmask.bool()
-            kw = {"cache_position": torch.arange(P, device=dev)} if st.pass_cache_position else {}
-            out = model(input_ids=ids, attention_mask=pmask, position_ids=pos, past_key_values=st.cache,
-                        use_cache=True, logits_to_keep=1, **kw)
+            st.rows.copy_(torch.arange(B, device=dev))
+            if forced_lengths is not None:
+                st.force_len.copy_(torch.tensor(forced_lengths, dtype=torch.long))
+            kw = {"cache_position": kv.pos} if st.pass_cache_position else {}
+            with attn_implementation(model, None):
+                out = model(input_ids=ids, attention_mask=pre_mask, position_ids=pos, past_key_values=kv,
+                            use_cache=True, logits_to_keep=1, **kw)
+            del pre_mask
+            kv.seen, kv.lb = P, L
             allow = torch.tensor(sp.min_new_tokens <= 0, device=dev) if sp.min_new_tokens else None
-            first = sample_next(out.logits[:, -1, :].float(), sp, eos, allow)
-            if st.logp is not None:
-                st.logp[:, 0] = sampled_logprob(out.logits[:, -1, :], first, sp)
+            out_logits = out.logits[:, -1, :].float()
             del out
+            first = sample_next(out_logits, sp, eos, allow)
+            if st.forcing:
+                first = st.force(first, 0)
             st.out[:, 0] = first
+            if st.logp is not None:
+                st.logp[:, 0] = sampled_logprob(out_logits, first, sp)
             if eos.numel():
                 st.finished.copy_(torch.isin(first, eos))
             st.cur_tok.copy_(first.unsqueeze(1))
             st.pos_ids.copy_(pos[:, -1:] + 1)
             st.write_pos.fill_(P)
             st.step_idx.fill_(1)
-            self._decode(st, N)
+            del out_logits
+            self._decode(st, N, P)
             toks = st.out.cpu()
             lps = st.logp.cpu().tolist() if st.logp is not None else None
         finally:
             model.train(was_training)
             if not self.keep_cache:
-                self._state = None  # frees the cache, buffers and the graph's memory pool
-                del st
+                self._state = None  # frees the cache, buffers and the graphs' memory pool
+                del st, kv
         res = []
         eos_set = set(self.eos_ids)
         for row in toks.tolist():
@@ -342,46 +454,70 @@ class FastGenerator:
             return res, [lp[: len(r)] for lp, r in zip(lps, res)]
         return res
 
-    def _stop(self, st: _DecodeState) -> bool:
-        # the only host syncs of the loop: every check_every steps
-        return bool(st.finished.all()) or (self.stop_event is not None and self.stop_event.is_set())
+    def _decode(self, st: _DecodeState, N: int, P: int) -> None:
+        """Decode steps 1..N-1: a check every ``check_every`` steps (all finished? compact?), then one step."""
+        import time
 
-    def _decode(self, st: _DecodeState, N: int) -> None:
+        from trainers.decode_kv import attn_len, batch_buckets, compiled_batch_sizes
+
+        kv = st.kv
+        buckets = batch_buckets(st.B, self.min_batch_bucket) if self.compaction else [st.B]
+        last = {"steps": 0, "row_steps": 0, "attn_row_tokens": 0, "graphs": 0, "compactions": 0, "capture_s": 0.0}
+        self.last = last
         t = 1
-        if not st.use_graph:
+        try:
             while t < N:
-                st.step()
-                t += 1
-                if t % self.check_every == 0 and self._stop(st):
-                    return
-            return
-        if st.graph is None:
-            if t < N:  # warm-up on a side stream (a real decode step), then capture (not executed)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
+                if t % self.check_every == 0:
+                    live = int((~st.finished[: kv.b]).sum())  # the host sync
+                    if live == 0 or (self.stop_event is not None and self.stop_event.is_set()):
+                        return
+                    nb = min((x for x in buckets if x >= live), default=kv.b)
+                    if nb < kv.b:
+                        st.compact(nb, P + t - 1)
+                        last["compactions"] += 1
+                if self.compaction:  # the step at t writes position P + t - 1 and attends over [:P + t]
+                    kv.lb = attn_len(P + t, st.L, self.attn_bucket)
+                key = (kv.b, kv.lb)
+                last["steps"] += 1
+                last["row_steps"] += kv.b
+                last["attn_row_tokens"] += kv.b * kv.lb
+                if not st.use_graph:
                     st.step()
-                torch.cuda.current_stream().wait_stream(s)
+                elif key in st.graphs:
+                    st.graphs[key].replay()
+                else:  # warm-up (a real decode step, also where a compile happens) on a side stream, then capture
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        st.step()
+                    torch.cuda.current_stream().wait_stream(s)
+                    if t + 1 < N:  # the capture records a step for the next ones; it executes nothing
+                        if st.pool is None:
+                            st.pool = torch.cuda.graph_pool_handle()
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, pool=st.pool, capture_error_mode=self.capture_error_mode):
+                            st.step()
+                        st.graphs[key] = g
+                        last["graphs"] += 1
+                        self.stats["graphs"] = self.stats.get("graphs", 0) + 1
+                    torch.cuda.synchronize()
+                    last["capture_s"] += time.perf_counter() - t0
                 t += 1
-            if t >= N:
-                return
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode=self.capture_error_mode):
-                st.step()
-            st.graph = g
-        while t < N:
-            st.graph.replay()
-            t += 1
-            if t % self.check_every == 0 and self._stop(st):
-                return
+        finally:
+            self.stats["compactions"] = self.stats.get("compactions", 0) + last["compactions"]
+            last["compiled_batch_sizes"] = sorted(compiled_batch_sizes(st.model)) if st.compiled else []
 
 
 def generator_for(model, pad_token_id: int, eos_token_ids, **kw) -> FastGenerator:
-    """The ``FastGenerator`` kept on ``model`` (created on first use; reused while ids match)."""
+    """The ``FastGenerator`` kept on ``model`` (created on first use; reused while ids and ``kw`` match)."""
     g = getattr(model, "_opd_fast_generator", None)
-    key = (int(pad_token_id), tuple(eos_token_ids if not isinstance(eos_token_ids, int) else [eos_token_ids]))
-    if g is None or (g.pad_id, tuple(g.eos_ids)) != key:
+    key = (int(pad_token_id), tuple(eos_token_ids if not isinstance(eos_token_ids, int) else [eos_token_ids]),
+           tuple(sorted(kw.items())))
+    if g is None or getattr(g, "_key", None) != key:
         g = FastGenerator(pad_token_id, eos_token_ids, **kw)
+        g._key = key
         setattr(model, "_opd_fast_generator", g)
     return g
 
@@ -516,7 +652,10 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
                 log.warning("fast generation off under FSDP2 (%s): using TRL's HF generate", e)
                 _warned_hooks = True
             return None
-        gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids)
+        args = trainer.args
+        gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
+                            compaction=bool(getattr(args, "decode_compaction", False)),
+                            compile_step=bool(getattr(args, "decode_compile", False)))
         return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
 
 

@@ -163,6 +163,15 @@ class OPDConfig(DistillationConfig):
                 "min(pi_theta / pi_snapshot, vllm_importance_sampling_cap) when vllm_importance_sampling_correction is "
                 "on. Costs one more copy of the student's weights plus the decode cache during the update. One process, "
                 "fast_generation, no vLLM, num_iterations = 1, no off-policy step share. Logged as async/*, sampling/*."})
+    decode_compaction: bool = field(default=False, metadata={
+        "help": "fast_generation only: the decoder stops paying for finished rows and unwritten cache positions "
+                "(trainers.decode_kv): decode attention reads the written length rounded up to a bucket, and every "
+                "check the live rows are moved into the smallest halving of the batch that holds them; one CUDA "
+                "graph per (batch, length) bucket met. Same greedy tokens as off."})
+    decode_compile: bool = field(default=False, metadata={
+        "help": "fast_generation only: the decode step's decoder layers through torch.compile (dynamic=False, one "
+                "compile per batch bucket; the attention over the cache stays eager) inside the captured CUDA graph. "
+                "Needs CUDA: on CPU it is off, with a warning."})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
                 "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
