@@ -122,10 +122,10 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
         assert r["tokens"] == sum(sr.draw_lengths(8, 24, 0, r["batch"])[0])
     assert "trl_update" not in ra["pieces"] and "trl_step_composite" not in ra
     rb = osr.main(common + ["--pieces", "trl_update,trl_gen", "--warmup", "1", "--trl-update-steps", "1",
-                            "--trl-gen-budget-s", "0.3", "--json", str(b)])
+                            "--trl-gen-budget-s", "0.005", "--json", str(b)])
     g = rb["pieces"]["trl_gen"]  # cut by max_time: the rest is extrapolated from the trace
     assert g["extrapolated"] and g["mismatched"] > 0 and g["steps_done"] < g["steps_needed"]
-    assert g["generation"] > g["generation_measured"] > 0.3
+    assert g["generation"] > g["generation_measured"] > 0.005
     m = osr.main(["--merge", str(a), str(b)])
     assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
     assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
