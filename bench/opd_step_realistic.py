@@ -91,14 +91,16 @@ def variant_overrides(names: list[str]) -> tuple[dict[str, dict], list[str]]:
                 out[name] = {**off, **on}
             else:
                 notes.append("all: skipped, no lever field exists in OPDConfig")
-        elif name in LEVERS:
-            f, v_on, _ = LEVERS[name]
-            if f in fields:
-                out[name] = {**off, f: v_on}
+        elif all(part in LEVERS for part in name.split("+")):  # one lever, or several joined by '+'
+            levers = [LEVERS[part] for part in name.split("+")]
+            missing = [f for f, _, _ in levers if f not in fields]
+            if missing:
+                notes.append(f"{name}: skipped, OPDConfig has no field {missing!r} in this checkout")
             else:
-                notes.append(f"{name}: skipped, OPDConfig has no field {f!r} in this checkout")
+                out[name] = {**off, **{f: v_on for f, v_on, _ in levers}}
         else:
-            raise SystemExit(f"unknown variant {name!r}: choose from base, {', '.join(LEVERS)}, all")
+            raise SystemExit(f"unknown variant {name!r}: choose from base, {', '.join(LEVERS)} (or several joined "
+                             "by '+', e.g. compact+compile), all")
     return out, notes
 
 

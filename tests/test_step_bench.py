@@ -173,3 +173,17 @@ def test_fast_hook_follows_row_ids_of_a_compacted_batch():
         finally:
             sr._ACTIVE.update(targets=None, state=None)
     assert gen.sample_next is orig  # restored on exit
+
+
+def test_variant_overrides_join_levers():
+    """'compact+compile' turns both decoder levers on and every other lever off; an unknown part is refused."""
+    import opd_step_realistic as osr
+
+    out, notes = osr.variant_overrides(["base", "compact+compile"])
+    assert notes == []
+    assert out["base"] == {"decode_compaction": False, "decode_compile": False, "async_generation": False,
+                           "head_kernel": "trl"}
+    assert out["compact+compile"] == {"decode_compaction": True, "decode_compile": True, "async_generation": False,
+                                      "head_kernel": "trl"}
+    with pytest.raises(SystemExit, match="unknown variant"):
+        osr.variant_overrides(["compact+turbo"])
