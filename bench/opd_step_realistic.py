@@ -218,18 +218,39 @@ def build_ours(opts, tok, student, teacher, prompts, out_dir, overrides: dict):
 
 def fit_extrapolate(trace: list[tuple[int, float]], total_steps: int) -> float:
     """Seconds to decode ``total_steps`` from a (step, seconds-since-start) trace: least-squares step time a + b t
-    over the trace's intervals, integrated over [0, total_steps)."""
-    pts = [(s0, s1, (t1 - t0) / (s1 - s0)) for (s0, t0), (s1, t1) in zip(trace, trace[1:]) if s1 > s0]
+    over the trace's intervals, integrated over [0, total_steps).
+
+    Intervals of fewer than 32 steps (the tail cut by ``max_time``) are left out when longer ones exist, and so is the first one when
+    others remain (it carries the first steps' one-off costs). A dynamic KV cache grows by one token a step, so
+    the step time cannot fall with t: a fitted b < 0 is warm-up noise, and then b = 0 with a = the kept
+    intervals' mean step time, a lower bound of the true time (``fit_is_lower_bound``).
+    """
+    return _fit(trace, total_steps)[0]
+
+
+def fit_is_lower_bound(trace: list[tuple[int, float]], total_steps: int) -> bool:
+    """True when ``fit_extrapolate`` had to clamp a falling step time (its result is then a lower bound)."""
+    return _fit(trace, total_steps)[1]
+
+
+def _fit(trace, total_steps) -> tuple[float, bool]:
+    every = [(s0, s1, (t1 - t0) / (s1 - s0)) for (s0, t0), (s1, t1) in zip(trace, trace[1:]) if s1 > s0]
+    pts = [p for p in every if p[1] - p[0] >= 32] or every  # a short trace (CPU smoke) keeps what it has
+    if len(pts) > 1:
+        pts = pts[1:]
     if not pts:
-        return float("nan")
+        return float("nan"), False
     xs = [(a + b) / 2 for a, b, _ in pts]
     ys = [y for _, _, y in pts]
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
     a = my - b * mx
+    clamped = b < 0
+    if clamped:
+        a, b = my, 0.0
     s_end, t_end = trace[-1]
-    return t_end + a * (total_steps - s_end) + b * (total_steps**2 - s_end**2) / 2
+    return t_end + a * (total_steps - s_end) + b * (total_steps**2 - s_end**2) / 2, clamped
 
 
 class TracingProcessor:
@@ -478,6 +499,7 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
                 r["generation_measured"] = r["generation"]
                 r["peak_gib_at_cut"] = r["peak_gib"]
                 r["generation"] += fit_extrapolate(trace, steps_needed) - trace[-1][1]
+                r["extrapolation_is_lower_bound"] = fit_is_lower_bound(trace, steps_needed)
             fl = floor_for(opts.warmup, [len(p) for p in trl_prompt_ids])
             r["gen_over_floor"] = r["generation"] / fl["seconds"] if fl["seconds"] else float("nan")
             res["pieces"]["trl_gen"] = r

@@ -52,7 +52,7 @@ class HFEngine:
     """
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048, gpu_memory_utilization: float = 0.85,
-                 dtype: str = "auto", max_batch: int = 512, device: str | None = None, decode_compaction: bool = False,
+                 dtype: str = "auto", max_batch: int = 512, device: str | None = None, decode_compaction: bool = True,
                  decode_compile: bool = False, **_vllm_only):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer

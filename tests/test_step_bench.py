@@ -187,3 +187,17 @@ def test_variant_overrides_join_levers():
                                       "head_kernel": "trl"}
     with pytest.raises(SystemExit, match="unknown variant"):
         osr.variant_overrides(["compact+turbo"])
+
+
+def test_fit_extrapolate_clamps_a_falling_step_time_to_a_lower_bound():
+    """The H200 trace of TRL's generate (2026-12-02): 92 ms/step over its first 256 steps, 79 ms over the next
+    256, cut at 517. The first interval and the 5-step tail are left out; one interval is left, so the rest is
+    decoded at its 79.1 ms/step: 44.29 + 7,675 x 0.07910 s, flagged as a lower bound only when a fit falls."""
+    import opd_step_realistic as osr
+
+    tr = [(0, 0.0), (256, 23.6806), (512, 43.9272), (517, 44.2895)]
+    assert osr.fit_extrapolate(tr, 8192) == pytest.approx(44.2895 + (8192 - 517) * (43.9272 - 23.6806) / 256, rel=1e-9)
+    assert not osr.fit_is_lower_bound(tr, 8192)  # a single interval has no slope to clamp
+    falling = [(0, 0.0), (100, 20.0), (200, 30.0), (300, 39.0), (400, 47.0)]  # 100, 90, 80 ms/step after the first
+    assert osr.fit_is_lower_bound(falling, 1000)
+    assert osr.fit_extrapolate(falling, 1000) == pytest.approx(47.0 + 600 * 0.09, rel=1e-9)
