@@ -498,7 +498,13 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
             if cut:  # measured time to the cut + the fitted time of the steps it did not decode
                 r["generation_measured"] = r["generation"]
                 r["peak_gib_at_cut"] = r["peak_gib"]
-                r["generation"] += fit_extrapolate(trace, steps_needed) - trace[-1][1]
+                fit = fit_extrapolate(trace, steps_needed)
+                if math.isnan(fit):  # cut before a second traced step: the measured mean step time (prefill in it)
+                    r["generation"] += r["generation_measured"] / max(done, 1) * (steps_needed - done)
+                    r["extrapolation"] = "measured mean step time (fewer than two traced steps)"
+                else:
+                    r["generation"] += fit - trace[-1][1]
+                    r["extrapolation"] = "fitted step time"
                 r["extrapolation_is_lower_bound"] = fit_is_lower_bound(trace, steps_needed)
             fl = floor_for(opts.warmup, [len(p) for p in trl_prompt_ids])
             r["gen_over_floor"] = r["generation"] / fl["seconds"] if fl["seconds"] else float("nan")
