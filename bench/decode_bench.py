@@ -21,7 +21,7 @@ at the measured device-to-device copy bandwidth, summed over the steps to the lo
 
 usage:  python bench/decode_bench.py [--modes base,compaction,both,compile] [--out decode_bench.json]
         python bench/decode_bench.py --device cpu --tiny      (CPU smoke test of the same code)
-Writes JSON (to --out, default $OUT/decode_bench.json or ./decode_bench.json) and prints it.
+Writes JSON (to --out, default $OUT/decode_bench.json, or decode_bench.json in the system temp folder) and prints it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -131,6 +132,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     o = ap.parse_args(argv)
+    bad = [m for m in o.modes.split(",") if m and m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     if o.tiny:
         o.cap, o.median, o.prompt_min, o.prompt_max, o.check_every = 64, 12.0, 4, 12, 8
     from trainers.decode_kv import compiled_batch_sizes
@@ -166,7 +170,7 @@ def main(argv=None) -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    path = Path(o.out or Path(os.environ.get("OUT", ".")) / "decode_bench.json")
+    path = Path(o.out or Path(os.environ.get("OUT") or tempfile.gettempdir()) / "decode_bench.json")
     # first CUDA use (cuBLAS handles, allocator) outside every timing
     FastGenerator(PAD, [EOS], check_every=8).generate(model, prompt_ids[:8], SamplingParams(max_new_tokens=16))
     for mode in [m for m in o.modes.split(",") if m]:

@@ -267,6 +267,8 @@ def main(argv=None):
     o = ap.parse_args(argv)
     device = torch.device(o.device)
     variants = o.variants.split(",")
+    if not variants or not set(variants) <= {"naive", "trl", "liger"}:
+        ap.error(f"--variants: comma-separated of naive, trl, liger; got {o.variants!r}")
     why = heads.liger_unavailable()
     if "liger" in variants and why:
         print(f"skipping liger: {why}", flush=True)

@@ -609,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra.stage in ("arm", "recipe", "report", "regrade"):
         saved = cfg.dir / "settings.json"
         if not saved.exists():
-            print(f"bench.learning: {saved} not found: run the experiment first (--stage all)", file=sys.stderr)
+            print(f"bench.learning: {saved} not found: run --stage setup (or the experiment) on this --out first: "
+                  "the settings it records define every arm's recipe", file=sys.stderr)
             return 2
         names = {f.name for f in dataclasses.fields(LearningConfig)} - {"preset"}
         kept = json.loads(saved.read_text())
@@ -626,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
                 if extra.stage == "recipe":
                     import yaml
 
+                    print(f"# {extra.arm}: the stages.train recipe bench/learning.py runs for this arm, from {saved}'s "
+                          "settings (other flags on this command are not applied).\n# The arm's budget_s, its marks and "
+                          "its off-policy share schedule run on bench/learning.py's own clock (a trainer hook), not "
+                          "in this file:\n# alone through stages.train it would train until max_wall_time_seconds.")
                     print(yaml.safe_dump(arm_recipe(cfg, extra.arm), sort_keys=False), end="")
                 else:
                     run_arm(cfg, extra.arm)

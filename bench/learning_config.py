@@ -68,7 +68,7 @@ class LearningConfig:
                 "same start."})
     teacher_sft_steps: int = field(default=0, metadata={"help": "> 0: the same for the teacher (instead of teacher_sft_s)."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
-    lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW, constant)."})
+    lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW; constant, after warmup_steps if set)."})
     warmup_steps: int = field(default=0, metadata={
         "help": "> 0: every arm's rate rises linearly over its first N optimizer steps, then stays constant "
                 "(transformers' constant_with_warmup). Adam's first update is about lr x sign(g) on every weight; "

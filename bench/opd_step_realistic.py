@@ -28,9 +28,11 @@ Pieces (``--pieces``), each written to ``--json`` as soon as measured (a cut run
                token a step), flagged ``extrapolated``. TRL's step = trl_gen + trl_update's step - its generation.
 Batch k has the same drawn lengths in every trainer and every call (seeded), so pieces of separate calls combine:
 ``--merge a.json b.json`` prints the combined table.
-Variants (``--variants base,compact,compile,async,liger,all``): OPDConfig overrides; ``base`` = every lever field
-present off (the trainer as shipped otherwise: fast generation, compiled layers); a variant whose field does not
-exist in this checkout is skipped with a note. Floor: ``step_realism.decode_floor`` at the bandwidth measured in the
+Variants (``--variants base,compact,compile,async,liger,all``, or levers joined by '+'): OPDConfig overrides;
+``base`` = every lever field present off (the static decoder; otherwise fast generation, compiled layers);
+``compact`` = the trainer as shipped (``decode_compaction`` is on by default; the default variant); a variant whose
+field does not exist in this checkout is skipped with a note, one that fails (to build or to run) is recorded
+with its error and the next one runs. Floor: ``step_realism.decode_floor`` at the bandwidth measured in the
 run (device-to-device copy); generation/floor per generation measured.
 
 usage: python bench/opd_step_realistic.py --variants base --warmup 1 --warmup-micro 1 --pieces ours --json a.json
@@ -377,6 +379,8 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
         return {"mfu_useful": flops * useful / t / (tflops * 1e12), "mfu_padded": flops * padded / t / (tflops * 1e12)}
 
     pieces = set(opts.pieces.split(","))
+    if not pieces or not pieces <= {"ours", "trl_update", "trl_gen"}:
+        raise SystemExit(f"--pieces: comma-separated of ours, trl_update, trl_gen; got {opts.pieces!r}")
     forced_cls = lambda: sr.ForcedLengths(opts.cap, eos, opts.seed, opts.clip_rate, opts.sigma)  # noqa: E731
     tokens_of = lambda b: sum(batch_stats(b)[0])  # noqa: E731
     with sr.fast_generator_hook():
@@ -394,7 +398,17 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
         replay: dict[int, list[list[int]]] = {}  # batch id -> completions of the first variant (for TRL's update)
         for name, ov in (variants.items() if "ours" in pieces else ()):
             t_build = time.perf_counter()
-            tr = build_ours(opts, tok, student, teacher, prompts, out_dir, ov)
+            try:
+                tr = build_ours(opts, tok, student, teacher, prompts, out_dir, ov)
+            except Exception as e:  # noqa: BLE001 - e.g. head_kernel=liger without liger_kernel: recorded, next variant
+                if opts.fail_fast:
+                    raise
+                res["pieces"]["ours"][name if opts.variant_mode == "step" else name + "@gen"] = {
+                    "overrides": ov, "mode": opts.variant_mode, "error": f"{type(e).__name__}: {e}", "rows": [],
+                    "median": {}}
+                print(f"ours/{name} could not be built: {type(e).__name__}: {e}", flush=True)
+                save()
+                continue
             d = GADriver(name, tr, tr.teacher_model)
             f = forced_cls()
             sr.install_forced(tr, f)
@@ -616,7 +630,9 @@ def main(argv=None):
     ap.add_argument("--clip-rate", type=float, default=sr.CLIP_RATE)
     ap.add_argument("--sigma", type=float, default=sr.SIGMA)
     ap.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths")
-    ap.add_argument("--variants", default="base")
+    ap.add_argument("--variants", default="compact",
+                    help="comma-separated: base (every lever off), compact (as shipped), compile, async, liger, all, "
+                         "or levers joined by '+' (compact+compile)")
     ap.add_argument("--variant-mode", choices=("step", "generation"), default="step",
                     help="ours: whole optimizer steps, or only the generation call of the same batches")
     ap.add_argument("--warmup", type=int, default=1, help="ours: warm-up batches per variant")

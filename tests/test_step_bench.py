@@ -203,3 +203,18 @@ def test_fit_extrapolate_clamps_a_falling_step_time_to_a_lower_bound():
     falling = [(0, 0.0), (100, 20.0), (200, 30.0), (300, 39.0), (400, 47.0)]  # 100, 90, 80 ms/step after the first
     assert osr.fit_is_lower_bound(falling, 1000)
     assert osr.fit_extrapolate(falling, 1000) == pytest.approx(47.0 + 600 * 0.09, rel=1e-9)
+
+
+def test_a_variant_that_cannot_be_built_is_recorded_and_the_next_runs(tmp_path):
+    """head_kernel=liger is refused on a CPU: its piece records the error, the next variant still measures."""
+    import opd_step_realistic as osr
+
+    res = osr.main(["--device", "cpu", "--tiny", "--completions", "8", "--micro-batch", "4", "--cap", "24",
+                    "--prompt-len", "8", "--grader-workers", "0", "--steps", "1", "--warmup", "0",
+                    "--variants", "liger,compact", "--pieces", "ours", "--json", str(tmp_path / "r.json")])
+    ours = res["pieces"]["ours"]
+    assert "no CUDA" in ours["liger"]["error"] and ours["liger"]["rows"] == []
+    assert "error" not in ours["compact"] and len(ours["compact"]["rows"]) == 1
+    assert "| ours/liger (step) |" in res["table"] and "failed: ValueError" in res["table"]
+    with pytest.raises(SystemExit, match="--pieces"):
+        osr.main(["--device", "cpu", "--tiny", "--pieces", "bogus"])
