@@ -32,7 +32,9 @@ Variants (``--variants base,compact,compile,async,liger,all``, or levers joined 
 ``base`` = every lever field present off (the static decoder; otherwise fast generation, compiled layers);
 ``compact`` = the trainer as shipped (``decode_compaction`` is on by default; the default variant); a variant whose
 field does not exist in this checkout is skipped with a note, one that fails (to build or to run) is recorded
-with its error and the next one runs. Floor: ``step_realism.decode_floor`` at the bandwidth measured in the
+with its error and the next one runs. ``async``: this bench steps the trainer by hand, outside ``Trainer.train()``,
+where the prefetch lives, so it shows no overlap; time async with ``opd_step_bench.py --train-steps N
+--async-generation``. Floor: ``step_realism.decode_floor`` at the bandwidth measured in the
 run (device-to-device copy); generation/floor per generation measured.
 
 usage: python bench/opd_step_realistic.py --variants base --warmup 1 --warmup-micro 1 --pieces ours --json a.json
