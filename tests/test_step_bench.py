@@ -80,6 +80,7 @@ def test_fit_extrapolate_linear_step_time():
 def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     """Ours (FastGenerator) and TRL (own HF generate, and the fast-path substitution) produce exactly the drawn
     lengths; the JSON carries the floor and the pieces."""
+    # no --variants: the default, compact, is the trainer as shipped (decode_compaction on), hook and all
     import json
 
     import opd_step_realistic as osr
@@ -91,7 +92,7 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
                     "--grader-workers", "0", "--fail-fast", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["table"] == res["table"]
-    warm, *ours = res["pieces"]["ours"]["base"]["rows"]
+    warm, *ours = res["pieces"]["ours"]["compact"]["rows"]
     assert warm["warmup"] and warm["micro_steps"] == 1 and warm["mismatched"] == 0  # batch 0, generated
     assert len(ours) == 1 and ours[0]["mismatched"] == 0 and ours[0]["batch"] == 1
     lens, clip = sr.draw_lengths(8, 32, 0, 1)  # the timed batch, for every trainer
@@ -104,7 +105,7 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     assert g["trace"][0][0] == 0 and g["steps_done"] == max(lens)  # the tracer saw every step
     f = res["floor"]["1"]
     assert f["completion_tokens"] == sum(lens) and f["steps"] == max(lens) - 1
-    assert "| ours/base (step) |" in res["table"]
+    assert "| ours/compact (step) |" in res["table"]
 
 
 def test_realistic_tiny_generation_mode_and_merge(tmp_path):
@@ -116,7 +117,7 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
               "--prompt-len", "8", "--grader-workers", "0", "--fail-fast"]
     ra = osr.main(common + ["--pieces", "ours", "--variant-mode", "generation", "--warmup", "1", "--steps", "1",
                             "--json", str(a)])
-    rows = ra["pieces"]["ours"]["base@gen"]["rows"]
+    rows = ra["pieces"]["ours"]["compact@gen"]["rows"]
     assert [r["batch"] for r in rows] == [0, 1] and all(r["mismatched"] == 0 for r in rows)
     for r in rows:
         assert r["tokens"] == sum(sr.draw_lengths(8, 24, 0, r["batch"])[0])
@@ -131,7 +132,7 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
     m = osr.main(["--merge", str(a), str(b)])
     assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
     assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
-    assert "ours/base@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
+    assert "ours/compact@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
 
 
 def test_trl_refuses_a_teacher_with_more_rows(tmp_path):
