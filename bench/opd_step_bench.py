@@ -220,9 +220,11 @@ class Driver:
         _REWARD_T.clear()
         self.timer.take()
         t0 = time.perf_counter()
-        batch = next(self.it)
         tr.callback_handler.on_step_begin(a, tr.state, tr.control)
-        loss = tr.training_step(tr.model, batch, None)
+        loss = 0.0  # one generation call feeds the gradient_accumulation_steps micro-batches (TRL's buffering)
+        for _ in range(a.gradient_accumulation_steps):
+            loss += float(tr.training_step(tr.model, next(self.it), None))
+        gn = 0.0
         if a.max_grad_norm:
             gn = torch.nn.utils.clip_grad_norm_(tr.model.parameters(), a.max_grad_norm)
         tr.callback_handler.on_pre_optimizer_step(a, tr.state, tr.control)

@@ -109,7 +109,8 @@ def variant_overrides(names: list[str]) -> tuple[dict[str, dict], list[str]]:
 
 
 class GADriver(sb.Driver):
-    """``opd_step_bench.Driver`` with gradient accumulation: GA micro-steps (one generation) per optimizer step."""
+    """``opd_step_bench.Driver`` (whose step runs the gradient_accumulation_steps micro-batches of one generation)
+    with a partial warm-up."""
 
     def partial_warmup(self, micro: int) -> float:
         """Warm-up of ``micro`` micro-steps (the generation, compilation of the update's shapes) and no optimizer
@@ -125,40 +126,6 @@ class GADriver(sb.Driver):
         self.timer.take()
         return time.perf_counter() - t0
 
-    def step(self, tokens_expected: int) -> dict:
-        tr, a = self.tr, self.tr.args
-        cuda = torch.cuda.is_available()
-        sb.sync()
-        base = torch.cuda.memory_allocated() if cuda else 0
-        resident = sb.resident_bytes(tr) if cuda else 0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        sb._REWARD_T.clear()
-        self.timer.take()
-        t0 = time.perf_counter()
-        tr.callback_handler.on_step_begin(a, tr.state, tr.control)
-        loss = 0.0
-        for _ in range(a.gradient_accumulation_steps):
-            loss += float(tr.training_step(tr.model, next(self.it), None))
-        gn = torch.nn.utils.clip_grad_norm_(tr.model.parameters(), a.max_grad_norm)
-        tr.callback_handler.on_pre_optimizer_step(a, tr.state, tr.control)
-        tr.optimizer.step()
-        tr.lr_scheduler.step()
-        tr.model.zero_grad(set_to_none=True)
-        tr.state.global_step += 1
-        tr.callback_handler.on_step_end(a, tr.state, tr.control)
-        sb.sync()
-        step_s = time.perf_counter() - t0
-        ph = self.timer.take()
-        row = {"step": step_s, "generation": ph.get("generation", 0.0), "teacher": ph.get("teacher", 0.0),
-               "reward": sb._REWARD_T.get("reward", 0.0), "loss": loss, "grad_norm": float(gn),
-               "peak_gib": ((torch.cuda.max_memory_allocated() - base + resident) / 2**30) if cuda else 0.0,
-               "resident_gib": resident / 2**30,
-               "raw_peak_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else 0.0,
-               "tokens": tokens_expected}
-        row["update_incl_teacher"] = row["step"] - row["generation"] - row["reward"]
-        row["update"] = row["update_incl_teacher"] - row["teacher"]
-        return row
 
 
 def common_args(opts) -> dict:
