@@ -218,6 +218,17 @@ class MarkClock:
         return self.done
 
 
+def clock_fraction(clock: MarkClock, span_s: float):
+    """``time_fraction`` of an arm's trainer: the share of ``span_s`` training seconds its clock has run, in [0, 1].
+
+    None when ``span_s`` is 0: a run cut by a step count alone (the start or the teacher built by
+    ``--start_sft_steps`` / ``--teacher_sft_steps``) has no span, and its trainer keeps its own fraction.
+    """
+    if span_s <= 0:
+        return None
+    return lambda: min(1.0, max(0.0, clock.elapsed() / span_s))
+
+
 def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: float = 0.0, max_steps: int = 0,
           budget_s: float | None = None) -> list[dict]:
     """Run ``stages.train`` on ``recipe`` (YAML, parsed as the CLI parses it) under a ``MarkClock``.
@@ -262,10 +273,9 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
     def hook(trainer):
         tok.append(trainer.processing_class)
         # the mix schedule follows this arm's training clock (evaluations paused), not the process's wall clock
-        # (a run cut by max_steps alone, e.g. the start built by step count, has no span: the trainer's own stays)
-        span = budget_s or max(marks)
-        if span > 0:
-            trainer.time_fraction = lambda: min(1.0, max(0.0, clock.elapsed() / span))
+        fraction = clock_fraction(clock, budget_s or max(marks))
+        if fraction is not None:
+            trainer.time_fraction = fraction
         trainer.add_callback(MarkCallback())
 
     train_stage(args, on_trainer=hook)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from bench.learning import ARMS, LearningConfig, MarkClock, merge_settings
+from bench.learning import ARMS, LearningConfig, MarkClock, clock_fraction, merge_settings
 from bench.learning_report import paired_difference, report
 from data_tools.runio import write_parquet
 
@@ -55,6 +55,21 @@ def test_mark_clock_pauses_for_evaluation_and_stops_after_last_mark():
     assert c2.check(None, 0) is False and seen2 == [5, 10]
     now2.t += 4.0
     assert c2.check(None, 1) is True and seen2 == [5, 10, 15]
+
+
+def test_clock_fraction_follows_the_arm_clock_and_is_none_without_a_span():
+    now = FakeTime()
+    clock = MarkClock([100], lambda *a: None, clock=now, sync=lambda: None)
+    clock.start(offset_s=10.0)
+    frac = clock_fraction(clock, 40.0)
+    assert frac() == pytest.approx(0.25)  # the offset (stage one's seconds) counts
+    now.t += 20.0
+    assert frac() == pytest.approx(0.75)
+    now.t += 100.0
+    assert frac() == 1.0  # clamped
+    # a start / teacher built by step count passes seconds=0 as its only mark: no span, no fraction (it once
+    # divided by zero in the GPU setup command)
+    assert clock_fraction(clock, 0.0) is None
 
 
 def _rows(name, rates: dict[str, list[bool]], mark=0.0, step=0):
@@ -152,10 +167,13 @@ def test_report_tables_and_comparisons(tmp_path):
 def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     """The whole experiment at toy size on the embedded SmolLM2 (CPU): every table written, then a re-run resumes."""
     out = tmp_path / "learn"
-    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--arms", "a,c,d,f"]
+    # the start and the teacher built by step count, as the GPU commands of bench/LEARNING.md do
+    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--start_sft_steps", "2",
+           "--teacher_sft_steps", "3", "--arms", "a,c,d,f"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    cfg = LearningConfig(out=str(out), preset="cpu_smoke")
+    assert "start: SFT" in p.stdout and "(step 2)" in p.stdout and "(step 3)" in p.stdout
+    cfg = LearningConfig(out=str(out), preset="cpu_smoke", start_sft_steps=2, teacher_sft_steps=3)
     per_mark = cfg.n_test * cfg.eval_samples
     from bench.learning import arm_recipe
 
