@@ -23,6 +23,8 @@ evaluated at the same marks on the same held-out problems:
                                 scheduled over the arm's clock (trainers.offpolicy); stage one on f's clock
     g  self-distillation, hint  as e, the context holding the reference solution and the final answer stated
     h  combined, full KL        as f with the full-vocabulary reverse KL (kl_mode full)
+    i  combined, hint teacher   as f with g's teacher: off-policy verified solutions early, then on-policy
+                                distillation from the self-teacher that reads the solution and the stated answer
 
 An arm runs at ``lr`` unless ``--arm_lr`` or an ``x@lr`` entry of ``--arms`` says otherwise, once per
 ``--seeds`` entry; the run's name (``f@3e-05-s1``) names its files. The start is the raw student, or with
@@ -63,7 +65,7 @@ log = logging.getLogger("bench.learning")
 
 from bench.learning_report import report, summarize_mark  # noqa: E402 - after the sys.path line
 
-from bench.learning_config import ARMS, LearningConfig, merge_settings  # noqa: E402,F401 - ARMS: re-exported
+from bench.learning_config import ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, merge_settings  # noqa: E402,F401 - ARMS: re-exported
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -124,7 +126,8 @@ def _yaml(recipe: dict, dest: Path) -> Path:
 
 def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Path, out_dir: Path, lr: float,
                  seed: int) -> dict:
-    """The ``stages.train`` config (``OPDConfig`` fields) of an arm; ``arm="sft"`` is SFT only (start, teacher).
+    """The ``stages.train`` config (``OPDConfig`` fields) of an arm (``ARM_SPECS``); ``arm="sft"`` is SFT only on
+    the reference solutions (``SFT_REFERENCE``: the start, the teacher).
 
     SFT (arm d, the start, the teacher) is ``OPDTrainer`` with every step off-policy (``sft_share_* = 1``,
     ``w_kl = w_reward = 0``): TRL SFTTrainer's completion-only cross-entropy on the curriculum's
@@ -132,11 +135,11 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
     """
     import torch
 
-    w_kl, w_reward = {"a": (0.0, 1.0), "b": (1.0, 0.0), "d": (0.0, 0.0), "sft": (0.0, 0.0)}.get(arm, (1.0, 1.0))
-    r = dict(student_model=student, teacher_model=str(cfg.dir / "teacher") if arm in "bcfh" else None,
+    spec = SFT_REFERENCE if arm == "sft" else ARM_SPECS[arm]
+    r = dict(student_model=student, teacher_model=str(cfg.dir / "teacher") if spec.teacher == "trained" else None,
              curriculum_path=str(curriculum), output_dir=str(out_dir), experiment_name=f"learning-{out_dir.name}",
-             teacher_context="privileged" if arm in ("e", "g") else "teacher", kl_mode="full" if arm == "h" else "sampled",
-             w_kl=w_kl, w_reward=w_reward, num_generations=cfg.num_generations,
+             teacher_context="privileged" if spec.teacher == "self" else "teacher", kl_mode=spec.kl_mode,
+             w_kl=spec.w_kl, w_reward=spec.w_reward, num_generations=cfg.num_generations,
              per_device_train_batch_size=cfg.completions_per_step, gradient_accumulation_steps=1, learning_rate=lr,
              lr_scheduler_type="constant", max_completion_length=cfg.max_new_tokens, temperature=cfg.train_temperature,
              prompt_style=cfg.prompt_style, curriculum="shuffled", seed=seed, model_dtype="float32",
@@ -145,11 +148,11 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
              max_wall_time_seconds=10**7, deadline_reserve_seconds=0, ckpt_every_minutes=0, ckpt_every_steps=0,
              ckpt_hedge_fractions=[], resume=False, save_rollouts=True, fast_generation=cfg.fast_generation,
              compile_layers=False, report_to="none", dataloader_num_workers=0)
-    if arm in ("d", "sft"):
+    if spec.off_policy == "sft":
         r.update(sft_share_start=1.0, sft_share_end=1.0)
     if cfg.warmup_steps and arm != "sft":  # the start and the teacher are built as before, for every experiment alike
         r.update(lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps)
-    if arm in ("f", "h"):
+    if spec.off_policy == "mix":
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if not torch.cuda.is_available():
         r["use_cpu"] = True
@@ -451,7 +454,7 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
     out = cfg.dir / "arms" / name
     shutil.rmtree(out, ignore_errors=True)  # a run cut short starts again
     t_wall, offset, verified = time.time(), 0.0, None
-    if arm in "dfh":  # off-policy arms: stage one's teacher sampling is on their clock
+    if ARM_SPECS[arm].off_policy:  # stage one's teacher sampling is on their clock
         s1, offset = stage_one_cached(cfg)
         verified = [r for r in s1 if r["correct"] or cfg.sft_filter == "none"]
         print(f"[learning] arm {name}: stage one {len(s1)} teacher samples, {sum(r['correct'] for r in s1)} verified, "
@@ -484,31 +487,34 @@ def arm_recipe(cfg: LearningConfig, name: str) -> dict:
     """The ``stages.train`` recipe of arm run ``name`` (``train_recipe`` at its rate and seed, on its curriculum)."""
     arm, lr, seed = cfg.parse_run(name)
     student = json.loads((cfg.dir / "settings.json").read_text())["start_path"]
-    cur = cfg.dir / "arms" / name / "curriculum.parquet" if arm in "dfgh" else cfg.dir / "data" / "curriculum.parquet"
+    own = ARM_SPECS[arm].off_policy or ARM_SPECS[arm].stated_answer
+    cur = cfg.dir / "arms" / name / "curriculum.parquet" if own else cfg.dir / "data" / "curriculum.parquet"
     return train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name, lr=lr, seed=seed)
 
 
 def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict] | None) -> Path:
     """The curriculum table an arm reads (stage one's schema, ``stages.curate.CURRICULUM_SCHEMA``).
 
-    a-c, e: ``data/curriculum.parquet``. d, f, h: the same with ``teacher_solution`` = the shortest verified
-    teacher sample of each problem from stage one (None where the teacher verified none), as stages.curate
-    writes it. g: ``reference`` = the reference solution followed by the verified final answer stated explicitly.
+    Arms without off-policy data or a stated answer (a-c, e): ``data/curriculum.parquet``. Off-policy arms (d, f,
+    h, i): the same with ``teacher_solution`` = the shortest verified teacher sample of each problem from stage
+    one (None where the teacher verified none), as stages.curate writes it. Stated-answer arms (g, i):
+    ``reference`` = the reference solution followed by the verified final answer stated explicitly.
     """
     from data_tools.runio import write_parquet
 
+    spec = ARM_SPECS[arm]
     base = cfg.dir / "data" / "curriculum.parquet"
-    if arm not in "dfgh":
+    if not (spec.off_policy or spec.stated_answer):
         return base
     rows = read_rows(base)
-    if arm in "dfh":
+    if spec.off_policy:
         best: dict[str, str] = {}
         for r in verified or []:
             if r["problem_id"] not in best or len(r["completion"]) < len(best[r["problem_id"]]):
                 best[r["problem_id"]] = r["completion"]
         for r in rows:
             r["teacher_solution"] = best.get(r["problem_id"])
-    else:
+    if spec.stated_answer:
         for r in rows:
             r["reference"] = f"{r['reference']}\nThe final answer is {r['answer']}."
     return write_parquet(rows, cfg.dir / "arms" / name / "curriculum.parquet")
@@ -694,7 +700,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
                   steps=cfg.start_sft_steps)
     else:
         eval_student(cfg, student_path)
-    if setup_only or any(cfg.parse_run(n)[0] in "bcdfh" for n in cfg.instances):
+    if setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
         fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
                   steps=cfg.teacher_sft_steps)
     if setup_only:

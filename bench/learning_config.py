@@ -10,16 +10,51 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ARMS = {
-    "a": "reward only (w_kl=0)",
-    "b": "OPD only (w_reward=0)",
-    "c": "OPD + reward",
-    "d": "off-policy SFT on teacher's verified solutions",
-    "e": "OPD + reward, privileged self-teacher",
-    "f": "combined: OPD + reward + SFT on verified solutions, clock-scheduled mix",
-    "g": "OPD + reward, privileged self-teacher shown the solution and the final answer",
-    "h": "combined as f, exact full-vocabulary reverse KL (kl_mode=full)",
+
+@dataclass(frozen=True)
+class Arm:
+    """What an arm trains on: the stage-two objective of one row of the README's arm table.
+
+    ``teacher``: ``"trained"`` = ``<out>/teacher`` (the stronger same-tokenizer teacher), ``"self"`` = the frozen
+    start reading the reference solution (``teacher_context="privileged"``), None = no teacher. ``off_policy``:
+    ``""`` none; ``"sft"`` every step is cross-entropy on stage one's verified teacher solutions (SFT); ``"mix"``
+    ``w_sft`` in on-policy steps plus the off-policy share schedule (``LearningConfig.w_sft``, ``sft_share_*``).
+    Either needs stage one, which samples the trained teacher. ``stated_answer``: the privileged context's
+    reference ends with the final answer stated.
+    """
+
+    label: str
+    w_kl: float
+    w_reward: float
+    teacher: str | None
+    off_policy: str = ""
+    stated_answer: bool = False
+    kl_mode: str = "sampled"
+
+    @property
+    def needs_teacher(self) -> bool:
+        """The trained teacher must exist: the arm reads it, or its stage one samples it."""
+        return self.teacher == "trained" or bool(self.off_policy)
+
+
+ARM_SPECS: dict[str, Arm] = {
+    "a": Arm("reward only (w_kl=0)", 0.0, 1.0, None),
+    "b": Arm("OPD only (w_reward=0)", 1.0, 0.0, "trained"),
+    "c": Arm("OPD + reward", 1.0, 1.0, "trained"),
+    "d": Arm("off-policy SFT on teacher's verified solutions", 0.0, 0.0, None, off_policy="sft"),
+    "e": Arm("OPD + reward, privileged self-teacher", 1.0, 1.0, "self"),
+    "f": Arm("combined: OPD + reward + SFT on verified solutions, clock-scheduled mix", 1.0, 1.0, "trained",
+             off_policy="mix"),
+    "g": Arm("OPD + reward, privileged self-teacher shown the solution and the final answer", 1.0, 1.0, "self",
+             stated_answer=True),
+    "h": Arm("combined as f, exact full-vocabulary reverse KL (kl_mode=full)", 1.0, 1.0, "trained", off_policy="mix",
+             kl_mode="full"),
+    "i": Arm("combined as f, with g's privileged self-teacher (solution and final answer)", 1.0, 1.0, "self",
+             off_policy="mix", stated_answer=True),
 }
+#: SFT on the reference solutions: how the mid-trained start and the teacher are made (not an arm)
+SFT_REFERENCE = Arm("SFT on reference solutions", 0.0, 0.0, None, off_policy="sft")
+ARMS = {k: v.label for k, v in ARM_SPECS.items()}
 #: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``lr``, then ``-s<seed>`` when its
 #: seed is not ``seed`` (``f@3e-05-s1``). The name is the file name of its evaluations.
 ARM_RUN = re.compile(r"([a-z])(?:@([0-9.]+(?:e[+-]?[0-9]+)?))?(?:-s([0-9]+))?")

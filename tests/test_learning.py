@@ -248,6 +248,11 @@ def test_arm_curriculum_carries_verified_solutions_and_stated_answer(tmp_path):
     assert [r["teacher_solution"] for r in f] == ["3", None]  # shortest verified; p2 has none
     g = pq.read_table(arm_curriculum(cfg, "g", "g-s1", None)).to_pylist()
     assert g[1]["reference"] == "ref p2\nThe final answer is 7."
+    assert "teacher_solution" not in g[0] or g[0]["teacher_solution"] is None
+    # i: both -- f's verified solutions and g's stated answer
+    i = pq.read_table(arm_curriculum(cfg, "i", "i", verified)).to_pylist()
+    assert [r["teacher_solution"] for r in i] == ["3", None] and i[0]["reference"] == "ref p1\nThe final answer is 3."
+    assert f[0]["reference"] == "ref p1"  # f's reference stays as it is
     assert arm_curriculum(cfg, "c", "c", None) == cfg.dir / "data" / "curriculum.parquet"
 
 
@@ -280,8 +285,13 @@ def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
             "c": (1, 1, 0, 0, 0, teacher, "teacher", "sampled", False), "d": (0, 0, 0, 1, 1, None, "teacher", "sampled", True),
             "e": (1, 1, 0, 0, 0, None, "privileged", "sampled", False),
             "f": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "sampled", True),
-            "g": (1, 1, 0, 0, 0, None, "privileged", "sampled", True), "h": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "full", True)}
+            "g": (1, 1, 0, 0, 0, None, "privileged", "sampled", True), "h": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "full", True),
+            "i": (1, 1, 0.5, 0.7, 0.1, None, "privileged", "sampled", True)}
     assert set(want) == set(ARMS)
+    from bench.learning_config import ARM_SPECS
+
+    # the trained teacher is built when an arm reads it or its stage one samples it (d, i: not read, sampled)
+    assert {k for k, v in ARM_SPECS.items() if v.needs_teacher} == {"b", "c", "d", "f", "h", "i"}
     for arm, w in want.items():
         name = f"{arm}@3e-05-s2"
         (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / f"{arm}.yaml"))], env={})
