@@ -65,7 +65,8 @@ log = logging.getLogger("bench.learning")
 
 from bench.learning_report import report, summarize_mark  # noqa: E402 - after the sys.path line
 
-from bench.learning_config import ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, merge_settings  # noqa: E402,F401 - ARMS: re-exported
+from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
+    ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, merge_settings)
 
 # ------------------------------------------------------------------------------------------- data
 
