@@ -10,7 +10,8 @@
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
 #   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
 #   bash bench/offline_gpu.sh park .gpu && \
-#   bash bench/offline_gpu.sh start 1500 "CMD1" "CMD2"  # call 2, carrying .gpu/gguf.part.ab: the queue gets 1500 s
+#   bash bench/offline_gpu.sh start 1390 "CMD1" "CMD2"  # call 2, carrying .gpu/gguf.part.ab: the queue gets 1390 s
+#                                                       # (30 device-minutes less machine start, transfers, pack)
 #   bash bench/offline_gpu.sh wait 560                  # later calls: wait <= 560 s, print the log's tail
 #   bash bench/offline_gpu.sh pack DIR DEST             # DIR's tables (no weights, no rollouts) -> DEST/*.tar.gz
 # Each queued command runs with PYTHONPATH=/tmp/site, OPD_CACHE=/tmp/opdcache and OPD_QUEUE_END (the epoch
