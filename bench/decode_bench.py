@@ -12,14 +12,23 @@ Modes (``trainers.generation.FastGenerator``, ``check_every`` = 128 as the train
   compaction  ``compaction=True``: length-bucketed attention + batch compaction
   compile     ``compile_step=True``: compiled decoder layers inside the graph
   both        both
+  compaction+grow, both+grow   the same with ``kv_growth=True``: the KV cache sized to the window (grown with
+              the length bucket, shrunk at each compaction) instead of B x L; its peak is max over windows
+              (b x cap) x KV bytes per token (``trainers.decode_kv``), printed as ``kv_expected_gb``
 Compile modes first run an untimed warm-up call whose rows finish so that every batch bucket is met (the
 compiles are once per process; its time is ``warmup_s``). Graph captures are in the timed call, as in
 training (``keep_cache=False`` re-captures every call).
+
+Memory per mode: ``peak_rise_gb`` / ``reserved_rise_gb`` (CUDA allocator, the call's peak above what was
+allocated / reserved before it), ``kv_peak_gb`` (``DecodeKV.peak_bytes``: the cache's own high-water mark, a
+reallocation's transient included), ``kv_expected_gb`` (``decode_kv.window_path`` on the drawn lengths: the
+cache's steady peak), ``kv_full_gb`` (B x L, the cache without growth), ``kv_reallocations``.
 
 Floor: per decode step, the weights plus the live rows' KV (each row's own prompt + tokens so far) read once
 at the measured device-to-device copy bandwidth, summed over the steps to the longest row.
 
 usage:  python bench/decode_bench.py [--modes base,compaction,both,compile] [--out decode_bench.json]
+        python bench/decode_bench.py --modes compaction,compaction+grow      (the KV growth lever: time, memory)
         python bench/decode_bench.py --device cpu --tiny      (CPU smoke test of the same code)
 Writes JSON (to --out, default $OUT/decode_bench.json, or decode_bench.json in the system temp folder) and prints it.
 """
@@ -44,7 +53,9 @@ import torch  # noqa: E402
 
 from opd_step_bench import QWEN15, TINY  # noqa: E402
 
-MODES = {"base": (False, False), "compaction": (True, False), "compile": (False, True), "both": (True, True)}
+#: mode -> (compaction, compile_step, kv_growth)
+MODES = {"base": (False, False, False), "compaction": (True, False, False), "compile": (False, True, False),
+         "both": (True, True, False), "compaction+grow": (True, False, True), "both+grow": (True, True, True)}
 EOS, PAD = 0, 0
 
 
@@ -174,8 +185,9 @@ def main(argv=None) -> dict:
     # first CUDA use (cuBLAS handles, allocator) outside every timing
     FastGenerator(PAD, [EOS], check_every=8).generate(model, prompt_ids[:8], SamplingParams(max_new_tokens=16))
     for mode in [m for m in o.modes.split(",") if m]:
-        compaction, compile_step = MODES[mode]
-        gen = FastGenerator(PAD, [EOS], check_every=o.check_every, compaction=compaction, compile_step=compile_step)
+        compaction, compile_step, kv_growth = MODES[mode]
+        gen = FastGenerator(PAD, [EOS], check_every=o.check_every, compaction=compaction, compile_step=compile_step,
+                            kv_growth=kv_growth)
         r: dict = {}
         if compile_step:
             wl, wcap = warmup_lengths(B, o.check_every)
@@ -189,6 +201,7 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        reserved0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
         frames0 = _dynamo_frames()
         torch.manual_seed(o.seed + 3)
         sync()
@@ -206,11 +219,16 @@ def main(argv=None) -> dict:
                  compactions=last["compactions"], capture_s=last["capture_s"],
                  compiled_batch_sizes=last["compiled_batch_sizes"],
                  dynamo_frames_compiled_in_call=_dynamo_frames() - frames0,
-                 peak_rise_gb=((torch.cuda.max_memory_allocated(dev) - before) / 1e9) if dev.type == "cuda" else None)
+                 peak_rise_gb=((torch.cuda.max_memory_allocated(dev) - before) / 1e9) if dev.type == "cuda" else None,
+                 reserved_rise_gb=((torch.cuda.max_memory_reserved(dev) - reserved0) / 1e9)
+                 if dev.type == "cuda" else None)
+        r.update(kv_memory(gen, row_plens, lengths, o.cap, kv_tok, kv_growth and compaction))
         res["modes"][mode] = r
         path.write_text(json.dumps(res, indent=1))  # after every mode: a run cut short keeps what it measured
         print(f"[decode_bench] {mode}: {wall:.1f}s, {r['tokens_per_s']:.0f} tok/s, {r['x_floor']:.2f}x floor, "
-              f"{r['graphs_captured']} graphs, {r['compactions']} compactions", flush=True)
+              f"{r['graphs_captured']} graphs, {r['compactions']} compactions; KV cache peak {r['kv_peak_gb']:.2f} GB "
+              f"(expected {r['kv_expected_gb']:.2f}, full size {r['kv_full_gb']:.2f}), peak rise "
+              f"{r['peak_rise_gb'] if r['peak_rise_gb'] is not None else float('nan'):.2f} GB", flush=True)
         del gen, out
     base = res["modes"].get("base")
     if base:
@@ -219,6 +237,28 @@ def main(argv=None) -> dict:
     path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return res
+
+
+def kv_memory(gen, plens: list[int], lengths: list[int], cap: int, kv_tok: int, growth: bool) -> dict:
+    """The decoder KV cache of ``gen``'s last call: measured peak, expected steady peak and full size (GB = 1e9 B).
+
+    Expected: ``window_path`` on the forced lengths with ``gen``'s buckets (``max(b x cap)`` with growth,
+    ``B x L`` without; ``L`` the prompt + cap rounded up by ``len_bucket``). Units: GB, and counts.
+    """
+    from trainers.decode_kv import kv_peak_bytes, window_path
+
+    B, P = len(lengths), max(plens)
+    L = math.ceil((P + cap) / gen.len_bucket) * gen.len_bucket
+    if gen.compaction:
+        path = window_path(P, lengths, cap, L, check_every=gen.check_every, attn_bucket=gen.attn_bucket,
+                           min_batch_bucket=gen.min_batch_bucket, growth=growth)
+        expected = kv_peak_bytes(path, B, growth, kv_tok)
+    else:
+        expected = B * L * kv_tok
+    last = gen.last
+    return {"kv_peak_gb": last.get("kv_peak_bytes", 0) / 1e9, "kv_expected_gb": expected / 1e9,
+            "kv_full_gb": B * L * kv_tok / 1e9, "kv_reallocations": last.get("reallocations", 0),
+            "kv_windows": [list(w) for w in last.get("windows", [])]}
 
 
 def _dynamo_frames() -> int:

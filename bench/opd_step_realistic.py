@@ -28,16 +28,20 @@ Pieces (``--pieces``), each written to ``--json`` as soon as measured (a cut run
                token a step), flagged ``extrapolated``. TRL's step = trl_gen + trl_update's step - its generation.
 Batch k has the same drawn lengths in every trainer and every call (seeded), so pieces of separate calls combine:
 ``--merge a.json b.json`` prints the combined table.
-Variants (``--variants base,compact,compile,async,liger,all``, or levers joined by '+'): OPDConfig overrides;
+Variants (``--variants base,compact,compile,grow,async,liger,all``, or levers joined by '+'): OPDConfig overrides;
 ``base`` = every lever field present off (the static decoder; otherwise fast generation, compiled layers);
-``compact`` = the trainer as shipped (``decode_compaction`` is on by default; the default variant); a variant whose
+``compact`` = the trainer as shipped (``decode_compaction`` is on by default; the default variant); ``grow`` =
+``decode_kv_growth`` (the KV cache sized to the window; it needs ``compact``: ``compact+grow``); a variant whose
 field does not exist in this checkout is skipped with a note, one that fails (to build or to run) is recorded
 with its error and the next one runs. ``async``: this bench steps the trainer by hand, outside ``Trainer.train()``,
 where the prefetch lives, so it shows no overlap; time async with ``opd_step_bench.py --train-steps N
 --async-generation``. Floor: ``step_realism.decode_floor`` at the bandwidth measured in the
-run (device-to-device copy); generation/floor per generation measured.
+run (device-to-device copy); generation/floor per generation measured. Each variant's ``decode_kv`` (printed): the
+decoder KV cache of its last generation call, measured (``DecodeKV.peak_bytes``) and expected (``decode_kv.window_path``
+on that batch's lengths), against its full size B x L.
 
 usage: python bench/opd_step_realistic.py --variants base --warmup 1 --warmup-micro 1 --pieces ours --json a.json
+       python bench/opd_step_realistic.py --variants compact,compact+grow --warmup 1 --warmup-micro 1 --pieces ours
        python bench/opd_step_realistic.py --pieces trl_update,trl_gen --warmup 1 --json b.json
        python bench/opd_step_realistic.py --merge a.json b.json
        python bench/opd_step_realistic.py --device cpu --tiny --steps 1 --warmup 0      (CPU smoke test)
@@ -76,7 +80,8 @@ TINY_TEACHER = dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, 
 
 #: lever -> (OPDConfig field, value when on, value when off); names fixed by issue 15's plan.
 LEVERS = {"compact": ("decode_compaction", True, False), "compile": ("decode_compile", True, False),
-          "async": ("async_generation", True, False), "liger": ("head_kernel", "liger", "trl")}
+          "grow": ("decode_kv_growth", True, False), "async": ("async_generation", True, False),
+          "liger": ("head_kernel", "liger", "trl")}
 
 
 def variant_overrides(names: list[str]) -> tuple[dict[str, dict], list[str]]:
@@ -277,6 +282,31 @@ def measure_generation(trainer, timer, prompt_ids, forced: sr.ForcedLengths, bat
             "rows": len(out), "peak_gib": peak}
 
 
+def decode_kv_report(gen, lengths: list[int], prompt_len: int, cap: int, kv_tok: int) -> dict | None:
+    """The decoder KV cache of ``gen``'s last call (a batch of ``lengths``, prompts left-padded to ``prompt_len``).
+
+    ``peak_gib``: ``DecodeKV.peak_bytes`` (a reallocation's transient included); ``expected_gib``: the steady
+    peak ``window_path`` gives for these lengths with ``gen``'s buckets (``max(b x cap)`` with growth, ``B x L``
+    without); ``full_gib``: B x L, the cache without growth. None if ``gen`` made no call (e.g. async variants).
+    """
+    from trainers.decode_kv import kv_peak_bytes, window_path
+
+    last = getattr(gen, "last", None) or {}
+    if "kv_peak_bytes" not in last:
+        return None
+    B = len(lengths)
+    L = math.ceil((prompt_len + cap) / gen.len_bucket) * gen.len_bucket
+    growth = gen.kv_growth and gen.compaction
+    expected = B * L * kv_tok
+    if gen.compaction:
+        path = window_path(prompt_len, lengths, cap, L, check_every=gen.check_every, attn_bucket=gen.attn_bucket,
+                           min_batch_bucket=gen.min_batch_bucket, growth=growth)
+        expected = kv_peak_bytes(path, B, growth, kv_tok)
+    return {"growth": growth, "peak_gib": last["kv_peak_bytes"] / 2**30, "expected_gib": expected / 2**30,
+            "full_gib": B * L * kv_tok / 2**30, "reallocations": last.get("reallocations", 0),
+            "windows": [list(w) for w in last.get("windows", [])]}
+
+
 def summarize(rows: list[dict]) -> dict:
     return sb.median_row(rows) if rows else {}
 
@@ -427,6 +457,15 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
             piece["median"] = summarize([r for r in piece["rows"] if not r["warmup"]])
             g = getattr(tr.model, "_opd_fast_generator", None)
             piece["fast_generator_stats"] = dict(g.stats) if g else None
+            if g is not None and f.calls and ours_prompt_lens:
+                tok_bytes = sr.kv_bytes_per_token(tr.model.config, next(tr.model.parameters()).element_size())
+                kvr = decode_kv_report(g, batch_stats(f.calls[-1]["batch"])[0], max(ours_prompt_lens), opts.cap,
+                                       tok_bytes)
+                piece["decode_kv"] = kvr
+                if kvr:
+                    print(f"ours/{name} decode KV cache (batch {f.calls[-1]['batch']}): "
+                          f"peak {kvr['peak_gib']:.2f} GiB, expected {kvr['expected_gib']:.2f}, "
+                          f"full size {kvr['full_gib']:.2f}, {kvr['reallocations']} reallocations", flush=True)
             # Free this variant's student, grads and optimizer state even if a cache (dynamo guards, closures)
             # still references the trainer; the teacher is shared and stays.
             if tr.optimizer is not None:

@@ -48,11 +48,13 @@ def test_fast_decoder_equals_hf_generate_greedy_on_cuda(gqa):
     assert gen._state is None and gen.stats["captures"] == 1  # the graph was captured (and freed after the call)
 
 
-@pytest.mark.parametrize("compile_step", [False, True])
-def test_compacting_decoder_equals_hf_generate_greedy_on_cuda(compile_step):
+@pytest.mark.parametrize("compile_step,kv_growth", [(False, False), (True, False), (False, True), (True, True)])
+def test_compacting_decoder_equals_hf_generate_greedy_on_cuda(compile_step, kv_growth):
     """Compaction (and compiled decode layers) with CUDA graphs per window = ``model.generate`` (float32, greedy).
 
-    A second call re-captures its graphs but compiles nothing new: one compile per batch bucket met.
+    A second call re-captures its graphs but compiles nothing new: one compile per batch bucket met. With
+    ``kv_growth`` the cache storage is replaced at every window change (grown or shrunk) between captures, the
+    graphs of a replaced storage are never replayed, and the tokens stay HF's.
     """
     from tests.test_decode_compaction import EOS, N, PAD, rows, small_vocab_model
     from trainers.decode_kv import compiled_batch_sizes
@@ -62,10 +64,13 @@ def test_compacting_decoder_equals_hf_generate_greedy_on_cuda(compile_step):
     ps = rows()
     ref = hf_greedy(model, ps, N, PAD, EOS)
     gen = FastGenerator(PAD, EOS, len_bucket=8, check_every=2, compaction=True, attn_bucket=4, min_batch_bucket=1,
-                        compile_step=compile_step)
+                        compile_step=compile_step, kv_growth=kv_growth)
     sp = SamplingParams(max_new_tokens=N, do_sample=False)
     assert gen.generate(model, ps, sp) == ref
     assert gen.last["compactions"] >= 2 and gen.last["graphs"] >= 4
+    if kv_growth:
+        assert gen.last["reallocations"] >= 10 and gen.last["graphs"] == len(gen.last["windows"]) - 1
+        assert gen.last["kv_peak_bytes"] < 0.6 * 12 * 56 * 2 * 2 * 2 * 16 * 4  # vs the full 12 x 56 fp32 cache
     if compile_step:
         sizes = compiled_batch_sizes(model)
         assert 12 in sizes and len(sizes) >= 3 and sizes <= {12, 6, 3, 2, 1}

@@ -179,15 +179,18 @@ def test_fast_hook_follows_row_ids_of_a_compacted_batch():
 
 
 def test_variant_overrides_join_levers():
-    """'compact+compile' turns both decoder levers on and every other lever off; an unknown part is refused."""
+    """'compact+compile' ('compact+grow') turns both decoder levers on and every other lever off; an unknown part is
+    refused."""
     import opd_step_realistic as osr
 
-    out, notes = osr.variant_overrides(["base", "compact+compile"])
+    out, notes = osr.variant_overrides(["base", "compact+compile", "compact+grow"])
     assert notes == []
-    assert out["base"] == {"decode_compaction": False, "decode_compile": False, "async_generation": False,
-                           "head_kernel": "trl"}
-    assert out["compact+compile"] == {"decode_compaction": True, "decode_compile": True, "async_generation": False,
-                                      "head_kernel": "trl"}
+    assert out["base"] == {"decode_compaction": False, "decode_compile": False, "decode_kv_growth": False,
+                           "async_generation": False, "head_kernel": "trl"}
+    assert out["compact+compile"] == {"decode_compaction": True, "decode_compile": True, "decode_kv_growth": False,
+                                      "async_generation": False, "head_kernel": "trl"}
+    assert out["compact+grow"] == {"decode_compaction": True, "decode_compile": False, "decode_kv_growth": True,
+                                   "async_generation": False, "head_kernel": "trl"}
     with pytest.raises(SystemExit, match="unknown variant"):
         osr.variant_overrides(["compact+turbo"])
 

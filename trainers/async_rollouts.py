@@ -89,7 +89,7 @@ class AsyncRollouts:
     Args:
         model: the (unwrapped, single-process) student; copied once here.
         pad_token_id, eos_token_ids: as ``FastGenerator``.
-        generator_kw: further ``FastGenerator`` arguments (``compaction``, ``compile_step``).
+        generator_kw: further ``FastGenerator`` arguments (``compaction``, ``compile_step``, ``kv_growth``).
 
     Thread contract: ``launch``, ``take``, ``generate_now``, ``cancel`` are called from the main thread
     only; the worker thread touches the snapshot, its ``FastGenerator`` and its own ``Rollouts``.
@@ -250,7 +250,8 @@ class AsyncGeneration:
         model = self.accelerator.unwrap_model(self.model)
         self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
                                     compaction=bool(self.args.decode_compaction),
-                                    compile_step=bool(self.args.decode_compile))
+                                    compile_step=bool(self.args.decode_compile),
+                                    kv_growth=bool(getattr(self.args, "decode_kv_growth", False)))
         self._async_is = bool(a.vllm_importance_sampling_correction)
         self.add_callback(_AsyncStop(self))
 

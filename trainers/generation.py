@@ -26,7 +26,10 @@ the first EOS, EOS included) and decodes the whole batch in one call:
   rounded up to a bucket, and finished rows are dropped by moving the live ones into a smaller batch
   bucket, one captured graph per (batch, length) window (``trainers.decode_kv``);
 - ``compile_step`` (``OPDConfig.decode_compile``): the decode step's decoder layers are ``torch.compile``d
-  (once per batch bucket) and captured inside the same CUDA graphs.
+  (once per batch bucket) and captured inside the same CUDA graphs;
+- ``kv_growth`` (``OPDConfig.decode_kv_growth``, with ``compaction``): the KV cache holds only the window, its
+  length grown with the length bucket and its rows shrunk at each compaction, so its memory peaks at
+  ``max over windows (b x cap) x bytes per token`` instead of ``B x L x bytes per token`` (``trainers.decode_kv``).
 
 Under FSDP2 (``fully_shard``, e.g. accelerate's ``fsdp_version: 2``) ``fsdp2_full_weights`` all-gathers
 the student's weights once per generation call and detaches FSDP's forward hooks for the call, so the
@@ -162,18 +165,21 @@ class _DecodeState:
     live rows in slots ``[:kv.b]``; ``rows`` maps a slot to its row of ``out`` (the caller's order), so batch
     compaction moves slots and never the output. ``graphs`` holds one captured step per window
     ``(kv.b, kv.lb)``, all in one memory pool (they run one after another, and everything they keep lives in
-    the static buffers, so their scratch memory can be shared).
+    the static buffers, so their scratch memory can be shared), every one captured on the cache storage of
+    ``graph_epoch``; when the storage is replaced (``kv.epoch`` moves: growth) they go to ``retired``, never
+    replayed again and destroyed after the call's final synchronisation.
     """
 
     def __init__(self, model, B: int, L: int, N: int, sp: SamplingParams, eos: torch.Tensor, pad_id: int,
-                 use_graph: bool, use_gqa: bool, compiled: bool, forcing: bool, record_logprobs: bool = False):
+                 use_graph: bool, use_gqa: bool, compiled: bool, forcing: bool, record_logprobs: bool = False,
+                 kv_growth: bool = False):
         from trainers.decode_kv import DecodeKV
 
         dev = next(model.parameters()).device
         self.model, self.B, self.L, self.N, self.sp = model, B, L, N, sp
         self.use_graph, self.use_gqa, self.compiled, self.forcing = use_graph, use_gqa, compiled, forcing
         self.dtype = next(model.parameters()).dtype
-        self.kv = DecodeKV(B, L, self.dtype, dev)
+        self.kv = DecodeKV(B, L, self.dtype, dev, growth=kv_growth)
         self.eos, self.pad_id = eos, pad_id
         # an id that is no EOS, written in place of an EOS sampled before a forced length (bench/test hook)
         self.filler = next(i for i in range(len(eos) + 1) if i not in set(eos.tolist()))
@@ -189,6 +195,7 @@ class _DecodeState:
         self.force_len = torch.zeros(B, dtype=torch.long, device=dev)
         self.mask_stub = torch.zeros(B, 1, 1, 1, dtype=self.dtype, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graph_epoch, self.retired = self.kv.epoch, []
         self.pool = None
         self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         self.weights_key = _weights_key(model)
@@ -244,6 +251,28 @@ class _DecodeState:
         self.pos_ids[:b].add_(1)
         self.write_pos.add_(1)
         self.step_idx.add_(1)
+
+    def retire_stale_graphs(self) -> None:
+        """Retire every graph if the cache storage was replaced since they were captured (``kv.epoch``).
+
+        A captured step reads the K/V tensors at their capture-time addresses; after a reallocation those are
+        freed (and may hold anything), so the graphs must never be replayed again. They are kept (not destroyed)
+        until the call's final synchronisation: the last replays may still be running on the device.
+        """
+        if self.kv.epoch != self.graph_epoch:
+            self.retired.extend(self.graphs.values())
+            self.graphs.clear()
+            self.graph_epoch = self.kv.epoch
+
+    def free_graphs(self) -> None:
+        """Destroy every graph (call only when no replay can be running, e.g. after a synchronisation).
+
+        The next capture gets a new memory pool: the old one has no graph left (PyTorch frees it at the next
+        ``empty_cache``) and cannot take another capture.
+        """
+        self.graphs.clear()
+        self.retired.clear()
+        self.pool = None
 
     def compact(self, nb: int, written: int) -> None:
         """Keep ``nb`` slots, live rows first (plus finished ones up to ``nb``); ``written`` cache positions."""
@@ -311,6 +340,16 @@ class FastGenerator:
         compile_step: the decode step's decoder layers through ``torch.compile`` (``dynamic=False``, one
             compile per batch bucket; needs CUDA graphs and ``gqa_attention``: otherwise it is off, with a
             warning). The attention over the cache stays eager inside the captured graph.
+        kv_growth: with ``compaction`` (otherwise off, with a warning): the KV cache storage holds only the window,
+            ``(b, KVH, cap, D)`` per layer with ``cap`` the window's length bucket (grown when a step needs more)
+            and ``b`` its batch bucket (a compaction allocates the ``nb`` rows and frees the old storage), instead
+            of ``(B, KVH, L, D)`` for the whole call. The cache then peaks at ``max over windows (b x cap) x
+            kv_token_bytes`` (``trainers.decode_kv``; 10.5 GiB instead of 28.9 GiB on issue 15's realistic
+            batch), for one copy of the live rows' written KV per reallocation (about 30 a call) and an
+            ``empty_cache`` after each. Reallocations happen between windows, never inside a capture; a graph
+            captured on a replaced storage is never replayed. Same tokens as off (greedy and seeded sampling).
+            The storage and the graphs are freed at the end of every call, ``keep_cache`` or not (the next
+            call starts again at ``B`` rows x the first bucket).
         attn_bucket: base of the attention length buckets (tokens).
         min_batch_bucket: smallest batch a compaction goes to (below it, the weights' read dominates a step).
         capture_error_mode: ``torch.cuda.graph``'s mode; "thread_local" when another thread keeps
@@ -322,7 +361,8 @@ class FastGenerator:
     def __init__(self, pad_token_id: int, eos_token_ids, *, len_bucket: int = 256, use_cuda_graph: bool | None = None,
                  gqa_attention: bool = True, check_every: int = 128, keep_cache: bool = False,
                  compaction: bool = False, compile_step: bool = False, attn_bucket: int = 256,
-                 min_batch_bucket: int = 8, capture_error_mode: str = "global", stop_event=None):
+                 min_batch_bucket: int = 8, capture_error_mode: str = "global", stop_event=None,
+                 kv_growth: bool = False):
         from trainers.decode_kv import register_kv_attention
 
         self.pad_id = int(pad_token_id)
@@ -333,6 +373,7 @@ class FastGenerator:
         self.check_every = max(1, int(check_every))
         self.keep_cache = keep_cache
         self.compaction, self.compile_step = bool(compaction), bool(compile_step)
+        self.kv_growth = bool(kv_growth)
         self.attn_bucket, self.min_batch_bucket = max(1, int(attn_bucket)), max(1, int(min_batch_bucket))
         self.capture_error_mode = capture_error_mode
         self.stop_event = stop_event
@@ -340,7 +381,9 @@ class FastGenerator:
         #: cumulative: ``captures`` decode states built, ``graphs`` CUDA graphs captured, ``compactions``
         self.stats: dict[str, float] = {}
         #: the last call: ``steps``, ``row_steps`` (sum of b), ``attn_row_tokens`` (sum of b x lb), ``graphs``,
-        #: ``compactions``, ``capture_s`` (warm-up steps + captures, synchronised), ``compiled_batch_sizes``
+        #: ``compactions``, ``capture_s`` (warm-up steps + captures, synchronised), ``compiled_batch_sizes``,
+        #: ``windows`` ((t, b, lb, cap, cache bytes) at each change, the prefill's first), ``kv_peak_bytes``
+        #: (``DecodeKV.peak_bytes``), ``reallocations`` (growths and shrinks of the cache storage)
         self.last: dict = {}
 
     def _get_state(self, model, B, L, N, sp, eos, use_graph, forcing, record_logprobs=False) -> _DecodeState:
@@ -350,9 +393,13 @@ class FastGenerator:
             _warn_once("decode_compile needs CUDA graphs and the GQA decode attention (a CUDA device, "
                        "gqa_attention=True): the decode step runs eagerly")
             compiled = False
+        growth = self.kv_growth and self.compaction
+        if self.kv_growth and not growth:
+            _warn_once("decode_kv_growth needs decode_compaction (the window it follows): the KV cache stays at full "
+                       "size")
         st = self._state
         if (st is not None and st.model is model and (st.B, st.L, st.N, st.sp) == (B, L, N, sp)
-                and (st.use_graph, st.compiled, st.forcing) == (use_graph, compiled, forcing)
+                and (st.use_graph, st.compiled, st.forcing, st.kv.growth) == (use_graph, compiled, forcing, growth)
                 and st.weights_key == _weights_key(model) and (st.logp is not None) == record_logprobs):
             return st
         self._state = None  # drop the old cache/graph before allocating a new one
@@ -361,7 +408,7 @@ class FastGenerator:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         self._state = _DecodeState(model, B, L, N, sp, eos, self.pad_id, use_graph, use_gqa, compiled, forcing,
-                                   record_logprobs)
+                                   record_logprobs, growth)
         self.stats["captures"] = self.stats.get("captures", 0) + 1
         return self._state
 
@@ -384,6 +431,8 @@ class FastGenerator:
             return (empty, [[] for _ in prompt_ids]) if return_logprobs else empty
         if forced_lengths is not None and (len(forced_lengths) != B or not self.eos_ids):
             raise ValueError("forced_lengths needs one length per prompt and an EOS id")
+        from trainers.decode_kv import attn_len
+
         P = max(len(p) for p in prompt_ids)
         L = int(math.ceil((P + N) / self.len_bucket) * self.len_bucket)
         use_graph = dev.type == "cuda" if self.use_cuda_graph is None else (self.use_cuda_graph and dev.type == "cuda")
@@ -407,6 +456,8 @@ class FastGenerator:
         model.eval()
         kv = st.kv
         try:
+            # growth: a fresh storage of B rows x the first decode step's bucket (the prefill writes [:P] of it)
+            kv.begin(attn_len(P + 1, L, self.attn_bucket))
             kv.b, kv.lb, kv.pos, kv.seen = B, P, torch.arange(P, device=dev), 0
             kv.mask.fill_(minf)
             kv.mask[:, 0, 0, :P] = torch.where(pmask, 0.0, minf).to(st.dtype)
@@ -438,8 +489,11 @@ class FastGenerator:
             st.step_idx.fill_(1)
             del out_logits
             self._decode(st, N, P)
-            toks = st.out.cpu()
+            toks = st.out.cpu()  # synchronises: no replay of this call is still running
             lps = st.logp.cpu().tolist() if st.logp is not None else None
+            if kv.growth:  # the next call allocates its own storage: free its graphs and this one now
+                st.free_graphs()
+                kv.drop()
         finally:
             model.train(was_training)
             if not self.keep_cache:
@@ -462,11 +516,13 @@ class FastGenerator:
 
         kv = st.kv
         buckets = batch_buckets(st.B, self.min_batch_bucket) if self.compaction else [st.B]
-        last = {"steps": 0, "row_steps": 0, "attn_row_tokens": 0, "graphs": 0, "compactions": 0, "capture_s": 0.0}
+        last = {"steps": 0, "row_steps": 0, "attn_row_tokens": 0, "graphs": 0, "compactions": 0, "capture_s": 0.0,
+                "windows": [(0, kv.b, P, kv.cap, kv.nbytes())], "reallocations": 0}
         self.last = last
         t = 1
         try:
             while t < N:
+                epoch = kv.epoch
                 if t % self.check_every == 0:
                     live = int((~st.finished[: kv.b]).sum())  # the host sync
                     if live == 0 or (self.stop_event is not None and self.stop_event.is_set()):
@@ -477,6 +533,13 @@ class FastGenerator:
                         last["compactions"] += 1
                 if self.compaction:  # the step at t writes position P + t - 1 and attends over [:P + t]
                     kv.lb = attn_len(P + t, st.L, self.attn_bucket)
+                    # growth: a larger storage before the window's graph is captured or replayed (never inside)
+                    kv.reserve(kv.lb, P + t - 1)
+                if kv.epoch != epoch:
+                    last["reallocations"] += 1
+                st.retire_stale_graphs()  # a graph captured on a replaced storage is never replayed
+                if last["windows"][-1][1:4] != (kv.b, kv.lb, kv.cap):
+                    last["windows"].append((t, kv.b, kv.lb, kv.cap, kv.nbytes()))
                 key = (kv.b, kv.lb)
                 last["steps"] += 1
                 last["row_steps"] += kv.b
@@ -507,6 +570,7 @@ class FastGenerator:
                 t += 1
         finally:
             self.stats["compactions"] = self.stats.get("compactions", 0) + last["compactions"]
+            last["kv_peak_bytes"] = kv.peak_bytes
             last["compiled_batch_sizes"] = sorted(compiled_batch_sizes(st.model)) if st.compiled else []
 
 
@@ -655,7 +719,8 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
         args = trainer.args
         gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
                             compaction=bool(getattr(args, "decode_compaction", False)),
-                            compile_step=bool(getattr(args, "decode_compile", False)))
+                            compile_step=bool(getattr(args, "decode_compile", False)),
+                            kv_growth=bool(getattr(args, "decode_kv_growth", False)))
         return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
 
 
