@@ -649,7 +649,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"# {extra.arm}: the stages.train recipe bench/learning.py runs for this arm, from {saved}'s "
                           "settings (other flags on this command are not applied).\n# The arm's budget_s, its marks and "
                           "its off-policy share schedule run on bench/learning.py's own clock (a trainer hook), not "
-                          "in this file:\n# alone through stages.train it would train until max_wall_time_seconds.")
+                          "in this file:\n# alone through stages.train it would train until max_wall_time_seconds. An "
+                          "arm with its own curriculum (d, f, g, h, i)\n# writes it when it runs; on a machine without "
+                          "CUDA the recipe adds use_cpu: true.")
                     print(yaml.safe_dump(arm_recipe(cfg, extra.arm), sort_keys=False), end="")
                 else:
                     run_arm(cfg, extra.arm)

@@ -86,9 +86,9 @@ class LearningConfig:
         "help": "Training seconds of SFT on the reference solutions that make the starting student (0 = the raw "
                 "model): regime (i) ~15 (in the teacher's format, about half its score), regime (ii) until SFT "
                 "gains little. The teacher is this start + teacher_sft_s more."})
-    w_sft: float = field(default=1.0, metadata={"help": "Arms f, h: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
-    sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h: share of training seconds in off-policy steps at 0 s."})
-    sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h: the same share at budget_s (linear in between)."})
+    w_sft: float = field(default=1.0, metadata={"help": "Arms f, h, i: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
+    sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h, i: share of training seconds in off-policy steps at 0 s."})
+    sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h, i: the same share at budget_s (linear in between)."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
@@ -109,18 +109,18 @@ class LearningConfig:
                 "(transformers' constant_with_warmup). Adam's first update is about lr x sign(g) on every weight; "
                 "without a warm-up, rates above 1e-5 break the start in one step (bench/LEARNING.md, the 5e-5 "
                 "collapse). Counted in steps, so every arm gets the same number of small first updates."})
-    sft_batch_size: int = field(default=64, metadata={"help": "Sequences per optimizer step for SFT (teacher and arm d)."})
-    num_generations: int = field(default=8, metadata={"help": "G: samples per prompt for arms a, b, c, e."})
-    completions_per_step: int = field(default=128, metadata={"help": "Completions per optimizer step (a, b, c, e)."})
+    sft_batch_size: int = field(default=64, metadata={"help": "Solutions per off-policy (SFT) step: the start, the teacher, arm d, and the SFT steps of f, h, i."})
+    num_generations: int = field(default=8, metadata={"help": "G: samples per prompt in on-policy steps (every arm but d)."})
+    completions_per_step: int = field(default=128, metadata={"help": "Completions per on-policy optimizer step (every arm but d)."})
     train_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of on-policy rollouts."})
     max_new_tokens: int = field(default=96, metadata={"help": "Completion cap in training rollouts, stage one and evaluation."})
     eval_samples: int = field(default=4, metadata={"help": "k of avg@k."})
     eval_temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of evaluation and stage one."})
     eval_batch: int = field(default=1200, metadata={"help": "Sequences per generation call in evaluation / stage one."})
-    stage_one_problems: int = field(default=6000, metadata={"help": "Arm d: training problems the teacher samples."})
-    stage_one_samples: int = field(default=1, metadata={"help": "Arm d: teacher samples per problem."})
+    stage_one_problems: int = field(default=6000, metadata={"help": "Stage one (arms d, f, h, i): training problems the teacher samples."})
+    stage_one_samples: int = field(default=1, metadata={"help": "Stage one (arms d, f, h, i): teacher samples per problem."})
     sft_filter: str = field(default="verified", metadata={
-        "help": "Arm d: verified = fine-tune only on graded-correct, finished, distinct teacher samples (the "
+        "help": "Arms d, f, h, i: verified = fine-tune only on graded-correct, finished, distinct teacher samples (the "
                 "classical recipe); none = on every teacher sample (an ablation; lets the CPU smoke test run arm d "
                 "with a teacher that solves nothing)."})
     prompt_style: str = field(default="reasoning", metadata={"help": "data_tools.prompts style of every prompt."})

