@@ -399,6 +399,26 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     return dest
 
 
+def adopt_model(cfg: LearningConfig, src: str, *, dest_name: str, eval_name: str) -> Path:
+    """``--start_model`` / ``--teacher_model``: copy the model folder ``src`` to ``<out>/<dest_name>`` (atomically,
+    once) and evaluate it into ``evals/<eval_name>.parquet`` at mark 0, as a built start or teacher would be.
+    The copy keeps the run directory whole when ``src`` (often another run's folder under /tmp) goes away."""
+    import shutil
+
+    dest = cfg.dir / dest_name
+    if not (dest / "config.json").exists():
+        tmp = cfg.dir / f".{dest_name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optimizer*", "scheduler*", "rng_state*"))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    if not (cfg.dir / "evals" / f"{eval_name}.parquet").exists():
+        rows = evaluate(cfg, str(dest), name=eval_name, mark_s=0.0, train_s=0.0, step=0, out_dir=cfg.dir / "work")
+        _write_evals(rows, eval_name, cfg)
+        print(f"[learning] {dest_name}: {src} -> {_line(cfg, rows)}", flush=True)
+    return dest
+
+
 def eval_student(cfg: LearningConfig, student_path: str) -> None:
     """Mark 0 of every arm: the initial student on the held-out problems."""
     if not (cfg.dir / "evals" / "student.parquet").exists():
@@ -478,6 +498,8 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
                                        step=s["step"], out_dir=out)
         evals += [{**r, "mark_s": s["mark_s"], "train_s": s["train_s"]} for r in done[s["path"]]]
     if saved and saved[0]["path"] != student_path:
+        if cfg.keep_final:  # e.g. a teacher for another experiment (--teacher_model)
+            os.replace(saved[-1]["path"], out / "final")
         shutil.rmtree(out / "marks", ignore_errors=True)  # weights are not kept; the evaluations are
     _write_evals(evals, name, cfg)
     last = [r for r in evals if r["mark_s"] == cfg.mark_list[-1]]
@@ -686,7 +708,8 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     t_start = time.time()
     settings_path = cfg.dir / "settings.json"
     student_path = resolve_model(cfg.student_model)
-    start_path = str(cfg.dir / "start") if cfg.start_sft_s > 0 or cfg.start_sft_steps else student_path
+    start_path = (str(cfg.dir / "start") if cfg.start_model or cfg.start_sft_s > 0 or cfg.start_sft_steps
+                  else student_path)
     settings = {**dataclasses.asdict(cfg), "preset": "", "student_path": student_path, "start_path": start_path}
     old = json.loads(settings_path.read_text()) if settings_path.exists() else None
     settings = merge_settings(old, settings, cfg.arm_list)
@@ -698,12 +721,16 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     protocol(cfg)
     print(f"[learning] data: {len(read_rows(data['train']))} train / {len(read_rows(data['test']))} test ({cfg.task}); "
           f"out {cfg.dir}", flush=True)
-    if start_path != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
+    if cfg.start_model:  # a given start (e.g. an earlier run's): its evaluation is every arm's mark 0
+        adopt_model(cfg, cfg.start_model, dest_name="start", eval_name="student")
+    elif start_path != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
         fine_tune(cfg, student_path, data, dest_name="start", eval_name="student", seconds=cfg.start_sft_s,
                   steps=cfg.start_sft_steps)
     else:
         eval_student(cfg, student_path)
-    if setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
+    if cfg.teacher_model:
+        adopt_model(cfg, cfg.teacher_model, dest_name="teacher", eval_name="teacher")
+    elif setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
         fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
                   steps=cfg.teacher_sft_steps)
     if setup_only:

@@ -102,6 +102,13 @@ class LearningConfig:
                 "reproducible for a seed, so pieces of one experiment run on different (fresh) machines rebuild the "
                 "same start."})
     teacher_sft_steps: int = field(default=0, metadata={"help": "> 0: the same for the teacher (instead of teacher_sft_s)."})
+    start_model: str = field(default="", metadata={
+        "help": "A local HF model dir to use as the start instead of building one (e.g. an earlier run's "
+                "<out>/start): copied to <out>/start and evaluated as mark 0. Excludes start_sft_s / start_sft_steps."})
+    teacher_model: str = field(default="", metadata={
+        "help": "A local HF model dir to use as the teacher instead of start + SFT (e.g. an earlier run's arm export "
+                "<out>/arms/<run>/marks/checkpoint-<step>, a teacher above an SFT-saturated start for regime (ii)): "
+                "copied to <out>/teacher and evaluated."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
     lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW; constant, after warmup_steps if set)."})
     warmup_steps: int = field(default=0, metadata={
@@ -140,6 +147,9 @@ class LearningConfig:
     arm_overhead_s: float = field(default=90.0, metadata={
         "help": "Estimated seconds an arm spends outside its budget (start-up, mark exports, evaluations), for "
                 "deadline_s; after each arm run the largest overhead measured in this invocation is used if larger."})
+    keep_final: bool = field(default=False, metadata={
+        "help": "Keep each arm run's last export at <out>/arms/<run>/final (weights are deleted otherwise), e.g. as "
+                "another experiment's --teacher_model."})
     preset: str = field(default="", metadata={
         "help": "cpu_smoke: tiny sizes and budgets (PRESETS). It sets the fields still at their defaults: a flag given "
                 "with another value wins."})
@@ -167,6 +177,12 @@ class LearningConfig:
         if any(k not in ARMS or v <= 0 for k, v in rates.items()) or min(seeds) < 0:
             raise ValueError(f"arm_lr names arms of {sorted(ARMS)} with rates > 0, seeds are >= 0; got "
                              f"{self.arm_lr!r}, {self.seeds!r}")
+        if self.start_model and (self.start_sft_s > 0 or self.start_sft_steps):
+            raise ValueError("start_model replaces the start's SFT: leave start_sft_s and start_sft_steps at 0")
+        for name in ("start_model", "teacher_model"):
+            path = getattr(self, name)
+            if path and not (Path(path) / "config.json").is_file():
+                raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder (no config.json)")
         if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
             raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
@@ -254,7 +270,7 @@ class LearningConfig:
 
 #: Settings that may differ between invocations on one run directory: the arms asked for this time,
 #: the deadline and its overhead estimate, what the fast-generation check decided, and where the directory lives.
-LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out")
+LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final")
 
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:

@@ -144,11 +144,14 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
     k = cfg.eval_samples
     lines = []
     s, t = col["student"], col.get("teacher")
-    lines.append(f"- start (the student): avg@{k} {_fmt(s['avg_at_k'])} ± {_fmt(s['stderr'])}, clip {_fmt(s['clip_rate'], 2)}, "
+    given = f" = {cfg.start_model}" if cfg.start_model else ""
+    lines.append(f"- start (the student{given}): avg@{k} {_fmt(s['avg_at_k'])} ± {_fmt(s['stderr'])}, clip {_fmt(s['clip_rate'], 2)}, "
                  f"{s['mean_tokens']:.1f} tokens")
     if t:
         amount = f"{cfg.teacher_sft_steps} steps" if cfg.teacher_sft_steps else f"{cfg.teacher_sft_s:.0f} s"
-        lines.append(f"- teacher (start + {amount} of SFT on reference solutions, lr {cfg.teacher_lr}): "
+        how = (cfg.teacher_model if cfg.teacher_model
+               else f"start + {amount} of SFT on reference solutions, lr {cfg.teacher_lr}")
+        lines.append(f"- teacher ({how}): "
                      f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
                      f"{t['mean_tokens']:.1f} tokens")
     lines += ["", "| arm | " + " | ".join(f"{m:g} s" for m in cfg.mark_list) + " | last mark at s | steps | clip | tokens |",

@@ -104,6 +104,18 @@ def test_config_range_checks(tmp_path, kw, match):
         LearningConfig(**args)
 
 
+def test_given_start_and_teacher_are_checked(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"teacher_model: .* \(no config.json\)"):
+        LearningConfig(out=str(tmp_path / "r"), teacher_model=str(model))
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="start_model replaces the start's SFT"):
+        LearningConfig(out=str(tmp_path / "r"), start_model=str(model), start_sft_steps=5)
+    cfg = LearningConfig(out=str(tmp_path / "r"), start_model=str(model), teacher_model=str(model))
+    assert (cfg.start_model, cfg.teacher_model) == (str(model), str(model))
+
+
 def test_preset_fills_defaults_but_flags_win(tmp_path):
     cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke")
     assert (cfg.budget_s, cfg.marks, cfg.sft_filter, cfg.n_test) == (6.0, "3,6", "none", 6)
@@ -169,12 +181,14 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     out = tmp_path / "learn"
     # the start and the teacher built by step count, as the GPU commands of bench/LEARNING.md do
     cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--start_sft_steps", "2",
-           "--teacher_sft_steps", "3", "--arms", "a,c,d,f"]
+           "--teacher_sft_steps", "3", "--keep_final", "--arms", "a,c,d,f"]  # the arms last: p2b replaces them
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "start: SFT" in p.stdout and "(step 2)" in p.stdout and "(step 3)" in p.stdout
     cfg = LearningConfig(out=str(out), preset="cpu_smoke", start_sft_steps=2, teacher_sft_steps=3)
     per_mark = cfg.n_test * cfg.eval_samples
+    from transformers import AutoModelForCausalLM
+
     from bench.learning import arm_recipe
 
     for arm in ("a", "c", "d", "f"):
@@ -191,7 +205,8 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
         steps = {r["step"]: r["mark_s"] for r in sorted(t, key=lambda r: -r["mark_s"])}  # first mark of each export
         assert sorted(p.name for p in (out / "arms" / arm / "eval").iterdir()) == sorted(
             f"{arm}-{m:g}" for m in steps.values())  # one stages.evaluate run per export
-        assert not (out / "arms" / arm / "marks").exists()  # mark exports are deleted once evaluated
+        assert not (out / "arms" / arm / "marks").exists()  # mark exports are deleted once evaluated ...
+    assert AutoModelForCausalLM.from_pretrained(out / "arms" / "c" / "final").num_parameters() > 100_000_000  # ... but c's last
     manifest = json.loads((out / "stage_one" / "curate" / "manifest.json").read_text())
     assert manifest["engine"]["name"] == "hf-cpu" and manifest["config"]["teacher_samples"] == cfg.stage_one_samples
     assert pq.read_table(out / "evals" / "student.parquet").num_rows == per_mark
@@ -209,7 +224,6 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     assert len(sols) == cfg.n_train and sum(x is not None for x in sols) == cfg.stage_one_problems  # sft_filter none
     res = json.loads((out / "results.json").read_text())
     assert set(res["arms"]) == {"a", "c", "d", "f"} and res["best_arm"] in ARMS
-    from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "teacher").num_parameters() > 100_000_000
     recs_d = [json.loads(x) for x in (out / "arms" / "d" / "metrics" / "train.jsonl").read_text().splitlines()]
@@ -222,6 +236,20 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     # other settings in the same directory are refused (exit 2), nothing overwritten
     p3 = subprocess.run(cmd + ["--lr", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p3.returncode == 2 and "other settings" in p3.stderr
+    # a second experiment on this one's start and teacher (regime (ii)'s teacher from an earlier run): copied, and
+    # scored exactly as they were (same weights, same seeded evaluation)
+    out2 = tmp_path / "learn2"
+    p4 = subprocess.run([sys.executable, "-m", "bench.learning", "--out", str(out2), "--preset", "cpu_smoke",
+                         "--start_model", str(out / "start"), "--teacher_model", str(out / "teacher"), "--stage", "setup"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p4.returncode == 0, p4.stdout[-2000:] + p4.stderr[-2000:]
+    assert "SFT" not in p4.stdout  # nothing trained
+    for name in ("student", "teacher"):
+        key = lambda r: (r["problem_id"], r["sample_index"])  # noqa: E731
+        a = sorted(pq.read_table(out / "evals" / f"{name}.parquet").to_pylist(), key=key)
+        b = sorted(pq.read_table(out2 / "evals" / f"{name}.parquet").to_pylist(), key=key)
+        assert [r["completion"] for r in a] == [r["completion"] for r in b], name
+    assert (out2 / "teacher" / "config.json").exists() and not (out2 / ".teacher.tmp").exists()
 
 
 def test_arm_runs_rates_and_seeds(tmp_path):
