@@ -66,7 +66,7 @@ log = logging.getLogger("bench.learning")
 from bench.learning_report import report, summarize_mark  # noqa: E402 - after the sys.path line
 
 from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
-    ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, merge_settings)
+    ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, check_given_models, merge_settings)
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -706,6 +706,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     from data_tools.runio import write_json
 
     t_start = time.time()
+    check_given_models(cfg)
     settings_path = cfg.dir / "settings.json"
     student_path = resolve_model(cfg.student_model)
     start_path = (str(cfg.dir / "start") if cfg.start_model or cfg.start_sft_s > 0 or cfg.start_sft_steps

@@ -179,10 +179,6 @@ class LearningConfig:
                              f"{self.arm_lr!r}, {self.seeds!r}")
         if self.start_model and (self.start_sft_s > 0 or self.start_sft_steps):
             raise ValueError("start_model replaces the start's SFT: leave start_sft_s and start_sft_steps at 0")
-        for name in ("start_model", "teacher_model"):
-            path = getattr(self, name)
-            if path and not (Path(path) / "config.json").is_file():
-                raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder (no config.json)")
         if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
             raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
@@ -270,6 +266,20 @@ class LearningConfig:
 
 #: Settings that may differ between invocations on one run directory: the arms asked for this time,
 #: the deadline and its overhead estimate, what the fast-generation check decided, and where the directory lives.
+def check_given_models(cfg: "LearningConfig") -> None:
+    """Before a run adopts ``--start_model`` / ``--teacher_model`` (``bench.learning.adopt_model``): each names a
+    Hugging Face model folder, unless the run directory already holds its copy. Not a ``__post_init__`` check: a
+    report on tables brought back from another machine re-reads these settings where the source paths never were.
+
+    Raises:
+        FileNotFoundError: the field and the path that holds no ``config.json``.
+    """
+    for name, dest in (("start_model", "start"), ("teacher_model", "teacher")):
+        path = getattr(cfg, name)
+        if path and not (cfg.dir / dest / "config.json").is_file() and not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder (no config.json)")
+
+
 LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final")
 
 

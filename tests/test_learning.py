@@ -105,15 +105,20 @@ def test_config_range_checks(tmp_path, kw, match):
 
 
 def test_given_start_and_teacher_are_checked(tmp_path):
+    from bench.learning_config import check_given_models
+
     model = tmp_path / "m"
     model.mkdir()
+    cfg = LearningConfig(out=str(tmp_path / "r"), teacher_model=str(model))  # a report elsewhere may not have it
     with pytest.raises(FileNotFoundError, match=r"teacher_model: .* \(no config.json\)"):
-        LearningConfig(out=str(tmp_path / "r"), teacher_model=str(model))
+        check_given_models(cfg)
+    (cfg.dir / "teacher").mkdir(parents=True)
+    (cfg.dir / "teacher" / "config.json").write_text("{}")
+    check_given_models(cfg)  # already copied into the run: the source may be gone
     (model / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="start_model replaces the start's SFT"):
         LearningConfig(out=str(tmp_path / "r"), start_model=str(model), start_sft_steps=5)
-    cfg = LearningConfig(out=str(tmp_path / "r"), start_model=str(model), teacher_model=str(model))
-    assert (cfg.start_model, cfg.teacher_model) == (str(model), str(model))
+    check_given_models(LearningConfig(out=str(tmp_path / "r2"), start_model=str(model), teacher_model=str(model)))
 
 
 def test_preset_fills_defaults_but_flags_win(tmp_path):
