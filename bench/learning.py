@@ -501,6 +501,9 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
         if cfg.keep_final:  # e.g. a teacher for another experiment (--teacher_model)
             os.replace(saved[-1]["path"], out / "final")
         shutil.rmtree(out / "marks", ignore_errors=True)  # weights are not kept; the evaluations are
+    elif cfg.keep_final:  # no training step: the arm's model is the start
+        shutil.copytree(student_path, out / "final")
+        print(f"[learning] arm {name}: no training step; final = a copy of the start", flush=True)
     _write_evals(evals, name, cfg)
     last = [r for r in evals if r["mark_s"] == cfg.mark_list[-1]]
     print(f"[learning] arm {name} ({cfg.label(name)}): {_line(cfg, last)}, wall {time.time() - t_wall:.0f}s", flush=True)
@@ -740,7 +743,9 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     skipped, overhead = {}, cfg.arm_overhead_s
     for arm in cfg.instances:
         if (cfg.dir / "evals" / f"{arm}.parquet").exists():
-            print(f"[learning] arm {arm}: already done", flush=True)
+            lost = cfg.keep_final and not (cfg.dir / "arms" / arm / "final" / "config.json").exists()
+            print(f"[learning] arm {arm}: already done" + (" (without --keep_final: no final export kept; another "
+                  "--out runs it again)" if lost else ""), flush=True)
             continue
         if cfg.deadline_s and time.time() - t_start + cfg.budget_s + overhead > cfg.deadline_s:
             skipped[arm] = f"not enough time left in deadline_s={cfg.deadline_s:.0f}"

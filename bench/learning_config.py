@@ -107,8 +107,8 @@ class LearningConfig:
                 "<out>/start): copied to <out>/start and evaluated as mark 0. Excludes start_sft_s / start_sft_steps."})
     teacher_model: str = field(default="", metadata={
         "help": "A local HF model dir to use as the teacher instead of start + SFT (e.g. an earlier run's arm export "
-                "<out>/arms/<run>/marks/checkpoint-<step>, a teacher above an SFT-saturated start for regime (ii)): "
-                "copied to <out>/teacher and evaluated."})
+                "<out>/arms/<run>/final, kept by --keep_final: a teacher above an SFT-saturated start for regime (ii)): "
+                "copied to <out>/teacher and evaluated. Excludes teacher_sft_steps."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
     lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW; constant, after warmup_steps if set)."})
     warmup_steps: int = field(default=0, metadata={
@@ -179,6 +179,8 @@ class LearningConfig:
                              f"{self.arm_lr!r}, {self.seeds!r}")
         if self.start_model and (self.start_sft_s > 0 or self.start_sft_steps):
             raise ValueError("start_model replaces the start's SFT: leave start_sft_s and start_sft_steps at 0")
+        if self.teacher_model and self.teacher_sft_steps:
+            raise ValueError("teacher_model replaces the teacher's SFT: leave teacher_sft_steps at 0")
         if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
             raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
@@ -264,22 +266,31 @@ class LearningConfig:
 
 
 
-#: Settings that may differ between invocations on one run directory: the arms asked for this time,
-#: the deadline and its overhead estimate, what the fast-generation check decided, and where the directory lives.
+def _has_weights(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def check_given_models(cfg: "LearningConfig") -> None:
     """Before a run adopts ``--start_model`` / ``--teacher_model`` (``bench.learning.adopt_model``): each names a
-    Hugging Face model folder, unless the run directory already holds its copy. Not a ``__post_init__`` check: a
-    report on tables brought back from another machine re-reads these settings where the source paths never were.
+    Hugging Face model folder with its weights, unless the run directory already holds its copy. Not a
+    ``__post_init__`` check: a report on tables brought back from another machine re-reads these settings where the
+    source paths never were.
 
     Raises:
-        FileNotFoundError: the field and the path that holds no ``config.json``.
+        FileNotFoundError: the field and the path that holds no ``config.json`` or no ``*.safetensors`` (tables
+            packed by ``bench/offline_gpu.sh pack`` have no weights; an arm's ``final`` exists only with
+            ``--keep_final``).
     """
     for name, dest in (("start_model", "start"), ("teacher_model", "teacher")):
         path = getattr(cfg, name)
-        if path and not (cfg.dir / dest / "config.json").is_file() and not (Path(path) / "config.json").is_file():
-            raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder (no config.json)")
+        if path and not _has_weights(cfg.dir / dest) and not _has_weights(Path(path)):
+            raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder with weights (no config.json "
+                                    "or no *.safetensors); an arm's <out>/arms/<run>/final is kept only with --keep_final")
 
 
+#: Settings that may differ between invocations on one run directory: the arms asked for this time,
+#: the deadline and its overhead estimate, what the fast-generation check decided, where the directory lives,
+#: and whether arm exports are kept.
 LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final")
 
 
@@ -295,8 +306,11 @@ def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
     if old is None:
         out["fast_generation_used"] = bool(new.get("fast_generation", True))
         return out
-    a = {k: v for k, v in old.items() if k not in LOOSE_SETTINGS}
-    b = {k: v for k, v in new.items() if k not in LOOSE_SETTINGS}
+    defaults = {f.name: f.default for f in dataclasses.fields(LearningConfig)}
+    # a setting added after the old run was recorded had its default there
+    keys = (old.keys() | new.keys()) - set(LOOSE_SETTINGS)
+    a = {k: old.get(k, defaults.get(k)) for k in keys}
+    b = {k: new.get(k, defaults.get(k)) for k in keys}
     if a != b:
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         raise ValueError(f"the run directory holds a run with other settings ({diff}); use another --out")

@@ -110,12 +110,18 @@ def test_given_start_and_teacher_are_checked(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     cfg = LearningConfig(out=str(tmp_path / "r"), teacher_model=str(model))  # a report elsewhere may not have it
-    with pytest.raises(FileNotFoundError, match=r"teacher_model: .* \(no config.json\)"):
+    with pytest.raises(FileNotFoundError, match=r"teacher_model: .* with weights \(no config.json"):
         check_given_models(cfg)
     (cfg.dir / "teacher").mkdir(parents=True)
     (cfg.dir / "teacher" / "config.json").write_text("{}")
+    (cfg.dir / "teacher" / "model.safetensors").write_bytes(b"")
     check_given_models(cfg)  # already copied into the run: the source may be gone
     (model / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="with weights"):  # e.g. a packed, weightless folder
+        check_given_models(LearningConfig(out=str(tmp_path / "r2"), start_model=str(model)))
+    (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="teacher_model replaces the teacher's SFT"):
+        LearningConfig(out=str(tmp_path / "r"), teacher_model=str(model), teacher_sft_steps=5)
     with pytest.raises(ValueError, match="start_model replaces the start's SFT"):
         LearningConfig(out=str(tmp_path / "r"), start_model=str(model), start_sft_steps=5)
     check_given_models(LearningConfig(out=str(tmp_path / "r2"), start_model=str(model), teacher_model=str(model)))
@@ -140,6 +146,10 @@ def test_merge_settings_resume_rules():
     assert again["arms"] == "a,b,c" and again["fast_generation_used"] is False and again["out"] == "/moved"
     with pytest.raises(ValueError, match=r"other settings \(\['lr', 'task'\]\)"):
         merge_settings(first, {**base, "lr": 3e-5, "task": "gsm8k"}, ["a"])
+    # a setting added since the old run was recorded: its default is what the old run had
+    assert merge_settings(first, {**base, "teacher_model": ""}, ["a"])["teacher_model"] == ""
+    with pytest.raises(ValueError, match=r"other settings \(\['teacher_model'\]\)"):
+        merge_settings(first, {**base, "teacher_model": "/m"}, ["a"])
 
 
 def test_report_tables_and_comparisons(tmp_path):
