@@ -123,3 +123,18 @@ def test_off_policy_steps_train_on_solutions_only(tmp_path, tokenizer):  # noqa:
 def test_no_verified_solution_is_an_error(tmp_path, tokenizer):  # noqa: F811
     with pytest.raises(ValueError, match="no non-empty teacher_solution"):
         make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path, solved=lambda i: False), w_sft=1.0)
+
+
+def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # noqa: F811
+    """sft_share = 1 with a cap of 1.5 passes over a pool of 4 solutions, 4 a step: two off-policy steps, then on-policy."""
+    tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
+                      sft_batch_size=4, sft_max_epochs=1.5, debug_max_steps=3)
+    assert len(tr._sft_pool) == 4
+    tr.train()
+    recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0]
+    assert [r["sft/epoch"] for r in recs] == [1.0, 2.0, 2.0] and recs[-1]["sft/share"] == 0.0
+    assert len(list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))) == 1  # the one on-policy step
+    with pytest.raises(ValueError, match="sft_max_epochs > 0 hands the steps after the cap"):
+        make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), w_kl=0.0, w_reward=0.0,
+                     sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=1.0)

@@ -120,9 +120,12 @@ class OffPolicyTerm:
                              f"gradient_accumulation_steps ({world * a.gradient_accumulation_steps})")
 
     def _choose_off_policy(self) -> bool:
-        """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``."""
+        """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``;
+        always on-policy once ``sft_max_epochs`` passes over the solution pool are done."""
         a = self.args
         self._share_now = sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
+        if a.sft_max_epochs and self._sft_pos >= a.sft_max_epochs * len(self._sft_pool):
+            self._share_now = 0.0  # recorded as the share in force: TimeShare then counts these seconds as on-policy
         off = self._time_share.choose(self._share_now)
         return self._any_process(off) if self.accelerator.num_processes > 1 else off
 
@@ -199,5 +202,6 @@ class OffPolicyTerm:
         m["sft/tokens"].append(tokens)
         m["sft/share"].append(self._share_now)
         m["sft/off_policy_step"].append(float(self._off_policy_step))
+        m["sft/epoch"].append(self._sft_pos / len(self._sft_pool) if self._sft_pool else 0.0)  # passes over the pool
         m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
 
