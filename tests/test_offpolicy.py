@@ -138,3 +138,22 @@ def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # 
     with pytest.raises(ValueError, match="sft_max_epochs > 0 hands the steps after the cap"):
         make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), w_kl=0.0, w_reward=0.0,
                      sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=1.0)
+
+
+def test_resumed_run_continues_the_solution_stream(tmp_path, tokenizer):  # noqa: F811
+    """The off-policy position and time-share credit saved with a checkpoint: a resumed trainer's next SFT batch is
+    the one the uninterrupted run would have taken, and its epoch count (sft_max_epochs) carries on."""
+    kw = dict(sft_share_start=0.5, sft_share_end=0.5, sft_batch_size=2, gradient_accumulation_steps=1)
+    a = make_trainer(tmp_path / "a", tokenizer, solved_curriculum(tmp_path / "a"), **kw)
+    for _ in range(3):  # 3 batches of 2 from a pool of 4: into the second (reshuffled) epoch
+        a._offpolicy_batch()
+    a._time_share.record(0.5, True, 4.0)
+    state = json.loads(json.dumps(a._offpolicy_state()))  # as written to opd_clock.json
+    assert state == {"sft_pos": 6, "sft_credit": -2.0}
+    b = make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), **kw)
+    b._load_offpolicy_state(state)
+    nxt_a, nxt_b = a._offpolicy_batch(), b._offpolicy_batch()
+    assert torch.equal(nxt_a["sft_completion_ids"], nxt_b["sft_completion_ids"])
+    assert b._time_share.credit == -2.0 and not b._time_share.choose(0.5)  # owes off-policy seconds back
+    fresh = make_trainer(tmp_path / "c", tokenizer, solved_curriculum(tmp_path / "c"), **kw)
+    assert not torch.equal(fresh._offpolicy_batch()["sft_completion_ids"], nxt_a["sft_completion_ids"])

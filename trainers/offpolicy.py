@@ -187,6 +187,16 @@ class OffPolicyTerm:
         self._acc_sft["tokens"] += float(valid.sum())
         return weight * ce, entropy.detach().sum(), valid.sum()
 
+    def _offpolicy_state(self) -> dict[str, float]:
+        """What a resumed run needs to continue the mix where it stopped (saved beside the clock's fraction):
+        the position in the solution stream (its epochs, hence ``sft_max_epochs``) and the time-share credit."""
+        return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit}
+
+    def _load_offpolicy_state(self, state: dict) -> None:
+        """Restore ``_offpolicy_state()`` (a checkpoint written before it existed restarts the stream at 0)."""
+        self._sft_pos = int(state.get("sft_pos", 0))
+        self._time_share.credit = float(state.get("sft_credit", 0.0))
+
     def _finish_offpolicy(self, step_s: float) -> None:
         """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""
         a = self.args

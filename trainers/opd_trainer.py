@@ -321,7 +321,9 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and (Path(checkpoint) / CLOCK_STATE).exists():
-            self._fraction0 = float(json.loads((Path(checkpoint) / CLOCK_STATE).read_text())["time_fraction"])
+            state = json.loads((Path(checkpoint) / CLOCK_STATE).read_text())
+            self._fraction0 = float(state["time_fraction"])
+            self._load_offpolicy_state(state)
         # The optimizer state brings back the learning rate of the save; the schedule is the clock's now.
         if checkpoint is not None and self.lr_scheduler is not None and self.args.lr_scheduler_type in TIME_SCHEDULES:
             sched = self.lr_scheduler
@@ -747,7 +749,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
     def _save_checkpoint(self, model, trial):
         # The clock's fraction first: trainer_state.json, written last by transformers, marks the state complete.
         if self.args.should_save:
-            write_json({"time_fraction": self.time_fraction()},
+            write_json({"time_fraction": self.time_fraction(), **self._offpolicy_state()},
                        Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}" / CLOCK_STATE)
         # Resume state via transformers' own machinery (skipping TRL's model card, which would land in output_dir).
         Trainer._save_checkpoint(self, model, trial)
