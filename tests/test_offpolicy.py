@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -126,18 +127,53 @@ def test_no_verified_solution_is_an_error(tmp_path, tokenizer):  # noqa: F811
 
 
 def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # noqa: F811
-    """sft_share = 1 with a cap of 1.5 passes over a pool of 4 solutions, 4 a step: two off-policy steps, then on-policy."""
+    """sft_share = 1 with a cap of 2.5 passes over a pool of 4 solutions, 4 a step: two off-policy steps (a third
+    would pass the cap), then on-policy for good."""
     tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
-                      sft_batch_size=4, sft_max_epochs=1.5, debug_max_steps=3)
+                      sft_batch_size=4, sft_max_epochs=2.5, debug_max_steps=4)
     assert len(tr._sft_pool) == 4
     tr.train()
     recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0]
-    assert [r["sft/epoch"] for r in recs] == [1.0, 2.0, 2.0] and recs[-1]["sft/share"] == 0.0
-    assert len(list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))) == 1  # the one on-policy step
+    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0, 0.0]
+    assert [r["sft/epoch"] for r in recs] == [1.0, 2.0, 2.0, 2.0] and recs[-1]["sft/share"] == 0.0
+    assert len(list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))) == 2  # the on-policy steps
     with pytest.raises(ValueError, match="sft_max_epochs > 0 hands the steps after the cap"):
         make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), w_kl=0.0, w_reward=0.0,
                      sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=1.0)
+    with pytest.raises(ValueError, match="sft_max_epochs caps the off-policy steps"):
+        make_trainer(tmp_path / "c", tokenizer, solved_curriculum(tmp_path / "c"), w_sft=1.0, sft_max_epochs=1.0)
+
+
+def test_resume_from_checkpoint_keeps_the_cap(tmp_path, tokenizer):  # noqa: F811
+    """Through a real save and resume: the checkpoint's opd_clock.json holds the stream's position, so a resumed run
+    with its cap reached trains on-policy; a checkpoint without it (written before it existed) starts the stream
+    again."""
+    from trainers.callbacks import find_resume_checkpoint
+    from trainers.opd_trainer import CLOCK_STATE
+
+    cur = solved_curriculum(tmp_path)
+    kw = dict(sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4, sft_max_epochs=2.0)
+    tr = make_trainer(tmp_path, tokenizer, cur, debug_max_steps=2, **kw)
+    tr.train()
+    ckpt = find_resume_checkpoint(tr.args.resume_dir)
+    assert ckpt.endswith("checkpoint-2")
+    state = json.loads((Path(ckpt) / CLOCK_STATE).read_text())
+    assert state["sft_pos"] == 8
+    metrics = Path(tr.args.output_dir) / "metrics" / "train.jsonl"
+    saved = tmp_path / "saved-checkpoint-2"  # the resumed run rotates its resume dir: keep a copy to resume twice
+    shutil.copytree(ckpt, saved)
+
+    def resume(steps):
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.copytree(saved, ckpt)
+        tr2 = make_trainer(tmp_path, tokenizer, cur, debug_max_steps=steps, **kw)
+        tr2.train(resume_from_checkpoint=ckpt)
+        return [json.loads(x) for x in metrics.read_text().splitlines()][-(steps - 2):]
+
+    assert [r["sft/off_policy_step"] for r in resume(3)] == [0.0]  # cap reached before the interruption
+    (saved / CLOCK_STATE).write_text(json.dumps({"time_fraction": state["time_fraction"]}))
+    old = resume(3)
+    assert [r["sft/off_policy_step"] for r in old] == [1.0] and old[0]["sft/epoch"] == 1.0
 
 
 def test_resumed_run_continues_the_solution_stream(tmp_path, tokenizer):  # noqa: F811

@@ -21,12 +21,15 @@ arms of bench/learning.py are compared at equal training seconds.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import Any
 
 import torch
 
 from trainers import losses
+
+log = logging.getLogger(__name__)
 
 
 def sft_share(fraction: float, start: float, end: float) -> float:
@@ -89,12 +92,13 @@ def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *
 
 class OffPolicyTerm:
     """``OPDTrainer``'s methods for the off-policy signal (a mixin: it reads the trainer's ``args``
-    (``OPDConfig``: w_sft, sft_share_start/end, sft_batch_size, seed), ``accelerator``, ``train_dataset``,
-    ``processing_class``, ``_metrics``, ``_heads``, ``_get_last_hidden_state``, ``time_fraction``).
+    (``OPDConfig``: w_sft, sft_share_start/end, sft_batch_size, sft_max_epochs, seed), ``accelerator``,
+    ``train_dataset``, ``processing_class``, ``_metrics``, ``_heads``, ``_get_last_hidden_state``, ``time_fraction``).
 
     The trainer calls ``_init_offpolicy`` in ``__init__``, ``_choose_off_policy`` / ``_offpolicy_batch``
     where it would generate, ``_solution_rows`` when it builds an on-policy batch, ``_sft_loss`` in its
-    loss and ``_finish_offpolicy`` at each step's end.
+    loss, ``_finish_offpolicy`` at each step's end, ``_offpolicy_state`` when it saves a checkpoint and
+    ``_load_offpolicy_state`` when it resumes from one.
     """
 
     def _init_offpolicy(self) -> None:
@@ -118,13 +122,16 @@ class OffPolicyTerm:
         if a.sft_batch_size % (world * a.gradient_accumulation_steps):
             raise ValueError(f"sft_batch_size ({a.sft_batch_size}) must be a multiple of world size x "
                              f"gradient_accumulation_steps ({world * a.gradient_accumulation_steps})")
+        if a.sft_max_epochs and a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool):
+            log.warning("sft_max_epochs=%g over %d verified solutions is less than one batch of %d: no off-policy "
+                        "step will run", a.sft_max_epochs, len(self._sft_pool), a.sft_batch_size)
 
     def _choose_off_policy(self) -> bool:
         """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``;
-        always on-policy once ``sft_max_epochs`` passes over the solution pool are done."""
+        on-policy whenever one more batch would take the solution stream past ``sft_max_epochs`` passes."""
         a = self.args
         self._share_now = sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
-        if a.sft_max_epochs and self._sft_pos >= a.sft_max_epochs * len(self._sft_pool):
+        if a.sft_max_epochs and self._sft_pos + a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool):
             self._share_now = 0.0  # recorded as the share in force: TimeShare then counts these seconds as on-policy
         off = self._time_share.choose(self._share_now)
         return self._any_process(off) if self.accelerator.num_processes > 1 else off
@@ -187,7 +194,7 @@ class OffPolicyTerm:
         self._acc_sft["tokens"] += float(valid.sum())
         return weight * ce, entropy.detach().sum(), valid.sum()
 
-    def _offpolicy_state(self) -> dict[str, float]:
+    def _offpolicy_state(self) -> dict[str, int | float]:
         """What a resumed run needs to continue the mix where it stopped (saved beside the clock's fraction):
         the position in the solution stream (its epochs, hence ``sft_max_epochs``) and the time-share credit."""
         return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit}

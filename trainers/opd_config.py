@@ -123,10 +123,11 @@ class OPDConfig(DistillationConfig):
         "help": "Teacher solutions per off-policy optimizer step (all processes; a multiple of world size x "
                 "gradient_accumulation_steps)."})
     sft_max_epochs: float = field(default=0.0, metadata={
-        "help": "> 0: off-policy steps stop once they have passed over the pool of verified teacher solutions this "
-                "many times; every later step is on-policy (needs w_kl or w_reward > 0). 0 = no cap. The share "
-                "schedule is in seconds: where an on-policy step costs minutes and an SFT step seconds (the formal "
-                "regime), a small pool would otherwise be repeated for tens of epochs."})
+        "help": "> 0: at most this many passes of the off-policy steps over the verified teacher solutions (a step "
+                "that would pass the cap is on-policy instead; the count survives a resume); every later step is "
+                "on-policy, still with the w_sft term if set. 0 = no cap. The share schedule is in seconds: where an "
+                "on-policy step costs minutes and an SFT step seconds (long completions), a small pool would "
+                "otherwise be repeated for tens of epochs."})
 
     # ---- data ----
     prompt_style: str | None = field(default=None, metadata={
@@ -265,8 +266,11 @@ class OPDConfig(DistillationConfig):
              f"sft_batch_size ({self.sft_batch_size}) must be a positive multiple of gradient_accumulation_steps")
         need(self.sft_max_epochs >= 0, f"sft_max_epochs must be >= 0, got {self.sft_max_epochs}")
         need(not self.sft_max_epochs or self.w_kl > 0 or self.w_reward > 0,
-             "sft_max_epochs > 0 hands the steps after the cap to on-policy training: it needs w_kl or w_reward > 0 "
-             "(a run of SFT steps only ends by its clock)")
+             "sft_max_epochs > 0 hands the steps after the cap to on-policy training, which needs w_kl > 0 or "
+             "w_reward > 0; for SFT-only runs (w_kl = w_reward = 0) leave sft_max_epochs at 0 and let the clock end "
+             "the run")
+        need(not self.sft_max_epochs or self.sft_share_start > 0 or self.sft_share_end > 0,
+             "sft_max_epochs caps the off-policy steps: it needs sft_share_start or sft_share_end > 0")
         need(self.full_topk >= 0, f"full_topk must be >= 0, got {self.full_topk}")
         need(self.head_kernel in HEAD_KERNELS, f"head_kernel must be one of {HEAD_KERNELS}, got {self.head_kernel!r}")
         why = liger_unavailable() if self.head_kernel == "liger" else None
