@@ -66,7 +66,7 @@ log = logging.getLogger("bench.learning")
 from bench.learning_report import report, summarize_mark  # noqa: E402 - after the sys.path line
 
 from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
-    ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, check_given_models, merge_settings)
+    ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings)
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -406,7 +406,7 @@ def adopt_model(cfg: LearningConfig, src: str, *, dest_name: str, eval_name: str
     import shutil
 
     dest = cfg.dir / dest_name
-    if not (dest / "config.json").exists():
+    if not has_weights(dest):  # the same test check_given_models applies to the source
         tmp = cfg.dir / f".{dest_name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optimizer*", "scheduler*", "rng_state*"))

@@ -264,9 +264,8 @@ class LearningConfig:
         return Path(self.out).expanduser().resolve()
 
 
-
-
-def _has_weights(path: Path) -> bool:
+def has_weights(path: Path) -> bool:
+    """A Hugging Face model folder with its weights (``config.json`` and a ``*.safetensors``)."""
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
@@ -283,7 +282,7 @@ def check_given_models(cfg: "LearningConfig") -> None:
     """
     for name, dest in (("start_model", "start"), ("teacher_model", "teacher")):
         path = getattr(cfg, name)
-        if path and not _has_weights(cfg.dir / dest) and not _has_weights(Path(path)):
+        if path and not has_weights(cfg.dir / dest) and not has_weights(Path(path)):
             raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder with weights (no config.json "
                                     "or no *.safetensors); an arm's <out>/arms/<run>/final is kept only with --keep_final")
 

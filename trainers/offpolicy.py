@@ -219,6 +219,6 @@ class OffPolicyTerm:
         m["sft/tokens"].append(tokens)
         m["sft/share"].append(self._share_now)
         m["sft/off_policy_step"].append(float(self._off_policy_step))
-        m["sft/epoch"].append(self._sft_pos / len(self._sft_pool) if self._sft_pool else 0.0)  # passes over the pool
+        m["sft/epoch"].append(self._sft_pos / len(self._sft_pool))  # passes over the pool (never empty here)
         m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
 
