@@ -17,6 +17,8 @@ from tests.test_trainer import curriculum_path, make_trainer, tiny_model, tokeni
 from trainers import heads, losses
 
 CUDA = torch.cuda.is_available()
+#: the Liger GPU tests need a CUDA device and liger_kernel (make setup-gpu; bench/offline_gpu.sh prepare carries it)
+NEEDS_LIGER = pytest.mark.skipif(heads.liger_unavailable() is not None, reason=f"{heads.liger_unavailable()}")
 
 
 def _rand(n=13, H=8, V=41, seed=0, device="cpu", Ht=None):
@@ -239,7 +241,7 @@ def test_config_refuses_liger_without_cuda(tmp_path):
 # ---------------------------------------------------------------- Liger on the GPU
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@NEEDS_LIGER
 def test_liger_token_logprobs_values_and_weighted_grads():
     """Liger's fused cross-entropy (reduction none) = plain log-softmax, gradients under per-token weights."""
     assert heads.liger_unavailable() is None
@@ -264,7 +266,7 @@ def test_liger_token_logprobs_values_and_weighted_grads():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@NEEDS_LIGER
 def test_liger_reverse_kl_sum_equals_plain():
     """Liger's fused JSD at beta = 1 = sum_t KL(p_s || p_t), teacher of another width, sliced head, T = 0.8."""
     h, W, ht, Wt, y = _rand(n=300, H=64, V=1000, device="cuda", Ht=96)
@@ -286,7 +288,7 @@ def test_liger_reverse_kl_sum_equals_plain():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@NEEDS_LIGER
 def test_liger_and_trl_agree_in_bf16_at_qwen_width():
     """bf16 heads at a 151,936-row vocabulary: both kernels give the same log-probs and KL (bf16 tolerance)."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -306,7 +308,7 @@ def test_liger_and_trl_agree_in_bf16_at_qwen_width():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@NEEDS_LIGER
 @pytest.mark.parametrize("kl_mode", ["sampled", "full"])
 def test_trainer_liger_equals_trl_on_cuda(tmp_path, tokenizer, curriculum_path, kl_mode):  # noqa: F811
     """The trainer's micro-batch loss, entropy and gradients with head_kernel=liger = head_kernel=trl (fp32, CUDA,
