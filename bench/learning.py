@@ -662,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         kept.setdefault("answer_filter", "math")
         kept["fast_generation"] = kept.get("fast_generation_used", kept.get("fast_generation", True))
         kept = {k: v for k, v in kept.items() if k in names}
-        kept["report_filter"] = cfg.report_filter  # a report chooses its filter on its own command line
+        kept["report_filter"] = cfg.report_filter  # a report chooses its filter and late marks on its own command line
+        kept["late_marks"] = cfg.late_marks
         kept["out"] = str(cfg.dir)  # the directory may have moved since (e.g. copied back from a GPU machine)
         try:
             cfg = LearningConfig(**kept)

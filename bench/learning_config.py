@@ -136,6 +136,10 @@ class LearningConfig:
                 "numeric = the answer must be a number (arithmetic tasks); math = any equal expression."})
     report_filter: str = field(default="numeric", metadata={
         "help": "Answer filter of the reported avg@k (both are stored per sample: correct_numeric, correct_math)."})
+    late_marks: int = field(default=3, metadata={
+        "help": "Report: also compare the arms on each problem's pass rate pooled over the last N marks (and seeds), "
+                "the late mean. One mark is noisier than its standard error says: two runs of one command differed "
+                "by 0.046 at 150 s (bench/LEARNING.md, regime (ii)). 0 = off; all marks if there are fewer."})
     seed: int = field(default=0, metadata={"help": "Seed of every arm (data order, sampling, evaluation)."})
     engine: str = field(default="hf", metadata={
         "help": "Engine of stage one and evaluation (data_tools.engine): hf (the fast decoder of the training "
@@ -188,6 +192,8 @@ class LearningConfig:
         m = self.mark_list
         if not m or any(x <= 0 for x in m) or m != sorted(set(m)) or m[-1] > self.budget_s:
             raise ValueError(f"marks must be increasing positive seconds <= budget_s ({self.budget_s}), got {self.marks!r}")
+        if self.late_marks < 0:
+            raise ValueError(f"late_marks must be >= 0, got {self.late_marks}")
         for name in ("n_train", "n_test", "eval_samples", "num_generations", "completions_per_step", "max_new_tokens",
                      "sft_batch_size", "eval_batch", "stage_one_problems", "stage_one_samples"):
             if getattr(self, name) < 1:
@@ -290,7 +296,8 @@ def check_given_models(cfg: "LearningConfig") -> None:
 #: Settings that may differ between invocations on one run directory: the arms asked for this time,
 #: the deadline and its overhead estimate, what the fast-generation check decided, where the directory lives,
 #: and whether arm exports are kept.
-LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final")
+LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final",
+                  "late_marks")
 
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:

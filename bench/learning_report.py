@@ -85,6 +85,20 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
             cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None,
                         "gain_over_start": d0, "gain_stderr": se0}
         out["comparisons_at_last_mark"] = cmp
+    late_m = cfg.mark_list[-cfg.late_marks:] if cfg.late_marks else []
+    late = {arm: rows for arm, names in groups.items()
+            if len(rows := [{**r, "correct": r[f"correct_{f}"]} for n in names for r in evals[n]
+                            if r["mark_s"] in late_m]) and {r["mark_s"] for r in rows} == set(late_m)}
+    if late:  # the late mean: per problem, the pass rate pooled over the last marks (every sample of every seed)
+        best = max(late, key=lambda a: summarize_mark(late[a])["avg_at_k"])
+        start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
+        cmp = {}
+        for arm, rows in late.items():
+            d, se, _ = paired_difference(late[best], rows) if arm != best else (0.0, None, len(rows))
+            d0, se0, _ = paired_difference(rows, start)
+            cmp[arm] = {"late_mean": summarize_mark(rows)["avg_at_k"], "best_minus_arm": d, "stderr": se,
+                        "n_sigma": (d / se) if se else None, "gain_over_start": d0, "gain_stderr": se0}
+        out["late_mean"] = {"marks": late_m, "best_arm": best, "comparisons": cmp}
     return out
 
 
@@ -176,6 +190,19 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
                          f"({_fmt(c['n_sigma'], 1)} standard errors)")
         lines.append("")
         for arm, c in col["comparisons_at_last_mark"].items():
+            lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
+    if col.get("late_mean"):
+        lm = col["late_mean"]
+        b, cmp = lm["best_arm"], lm["comparisons"]
+        marks = ", ".join(f"{m:g}" for m in lm["marks"])
+        lines += ["", f"Late mean (each problem's pass rate pooled over the marks at {marks} s; runs that completed "
+                      f"all of them): best **{b}** {cmp[b]['late_mean']:.3f}. Paired over the same problems:", ""]
+        for arm, c in cmp.items():
+            if arm != b:
+                lines.append(f"- {b} − {arm}: {c['best_minus_arm']:+.3f} ± {_fmt(c['stderr'])} "
+                             f"({_fmt(c['n_sigma'], 1)} standard errors; {arm} {c['late_mean']:.3f})")
+        lines.append("")
+        for arm, c in cmp.items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
     return lines
 

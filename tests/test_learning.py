@@ -185,6 +185,22 @@ def test_report_tables_and_comparisons(tmp_path):
     assert "answer filter `numeric`" in md and "answer filter `math`" in md
     assert json.loads((cfg.dir / "results.json").read_text())["best_arm"] == "c"
     assert (cfg.dir / "learning.png").stat().st_size > 10_000
+    # the late mean: per problem, every sample of the last marks (here both) pooled, then paired
+    late = res["late_mean"]
+    assert late["marks"] == [10.0, 20.0] and late["best_arm"] == "c"
+    assert late["comparisons"]["c"]["late_mean"] == pytest.approx(25 / 32)
+    diffs = [7 / 8 - 3 / 8, 6 / 8 - 3 / 8, 5 / 8 - 3 / 8, 7 / 8 - 3 / 8]
+    m = sum(diffs) / 4
+    se = math.sqrt(sum((v - m) ** 2 for v in diffs) / 3) / 2
+    assert late["comparisons"]["a"]["best_minus_arm"] == pytest.approx(m)
+    assert late["comparisons"]["a"]["stderr"] == pytest.approx(se)
+    assert late["comparisons"]["a"]["gain_over_start"] == pytest.approx(3 / 8)
+    assert "Late mean (each problem's pass rate pooled over the marks at 10, 20 s" in md and "c − a: +0.406" in md
+    one = report(LearningConfig(out=cfg.out, arms="a,c", marks="10,20", budget_s=20, n_test=4, eval_samples=4,
+                                late_marks=1))  # the last mark only: the same numbers as the last-mark comparison
+    assert one["late_mean"]["comparisons"]["a"]["best_minus_arm"] == pytest.approx(0.3125)
+    assert "late_mean" not in report(LearningConfig(out=cfg.out, arms="a", marks="10,20", budget_s=20, n_test=4,
+                                                    eval_samples=4, late_marks=0))
     # a report asked for a subset of arms still shows every arm with results in the directory
     sub = report(LearningConfig(out=cfg.out, arms="a", marks="10,20", budget_s=20, n_test=4, eval_samples=4))
     assert set(sub["arms"]) == {"a", "c"} and not sub["skipped"]
