@@ -85,25 +85,37 @@ def build_data(cfg: LearningConfig) -> dict[str, Path]:
     from data_tools.runio import write_parquet
 
     d = cfg.dir / "data"
-    paths = {k: d / f"{k}.parquet" for k in ("train", "test", "curriculum")}
+    keys = ("train", "test", "curriculum") + (("teacher_curriculum",) if cfg.teacher_n_train > cfg.n_train else ())
+    paths = {k: d / f"{k}.parquet" for k in keys}
     if all(p.exists() for p in paths.values()):
         return paths
+    n_teacher = max(cfg.n_train, cfg.teacher_n_train)
+    # both loaders are prefix-stable: the first n_train of the teacher's problems are the arms' training problems
     if cfg.task == "ladder":
-        train = load_problems(f"synth-hard:train:{cfg.n_train}", seed=cfg.seed).rows
+        pool = load_problems(f"synth-hard:train:{n_teacher}", seed=cfg.seed).rows
         test = load_problems(f"synth-hard:test:{cfg.n_test}", seed=cfg.seed).rows
     else:
         g = Path(cfg.gsm8k_dir)
-        train = load_problems(g / "gsm8k_train.jsonl", limit=cfg.n_train).rows
+        pool = load_problems(g / "gsm8k_train.jsonl", limit=n_teacher).rows
         test = load_problems(g / "gsm8k_test.jsonl", limit=cfg.n_test).rows
-        for r in train + test:  # GSM8K rationale, then the answer the grader looks for
+        for r in pool + test:  # GSM8K rationale, then the answer the grader looks for
             r["solution"] = f"{r['solution']}\nThe answer is \\boxed{{{r['answer']}}}."
+        if len(pool) < n_teacher:
+            raise ValueError(f"{g / 'gsm8k_train.jsonl'} has {len(pool)} problems; n_train / teacher_n_train ask "
+                             f"for {n_teacher}")
+    train = pool[:cfg.n_train]
     write_parquet(train, paths["train"])
     write_parquet(test, paths["test"])
-    # stage one's curriculum schema (trainers.opd_trainer.load_curriculum); shuffled by the trainer
-    cur = [dict(problem_id=r["problem_id"], problem=r["problem"], answer=r["answer"], reference=r["solution"],
-                bucket=int(r.get("level") or 0) if str(r.get("level") or "").isdigit() else 0, curriculum_index=i,
-                prompt_style=cfg.prompt_style, source=r.get("source") or cfg.task) for i, r in enumerate(train)]
-    write_parquet(cur, paths["curriculum"])
+
+    def curriculum(rows: list[dict]) -> list[dict]:  # stage one's schema (trainers.opd_trainer.load_curriculum)
+        return [dict(problem_id=r["problem_id"], problem=r["problem"], answer=r["answer"], reference=r["solution"],
+                     bucket=int(r.get("level") or 0) if str(r.get("level") or "").isdigit() else 0,
+                     curriculum_index=i, prompt_style=cfg.prompt_style, source=r.get("source") or cfg.task)
+                for i, r in enumerate(rows)]
+
+    write_parquet(curriculum(train), paths["curriculum"])  # shuffled by the trainer
+    if "teacher_curriculum" in paths:
+        write_parquet(curriculum(pool), paths["teacher_curriculum"])
     return paths
 
 
@@ -155,6 +167,8 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
         r.update(lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps)
     if spec.off_policy == "mix":
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
+    if spec.off_policy == "seq":  # SFT steps until the cap, then on-policy (the cap ends the off-policy steps)
+        r.update(sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=cfg.seq_sft_epochs)
     if not torch.cuda.is_available():
         r["use_cpu"] = True
     return {k: v for k, v in r.items() if v is not None}
@@ -372,10 +386,11 @@ def _line(cfg: LearningConfig, rows: list[dict]) -> str:
 
 
 def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name: str, eval_name: str,
-              seconds: float, steps: int = 0) -> Path:
-    """SFT of ``src`` on the training problems' reference solutions for ``seconds`` (or ``steps`` optimizer
-    steps when > 0) through ``stages.train`` (``work/<dest_name>_sft/train.yaml``) -> ``<out>/<dest_name>``;
-    its evaluation -> ``evals/<eval_name>.parquet``. The teacher and a mid-trained start."""
+              seconds: float, steps: int = 0, curriculum: str = "curriculum") -> Path:
+    """SFT of ``src`` on the reference solutions of ``data[curriculum]``'s problems (the training problems; the
+    teacher's wider set under ``--teacher_n_train``) for ``seconds`` (or ``steps`` optimizer steps when > 0)
+    through ``stages.train`` (``work/<dest_name>_sft/train.yaml``) -> ``<out>/<dest_name>``; its evaluation ->
+    ``evals/<eval_name>.parquet``. The teacher and a mid-trained start."""
     import shutil
 
     from data_tools.runio import write_parquet
@@ -385,7 +400,7 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
         return dest
     work = cfg.dir / "work" / f"{dest_name}_sft"
     shutil.rmtree(work, ignore_errors=True)
-    cur = [{**r, "teacher_solution": r["reference"]} for r in read_rows(data["curriculum"])]
+    cur = [{**r, "teacher_solution": r["reference"]} for r in read_rows(data[curriculum])]
     recipe = train_recipe(cfg, "sft", student=src, curriculum=write_parquet(cur, work / "curriculum.parquet"),
                           out_dir=work, lr=cfg.teacher_lr, seed=cfg.seed)
     t0 = time.time()
@@ -522,7 +537,7 @@ def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict
     """The curriculum table an arm reads (stage one's schema, ``stages.curate.CURRICULUM_SCHEMA``).
 
     Arms without off-policy data or a stated answer (a-c, e): ``data/curriculum.parquet``. Off-policy arms (d, f,
-    h, i): the same with ``teacher_solution`` = the shortest verified teacher sample of each problem from stage
+    h, i, j): the same with ``teacher_solution`` = the shortest verified teacher sample of each problem from stage
     one (None where the teacher verified none), as stages.curate writes it. Stated-answer arms (g, i):
     ``reference`` = the reference solution followed by the verified final answer stated explicitly.
     """
@@ -676,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
                           "settings (other flags on this command are not applied).\n# The arm's budget_s, its marks and "
                           "its off-policy share schedule run on bench/learning.py's own clock (a trainer hook), not "
                           "in this file:\n# alone through stages.train it would train until max_wall_time_seconds. An "
-                          "arm with its own curriculum (d, f, g, h, i)\n# writes it when it runs; on a machine without "
+                          "arm with its own curriculum (d, f, g, h, i, j)\n# writes it when it runs; on a machine without "
                           "CUDA the recipe adds use_cpu: true.")
                     print(yaml.safe_dump(arm_recipe(cfg, extra.arm), sort_keys=False), end="")
                 else:
@@ -737,7 +752,8 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
         adopt_model(cfg, cfg.teacher_model, dest_name="teacher", eval_name="teacher")
     elif setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
         fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
-                  steps=cfg.teacher_sft_steps)
+                  steps=cfg.teacher_sft_steps,
+                  curriculum="teacher_curriculum" if "teacher_curriculum" in data else "curriculum")
     if setup_only:
         print(f"[learning] setup done in {time.time() - t_start:.0f}s: {cfg.dir}", flush=True)
         return 0

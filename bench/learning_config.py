@@ -18,7 +18,9 @@ class Arm:
     ``teacher``: ``"trained"`` = ``<out>/teacher`` (the stronger same-tokenizer teacher), ``"self"`` = the frozen
     start reading the reference solution (``teacher_context="privileged"``), None = no teacher. ``off_policy``:
     ``""`` none; ``"sft"`` every step is cross-entropy on stage one's verified teacher solutions (SFT); ``"mix"``
-    ``w_sft`` in on-policy steps plus the off-policy share schedule (``LearningConfig.w_sft``, ``sft_share_*``).
+    ``w_sft`` in on-policy steps plus the off-policy share schedule (``LearningConfig.w_sft``, ``sft_share_*``);
+    ``"seq"`` every step off-policy until ``LearningConfig.seq_sft_epochs`` passes over the solutions, then every
+    step on-policy (``OPDConfig.sft_max_epochs``).
     Either needs stage one, which samples the trained teacher. ``stated_answer``: the privileged context's
     reference ends with the final answer stated.
     """
@@ -51,6 +53,8 @@ ARM_SPECS: dict[str, Arm] = {
              kl_mode="full"),
     "i": Arm("combined as f, with g's privileged self-teacher (solution and final answer)", 1.0, 1.0, "self",
              off_policy="mix", stated_answer=True),
+    "j": Arm("sequential: SFT on verified solutions for seq_sft_epochs passes, then OPD + reward", 1.0, 1.0, "trained",
+             off_policy="seq"),
 }
 #: SFT on the reference solutions: how the mid-trained start and the teacher are made (not an arm)
 SFT_REFERENCE = Arm("SFT on reference solutions", 0.0, 0.0, None, off_policy="sft")
@@ -89,6 +93,9 @@ class LearningConfig:
     w_sft: float = field(default=1.0, metadata={"help": "Arms f, h, i: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
     sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h, i: share of training seconds in off-policy steps at 0 s."})
     sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h, i: the same share at budget_s (linear in between)."})
+    seq_sft_epochs: float = field(default=2.0, metadata={
+        "help": "Arm j: passes of off-policy steps over stage one's verified solutions before every step is on-policy "
+                "(OPDConfig.sft_max_epochs)."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
@@ -102,6 +109,10 @@ class LearningConfig:
                 "reproducible for a seed, so pieces of one experiment run on different (fresh) machines rebuild the "
                 "same start."})
     teacher_sft_steps: int = field(default=0, metadata={"help": "> 0: the same for the teacher (instead of teacher_sft_s)."})
+    teacher_n_train: int = field(default=0, metadata={
+        "help": "Training problems of the teacher's SFT (a built teacher): 0 = the n_train every arm trains on; more = "
+                "those and further problems of the same source no arm sees (the ladder: disjoint from the test split), "
+                "so the teacher knows more than a start saturated on the n_train (regime (ii))."})
     start_model: str = field(default="", metadata={
         "help": "A local HF model dir to use as the start instead of building one (e.g. an earlier run's "
                 "<out>/start): copied to <out>/start and evaluated as mark 0. Excludes start_sft_s / start_sft_steps."})
@@ -124,10 +135,10 @@ class LearningConfig:
     eval_samples: int = field(default=4, metadata={"help": "k of avg@k."})
     eval_temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of evaluation and stage one."})
     eval_batch: int = field(default=1200, metadata={"help": "Sequences per generation call in evaluation / stage one."})
-    stage_one_problems: int = field(default=6000, metadata={"help": "Stage one (arms d, f, h, i): training problems the teacher samples."})
-    stage_one_samples: int = field(default=1, metadata={"help": "Stage one (arms d, f, h, i): teacher samples per problem."})
+    stage_one_problems: int = field(default=6000, metadata={"help": "Stage one (arms d, f, h, i, j): training problems the teacher samples."})
+    stage_one_samples: int = field(default=1, metadata={"help": "Stage one (arms d, f, h, i, j): teacher samples per problem."})
     sft_filter: str = field(default="verified", metadata={
-        "help": "Arms d, f, h, i: verified = fine-tune only on graded-correct, finished, distinct teacher samples (the "
+        "help": "Arms d, f, h, i, j: verified = fine-tune only on graded-correct, finished, distinct teacher samples (the "
                 "classical recipe); none = on every teacher sample (an ablation; lets the CPU smoke test run arm d "
                 "with a teacher that solves nothing)."})
     prompt_style: str = field(default="reasoning", metadata={"help": "data_tools.prompts style of every prompt."})
@@ -187,6 +198,11 @@ class LearningConfig:
             raise ValueError("teacher_model replaces the teacher's SFT: leave teacher_sft_steps at 0")
         if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
             raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
+        if self.teacher_n_train and (self.teacher_n_train < self.n_train or self.teacher_model):
+            raise ValueError(f"teacher_n_train must be 0 or >= n_train ({self.n_train}), for a built teacher "
+                             f"(not with teacher_model); got {self.teacher_n_train}")
+        if self.seq_sft_epochs <= 0:
+            raise ValueError(f"seq_sft_epochs must be > 0, got {self.seq_sft_epochs}")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
             raise ValueError("need start_sft_s >= 0, w_sft >= 0 and sft shares in [0, 1]")
         m = self.mark_list

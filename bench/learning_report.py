@@ -163,8 +163,9 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
                  f"{s['mean_tokens']:.1f} tokens")
     if t:
         amount = f"{cfg.teacher_sft_steps} steps" if cfg.teacher_sft_steps else f"{cfg.teacher_sft_s:.0f} s"
+        wider = f" of {cfg.teacher_n_train} problems" if cfg.teacher_n_train > cfg.n_train else ""
         how = (cfg.teacher_model if cfg.teacher_model
-               else f"start + {amount} of SFT on reference solutions, lr {cfg.teacher_lr}")
+               else f"start + {amount} of SFT on reference solutions{wider}, lr {cfg.teacher_lr}")
         lines.append(f"- teacher ({how}): "
                      f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
                      f"{t['mean_tokens']:.1f} tokens")

@@ -96,7 +96,9 @@ def test_paired_difference_matches_plain_formula():
     (dict(task="math"), "task"), (dict(completions_per_step=100, num_generations=8), "multiple"),
     (dict(sft_filter="some"), "sft_filter"), (dict(out=""), "--out"), (dict(preset="gpu"), "preset"),
     (dict(eval_temperature=0.0), "temperature"), (dict(n_test=0), "n_test"), (dict(answer_filter="x"), "answer_filter"),
-    (dict(report_filter="exact"), "report_filter")])
+    (dict(report_filter="exact"), "report_filter"), (dict(late_marks=-1), "late_marks"),
+    (dict(seq_sft_epochs=0), "seq_sft_epochs"), (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
+    (dict(teacher_n_train=9000, teacher_model="/m"), "teacher_n_train")])
 def test_config_range_checks(tmp_path, kw, match):
     args = dict(out=str(tmp_path / "run"))
     args.update(kw)
@@ -345,18 +347,20 @@ def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
             "e": (1, 1, 0, 0, 0, None, "privileged", "sampled", False),
             "f": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "sampled", True),
             "g": (1, 1, 0, 0, 0, None, "privileged", "sampled", True), "h": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "full", True),
-            "i": (1, 1, 0.5, 0.7, 0.1, None, "privileged", "sampled", True)}
+            "i": (1, 1, 0.5, 0.7, 0.1, None, "privileged", "sampled", True),
+            "j": (1, 1, 0, 1, 1, teacher, "teacher", "sampled", True)}
     assert set(want) == set(ARMS)
     from bench.learning_config import ARM_SPECS
 
     # the trained teacher is built when an arm reads it or its stage one samples it (d, i: not read, sampled)
-    assert {k for k, v in ARM_SPECS.items() if v.needs_teacher} == {"b", "c", "d", "f", "h", "i"}
+    assert {k for k, v in ARM_SPECS.items() if v.needs_teacher} == {"b", "c", "d", "f", "h", "i", "j"}
     for arm, w in want.items():
         name = f"{arm}@3e-05-s2"
         (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / f"{arm}.yaml"))], env={})
         got = (args.w_kl, args.w_reward, args.w_sft, args.sft_share_start, args.sft_share_end, args.teacher_model,
                args.teacher_context, args.kl_mode, args.curriculum_path.startswith(str(cfg.dir / "arms" / name)))
         assert got == w, arm
+        assert args.sft_max_epochs == (cfg.seq_sft_epochs if arm == "j" else 0), arm  # j: SFT, then on-policy
         assert (args.learning_rate, args.seed, args.student_model) == (3e-5, 2, str(tmp_path / "start"))
         assert (args.output_dir, args.num_generations, args.per_device_train_batch_size) == (
             str(cfg.dir / "arms" / name), cfg.num_generations, cfg.completions_per_step)
@@ -393,3 +397,21 @@ def test_warmup_steps_reach_every_arm_but_not_the_start(tmp_path):
     assert lrs[0] == 0.0 and abs(lrs[5] - 1.5e-5) < 1e-12 and lrs[10] == lrs[11] == 3e-5
     with pytest.raises(ValueError, match="warmup_steps"):
         LearningConfig(out=str(tmp_path / "x"), warmup_steps=-1)
+
+
+def test_teacher_n_train_widens_only_the_teachers_problems(tmp_path):
+    """--teacher_n_train: the teacher's SFT table holds the arms' training problems first, then more of the same
+    split; the arms' tables and the test split are unchanged, and no test problem is in it."""
+    from bench.learning import build_data, read_rows
+
+    plain = build_data(LearningConfig(out=str(tmp_path / "p"), n_train=30, n_test=12))
+    wide = build_data(LearningConfig(out=str(tmp_path / "w"), n_train=30, n_test=12, teacher_n_train=90))
+    assert "teacher_curriculum" not in plain and set(wide) == {"train", "test", "curriculum", "teacher_curriculum"}
+    for k in ("train", "test", "curriculum"):
+        assert read_rows(plain[k]) == read_rows(wide[k]), k
+    teach = read_rows(wide["teacher_curriculum"])
+    ids = [r["problem_id"] for r in teach]
+    assert len(teach) == 90 == len(set(ids))
+    assert ids[:30] == [r["problem_id"] for r in read_rows(wide["curriculum"])]
+    assert not set(ids) & {r["problem_id"] for r in read_rows(wide["test"])}
+    assert [r["curriculum_index"] for r in teach] == list(range(90))
