@@ -173,7 +173,7 @@ class OffPolicyTerm:
         count (per process under DDP averaging, as TRL divides ``num_items_in_batch``), at temperature 1
         (TRL ``SFTTrainer``'s completion-only loss). A micro-batch without solution tokens gives 0.
         """
-        from trainers.opd_trainer import logit_transform
+        from trainers.model_utils import logit_transform
 
         cids, cmask = inputs["sft_completion_ids"], inputs["sft_completion_mask"]
         rows = cmask.bool().any(dim=1)

