@@ -51,6 +51,23 @@ def paired_difference(rows_x: list[dict], rows_y: list[dict]) -> tuple[float, fl
     return sum(diffs) / len(diffs), stderr_over_problems(diffs), len(common)
 
 
+def seed_stderr(x: list[float], y: list[float]) -> float | None:
+    """Standard error of mean(x) - mean(y) from the spread *between runs* (seeds): sqrt(s_x^2/n_x + s_y^2/n_y),
+    sample variances (ddof=1), Welch's form; None unless both arms have >= 2 runs.
+
+    The paired standard error over problems measures the evaluation's sampling only; two runs of one arm differ by
+    more than it (bench/LEARNING.md, regime (ii): 3.3 of them), and this term is what seeds measure.
+    """
+    if len(x) < 2 or len(y) < 2:
+        return None
+
+    def var(v):
+        m = sum(v) / len(v)
+        return sum((a - m) ** 2 for a in v) / (len(v) - 1)
+
+    return (var(x) / len(x) + var(y) / len(y)) ** 0.5
+
+
 def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
     """Per-mark summaries under answer filter ``f``, the best arm at the last mark, paired comparisons.
 
@@ -86,18 +103,25 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
                         "gain_over_start": d0, "gain_stderr": se0}
         out["comparisons_at_last_mark"] = cmp
     late_m = cfg.mark_list[-cfg.late_marks:] if cfg.late_marks else []
-    late = {arm: rows for arm, names in groups.items()
-            if len(rows := [{**r, "correct": r[f"correct_{f}"]} for n in names for r in evals[n]
-                            if r["mark_s"] in late_m]) and {r["mark_s"] for r in rows} == set(late_m)}
+    by_run: dict[str, dict[str, list[dict]]] = {}  # arm -> run -> its late rows, for runs evaluated at every late mark
+    for arm, names in groups.items():
+        for n in names:
+            rows = [{**r, "correct": r[f"correct_{f}"]} for r in evals[n] if r["mark_s"] in late_m]
+            if late_m and {r["mark_s"] for r in rows} == set(late_m):
+                by_run.setdefault(arm, {})[n] = rows
+    late = {arm: [r for rows in runs.values() for r in rows] for arm, runs in by_run.items()}
     if late:  # the late mean: per problem, the pass rate pooled over the last marks (every sample of every seed)
         best = max(late, key=lambda a: summarize_mark(late[a])["avg_at_k"])
         start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
+        per_run = {arm: [summarize_mark(rows)["avg_at_k"] for rows in runs.values()] for arm, runs in by_run.items()}
         cmp = {}
         for arm, rows in late.items():
             d, se, _ = paired_difference(late[best], rows) if arm != best else (0.0, None, len(rows))
             d0, se0, _ = paired_difference(rows, start)
             cmp[arm] = {"late_mean": summarize_mark(rows)["avg_at_k"], "best_minus_arm": d, "stderr": se,
-                        "n_sigma": (d / se) if se else None, "gain_over_start": d0, "gain_stderr": se0}
+                        "n_sigma": (d / se) if se else None, "gain_over_start": d0, "gain_stderr": se0,
+                        "by_run": dict(zip(by_run[arm], per_run[arm])),
+                        "seed_stderr": seed_stderr(per_run[best], per_run[arm]) if arm != best else None}
         out["late_mean"] = {"marks": late_m, "best_arm": best, "comparisons": cmp}
     return out
 
@@ -200,8 +224,10 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
                       f"all of them): best **{b}** {cmp[b]['late_mean']:.3f}. Paired over the same problems:", ""]
         for arm, c in cmp.items():
             if arm != b:
+                seeds = (f"; between runs ± {c['seed_stderr']:.3f} from {len(cmp[b]['by_run'])} and {len(c['by_run'])} "
+                         "seeds" if c.get("seed_stderr") is not None else "")
                 lines.append(f"- {b} − {arm}: {c['best_minus_arm']:+.3f} ± {_fmt(c['stderr'])} "
-                             f"({_fmt(c['n_sigma'], 1)} standard errors; {arm} {c['late_mean']:.3f})")
+                             f"({_fmt(c['n_sigma'], 1)} standard errors; {arm} {c['late_mean']:.3f}{seeds})")
         lines.append("")
         for arm, c in cmp.items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")

@@ -331,6 +331,33 @@ def test_report_pools_seeds_of_one_arm(tmp_path):
     assert res["comparisons_at_last_mark"]["c"]["gain_over_start"] == pytest.approx(0.5)
 
 
+def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):
+    from bench.learning_report import seed_stderr
+
+    x, y = [0.80, 0.76, 0.78], [0.70, 0.74]
+    vx = sum((v - 0.78) ** 2 for v in x) / 2
+    vy = sum((v - 0.72) ** 2 for v in y) / 1
+    assert seed_stderr(x, y) == pytest.approx(math.sqrt(vx / 3 + vy / 2))
+    assert seed_stderr([0.8], y) is None
+    # two arms with two seeds each: each run's late mean, and the Welch term beside the paired one
+    cfg = LearningConfig(out=str(tmp_path / "run"), arms="c,d", seeds="0,1", marks="10,20", budget_s=20, n_test=2,
+                         eval_samples=2)
+    ev = cfg.dir / "evals"
+    write_parquet(_rows("student", {"p1": [0, 0], "p2": [0, 0]}), ev / "student.parquet")
+    runs = {"c": ([1, 1], [1, 0]), "c-s1": ([1, 0], [0, 0]), "d": ([1, 1], [1, 1]), "d-s1": ([1, 1], [1, 0])}
+    for name, (p1, p2) in runs.items():
+        rows = _rows(name, {"p1": p1, "p2": p2}, 10, 1) + _rows(name, {"p1": p1, "p2": p2}, 20, 2)
+        write_parquet(rows, ev / f"{name}.parquet")
+    write_parquet(_rows("c-s2", {"p1": [1, 1], "p2": [1, 1]}, 10, 1), ev / "c-s2.parquet")  # no 20 s mark: left out
+    late = report(cfg)["late_mean"]
+    assert late["best_arm"] == "d"
+    c = late["comparisons"]["c"]
+    assert c["by_run"] == {"c": 0.75, "c-s1": 0.25} and late["comparisons"]["d"]["by_run"] == {"d": 1.0, "d-s1": 0.75}
+    assert c["late_mean"] == pytest.approx(0.5) and c["best_minus_arm"] == pytest.approx(0.375)
+    assert c["seed_stderr"] == pytest.approx(seed_stderr([1.0, 0.75], [0.75, 0.25]))
+    assert "between runs ± 0.280 from 2 and 2 seeds" in (cfg.dir / "results.md").read_text()
+
+
 def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
     """Every arm's recipe is a stages.train YAML that OPDConfig parses to the arm's objective (README table)."""
     from bench.learning import _yaml, arm_recipe
