@@ -25,16 +25,21 @@ evaluated at the same marks on the same held-out problems:
     h  combined, full KL        as f with the full-vocabulary reverse KL (kl_mode full)
     i  combined, hint teacher   as f with g's teacher: off-policy verified solutions early, then on-policy
                                 distillation from the self-teacher that reads the solution and the stated answer
+    j  sequential               SFT on stage one's verified solutions for seq_sft_epochs passes
+                                (OPDConfig.sft_max_epochs), then distillation + reward for the rest of the clock
 
 An arm runs at ``lr`` unless ``--arm_lr`` or an ``x@lr`` entry of ``--arms`` says otherwise, once per
 ``--seeds`` entry; the run's name (``f@3e-05-s1``) names its files. The start is the raw student, or with
 ``start_sft_s`` / ``start_sft_steps`` a mid-trained one; the teacher is the start plus more SFT on the
-reference solutions. With ``deadline_s`` a command runs the arm runs that fit and stops; the same command
+reference solutions (of ``teacher_n_train`` problems when set: the arms' training problems and more that no arm
+sees). With ``deadline_s`` a command runs the arm runs that fit and stops; the same command
 again continues (finished pieces, the start and the teacher are kept). Each arm runs in its own process.
 Every evaluation sample is graded under both grader answer filters (``correct_numeric``, ``correct_math``);
-the tables use ``report_filter``. Arm comparisons use paired standard errors over the same problems.
+the tables use ``report_filter``. Arm comparisons use paired standard errors over the same problems, at the
+last mark and on the late mean (the last ``late_marks`` marks pooled); with >= 2 seeds also one between runs.
 
-Outputs under DIR: settings.json, protocol.yaml; data/{train,test,curriculum}.parquet, data/stage_one.parquet
+Outputs under DIR: settings.json, protocol.yaml; data/{train,test,curriculum}.parquet (and
+data/teacher_curriculum.parquet under teacher_n_train), data/stage_one.parquet
 (the teacher's samples with verdicts); start/, teacher/; evals/<name>.parquet (one row per mark x problem x
 sample); arms/<run>/ (train.yaml, metrics/train.jsonl, rollouts/, eval/<run>-<mark>/); results.{json,md},
 learning.png. Query with duckdb, e.g.
@@ -736,11 +741,16 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     if old is None and cfg.fast_generation and not check_fast_generation(cfg, student_path):
         print("[learning] fast generation disagrees with HF generate here: using HF generate for every arm", flush=True)
         settings["fast_generation_used"] = False
-    write_json(settings, settings_path)
-    data = build_data(cfg)
+    data = build_data(cfg)  # before settings.json: a run refused for its data can be run again with other flags
     protocol(cfg)
+    write_json(settings, settings_path)
     print(f"[learning] data: {len(read_rows(data['train']))} train / {len(read_rows(data['test']))} test ({cfg.task}); "
           f"out {cfg.dir}", flush=True)
+    if "teacher_curriculum" in data:  # the ladder's levels run out unevenly past 18,000 problems: say the mix
+        from collections import Counter
+
+        mix = Counter(r["bucket"] for r in read_rows(data["teacher_curriculum"]))
+        print(f"[learning] teacher data: {sum(mix.values())} problems, by level {dict(sorted(mix.items()))}", flush=True)
     if cfg.start_model:  # a given start (e.g. an earlier run's): its evaluation is every arm's mark 0
         adopt_model(cfg, cfg.start_model, dest_name="start", eval_name="student")
     elif start_path != student_path:  # a mid-trained start: its evaluation is every arm's mark 0

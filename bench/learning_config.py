@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -127,7 +128,7 @@ class LearningConfig:
                 "(transformers' constant_with_warmup). Adam's first update is about lr x sign(g) on every weight; "
                 "without a warm-up, rates above 1e-5 break the start in one step (bench/LEARNING.md, the 5e-5 "
                 "collapse). Counted in steps, so every arm gets the same number of small first updates."})
-    sft_batch_size: int = field(default=64, metadata={"help": "Solutions per off-policy (SFT) step: the start, the teacher, arm d, and the SFT steps of f, h, i."})
+    sft_batch_size: int = field(default=64, metadata={"help": "Solutions per off-policy (SFT) step: the start, the teacher, arm d, and the SFT steps of f, h, i, j."})
     num_generations: int = field(default=8, metadata={"help": "G: samples per prompt in on-policy steps (every arm but d)."})
     completions_per_step: int = field(default=128, metadata={"help": "Completions per on-policy optimizer step (every arm but d)."})
     train_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of on-policy rollouts."})
@@ -198,11 +199,14 @@ class LearningConfig:
             raise ValueError("teacher_model replaces the teacher's SFT: leave teacher_sft_steps at 0")
         if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
             raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
-        if self.teacher_n_train and (self.teacher_n_train < self.n_train or self.teacher_model):
-            raise ValueError(f"teacher_n_train must be 0 or >= n_train ({self.n_train}), for a built teacher "
-                             f"(not with teacher_model); got {self.teacher_n_train}")
-        if self.seq_sft_epochs <= 0:
-            raise ValueError(f"seq_sft_epochs must be > 0, got {self.seq_sft_epochs}")
+        if self.teacher_n_train and self.teacher_n_train < self.n_train:
+            raise ValueError(f"teacher_n_train must be 0 or >= n_train ({self.n_train}), got {self.teacher_n_train}")
+        if self.teacher_n_train and self.teacher_model:
+            raise ValueError("teacher_n_train shapes a built teacher's SFT data: leave it at 0 with teacher_model")
+        if self.teacher_n_train == self.n_train:
+            self.teacher_n_train = 0  # the same teacher data as 0: recorded alike, so a resume accepts either
+        if not 0 < self.seq_sft_epochs < math.inf:  # NaN fails too
+            raise ValueError(f"seq_sft_epochs must be a finite number > 0, got {self.seq_sft_epochs}")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
             raise ValueError("need start_sft_s >= 0, w_sft >= 0 and sft shares in [0, 1]")
         m = self.mark_list
@@ -271,7 +275,7 @@ class LearningConfig:
         """Label of an arm (a run name without its seed) for tables and the plot."""
         arm, lr, _ = self.parse_run(group)
         text = ("off-policy SFT on all teacher samples (sft_filter=none)" if arm == "d" and self.sft_filter == "none"
-                else ARMS[arm])
+                else ARMS[arm].replace("seq_sft_epochs", f"{self.seq_sft_epochs:g}") if arm == "j" else ARMS[arm])
         return text + (f", lr {lr:g}" if lr != self.lr else "")
 
     @property

@@ -220,8 +220,11 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         lm = col["late_mean"]
         b, cmp = lm["best_arm"], lm["comparisons"]
         marks = ", ".join(f"{m:g}" for m in lm["marks"])
+        means = [c["late_mean"] for c in cmp.values()]
+        lead = (f"best **{b}** {cmp[b]['late_mean']:.3f}" if max(means) > min(means)
+                else f"no arm ahead, all at {max(means):.3f}")
         lines += ["", f"Late mean (each problem's pass rate pooled over the marks at {marks} s; runs that completed "
-                      f"all of them): best **{b}** {cmp[b]['late_mean']:.3f}. Paired over the same problems:", ""]
+                      f"all of them): {lead}. Paired over the same problems:", ""]
         for arm, c in cmp.items():
             if arm != b:
                 seeds = (f"; between runs ± {c['seed_stderr']:.3f} from {len(cmp[b]['by_run'])} and {len(c['by_run'])} "

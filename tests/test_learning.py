@@ -97,7 +97,8 @@ def test_paired_difference_matches_plain_formula():
     (dict(sft_filter="some"), "sft_filter"), (dict(out=""), "--out"), (dict(preset="gpu"), "preset"),
     (dict(eval_temperature=0.0), "temperature"), (dict(n_test=0), "n_test"), (dict(answer_filter="x"), "answer_filter"),
     (dict(report_filter="exact"), "report_filter"), (dict(late_marks=-1), "late_marks"),
-    (dict(seq_sft_epochs=0), "seq_sft_epochs"), (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
+    (dict(seq_sft_epochs=0), "seq_sft_epochs"), (dict(seq_sft_epochs=float("nan")), "seq_sft_epochs"),
+    (dict(seq_sft_epochs=float("inf")), "seq_sft_epochs"), (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
     (dict(teacher_n_train=9000, teacher_model="/m"), "teacher_n_train")])
 def test_config_range_checks(tmp_path, kw, match):
     args = dict(out=str(tmp_path / "run"))
@@ -201,6 +202,12 @@ def test_report_tables_and_comparisons(tmp_path):
     one = report(LearningConfig(out=cfg.out, arms="a,c", marks="10,20", budget_s=20, n_test=4, eval_samples=4,
                                 late_marks=1))  # the last mark only: the same numbers as the last-mark comparison
     assert one["late_mean"]["comparisons"]["a"]["best_minus_arm"] == pytest.approx(0.3125)
+    tie = tmp_path / "tie"  # every arm level: no "best" named
+    for name, rows in (("student", _rows("student", {"p1": [0, 1]})), ("a", _rows("a", {"p1": [1, 0]}, 10, 1)),
+                       ("c", _rows("c", {"p1": [0, 1]}, 10, 1))):
+        write_parquet(rows, tie / "evals" / f"{name}.parquet")
+    report(LearningConfig(out=str(tie), arms="a,c", marks="10", budget_s=10, n_test=1, eval_samples=2))
+    assert "no arm ahead, all at 0.500" in (tie / "results.md").read_text()
     assert "late_mean" not in report(LearningConfig(out=cfg.out, arms="a", marks="10,20", budget_s=20, n_test=4,
                                                     eval_samples=4, late_marks=0))
     # a report asked for a subset of arms still shows every arm with results in the directory
@@ -436,6 +443,10 @@ def test_teacher_n_train_widens_only_the_teachers_problems(tmp_path):
     assert "teacher_curriculum" not in plain and set(wide) == {"train", "test", "curriculum", "teacher_curriculum"}
     for k in ("train", "test", "curriculum"):
         assert read_rows(plain[k]) == read_rows(wide[k]), k
+    # n_train itself means the arms' own problems: recorded as 0, so a resume accepts either spelling
+    assert LearningConfig(out=str(tmp_path / "s"), n_train=30, teacher_n_train=30).teacher_n_train == 0
+    assert LearningConfig(out=str(tmp_path / "s"), arms="j", seq_sft_epochs=1.5).label("j") == (
+        "sequential: SFT on verified solutions for 1.5 passes, then OPD + reward")
     teach = read_rows(wide["teacher_curriculum"])
     ids = [r["problem_id"] for r in teach]
     assert len(teach) == 90 == len(set(ids))
