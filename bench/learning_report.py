@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,12 +61,20 @@ def seed_stderr(x: list[float], y: list[float]) -> float | None:
     """
     if len(x) < 2 or len(y) < 2:
         return None
+    return (statistics.variance(x) / len(x) + statistics.variance(y) / len(y)) ** 0.5
 
-    def var(v):
-        m = sum(v) / len(v)
-        return sum((a - m) ** 2 for a in v) / (len(v) - 1)
 
-    return (var(x) / len(x) + var(y) / len(y)) ** 0.5
+def _compare(pooled: dict[str, list[dict]], start: list[dict]) -> tuple[str, dict[str, dict]]:
+    """The best arm of ``pooled`` (arm -> its graded rows) by avg@k, and per arm: best − arm and arm − start,
+    paired over problems, with their standard errors."""
+    best = max(pooled, key=lambda a: summarize_mark(pooled[a])["avg_at_k"])
+    cmp = {}
+    for arm, rows in pooled.items():
+        d, se, _ = paired_difference(pooled[best], rows) if arm != best else (0.0, None, len(rows))
+        d0, se0, _ = paired_difference(rows, start)
+        cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None,
+                    "gain_over_start": d0, "gain_stderr": se0}
+    return best, cmp
 
 
 def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
@@ -91,17 +100,9 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
         out["arms"][arm] = {"label": cfg.label(arm), "marks": by_mark, "runs": names, "last_mark_by_run": per_seed}
         if last_mark:
             finals[arm] = last_mark
+    start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
     if finals:  # paired comparisons at the last mark: the best arm against every other, each against the start
-        best = max(finals, key=lambda a: summarize_mark(finals[a])["avg_at_k"])
-        out["best_arm"] = best
-        start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
-        cmp = {}
-        for arm, rows in finals.items():
-            d, se, _ = paired_difference(finals[best], rows) if arm != best else (0.0, None, len(rows))
-            d0, se0, _ = paired_difference(rows, start)
-            cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None,
-                        "gain_over_start": d0, "gain_stderr": se0}
-        out["comparisons_at_last_mark"] = cmp
+        out["best_arm"], out["comparisons_at_last_mark"] = _compare(finals, start)
     late_m = cfg.mark_list[-cfg.late_marks:] if cfg.late_marks else []
     by_run: dict[str, dict[str, list[dict]]] = {}  # arm -> run -> its late rows, for runs evaluated at every late mark
     for arm, names in groups.items():
@@ -109,19 +110,14 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
             rows = [{**r, "correct": r[f"correct_{f}"]} for r in evals[n] if r["mark_s"] in late_m]
             if late_m and {r["mark_s"] for r in rows} == set(late_m):
                 by_run.setdefault(arm, {})[n] = rows
-    late = {arm: [r for rows in runs.values() for r in rows] for arm, runs in by_run.items()}
-    if late:  # the late mean: per problem, the pass rate pooled over the last marks (every sample of every seed)
-        best = max(late, key=lambda a: summarize_mark(late[a])["avg_at_k"])
-        start = [{**r, "correct": r[f"correct_{f}"]} for r in base]
-        per_run = {arm: [summarize_mark(rows)["avg_at_k"] for rows in runs.values()] for arm, runs in by_run.items()}
-        cmp = {}
-        for arm, rows in late.items():
-            d, se, _ = paired_difference(late[best], rows) if arm != best else (0.0, None, len(rows))
-            d0, se0, _ = paired_difference(rows, start)
-            cmp[arm] = {"late_mean": summarize_mark(rows)["avg_at_k"], "best_minus_arm": d, "stderr": se,
-                        "n_sigma": (d / se) if se else None, "gain_over_start": d0, "gain_stderr": se0,
-                        "by_run": dict(zip(by_run[arm], per_run[arm])),
-                        "seed_stderr": seed_stderr(per_run[best], per_run[arm]) if arm != best else None}
+    if by_run:  # the late mean: per problem, the pass rate pooled over the last marks (every sample of every seed)
+        late = {arm: [r for rows in runs.values() for r in rows] for arm, runs in by_run.items()}
+        best, cmp = _compare(late, start)
+        per_run = {arm: {n: summarize_mark(rows)["avg_at_k"] for n, rows in runs.items()} for arm, runs in by_run.items()}
+        for arm, c in cmp.items():
+            c.update(late_mean=summarize_mark(late[arm])["avg_at_k"], by_run=per_run[arm],
+                     seed_stderr=seed_stderr(list(per_run[best].values()), list(per_run[arm].values()))
+                     if arm != best else None)
         out["late_mean"] = {"marks": late_m, "best_arm": best, "comparisons": cmp}
     return out
 

@@ -18,7 +18,8 @@ from trainers import heads, losses
 
 CUDA = torch.cuda.is_available()
 #: the Liger GPU tests need a CUDA device and liger_kernel (make setup-gpu; bench/offline_gpu.sh prepare carries it)
-NEEDS_LIGER = pytest.mark.skipif(heads.liger_unavailable() is not None, reason=f"{heads.liger_unavailable()}")
+_LIGER_MISSING = heads.liger_unavailable()
+NEEDS_LIGER = pytest.mark.skipif(_LIGER_MISSING is not None, reason=str(_LIGER_MISSING))
 
 
 def _rand(n=13, H=8, V=41, seed=0, device="cpu", Ht=None):
