@@ -75,9 +75,16 @@ case "${1:-}" in
     echo $! > /tmp/opd_queue.pid
     echo "queue started: $# command(s), log $LOG, must end by $(date -u -d @"$end" +%T)" ;;
   wait)  # wait SECONDS: return when the queue is done or SECONDS have passed
+    # A machine taken back between calls is replaced by a bare one: no queue, no log. Say so at once
+    # rather than spend SECONDS of device time waiting for a log that will never come (2026-12-02).
+    [ -f /tmp/opd_queue.pid ] || { echo "offline_gpu: no queue on this machine (a fresh one: the machine that ran" \
+      "the queue was taken back, and its results with it); park and start again" >&2; exit 3; }
     t_end=$(( $(date +%s) + $2 ))
-    while [ ! -f /tmp/opd_queue.done ] && [ "$(date +%s)" -lt "$t_end" ]; do sleep 5; done
-    [ -f /tmp/opd_queue.done ] && echo "queue done at $(cat /tmp/opd_queue.done)" || echo "queue still running"
+    while [ ! -f /tmp/opd_queue.done ] && [ "$(date +%s)" -lt "$t_end" ] && kill -0 "$(cat /tmp/opd_queue.pid)" 2>/dev/null
+    do sleep 5; done
+    if [ -f /tmp/opd_queue.done ]; then echo "queue done at $(cat /tmp/opd_queue.done)"
+    elif kill -0 "$(cat /tmp/opd_queue.pid)" 2>/dev/null; then echo "queue still running"
+    else echo "queue process gone before it finished (killed?): the log's tail follows"; fi
     { grep -v '^\[\(generate\|teacher\|student\)' "$LOG" || true; } | tail -n 60 ;;
   pack)  # pack DIR DEST: DIR's tables and logs, without model weights and rollouts
     mkdir -p "$3"

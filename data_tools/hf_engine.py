@@ -54,7 +54,7 @@ class HFEngine:
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048, gpu_memory_utilization: float = 0.85,
                  dtype: str = "auto", max_batch: int = 512, device: str | None = None, decode_compaction: bool = True,
-                 decode_compile: bool = False, decode_kv_growth: bool = False, **_vllm_only):
+                 decode_compile: bool = False, decode_kv_growth: bool = True, **_vllm_only):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,7 +75,8 @@ class HFEngine:
             raise ValueError(f"{model}: neither the tokenizer nor generation_config names an EOS token")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.generator = FastGenerator(pad, self.eos_ids, len_bucket=128, check_every=32, compaction=decode_compaction,
-                                       compile_step=decode_compile, kv_growth=decode_kv_growth)
+                                       compile_step=decode_compile,
+                                       kv_growth=decode_kv_growth and decode_compaction)
         per_seq = kv_bytes_per_token(self.model.config, torch.finfo(getattr(torch, self.dtype)).bits // 8) * max_model_len
         if gpu:
             free, _ = torch.cuda.mem_get_info(self.device)

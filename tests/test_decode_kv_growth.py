@@ -233,12 +233,13 @@ def test_realistic_batch_expected_peak():
 
 
 def test_flag_reaches_the_generator_from_every_entry_point():
-    """``OPDConfig.decode_kv_growth`` (off by default) -> ``fast_generate_single_turn``; the hf engine and benches."""
+    """``OPDConfig.decode_kv_growth`` (on by default, ignored without compaction) -> ``fast_generate_single_turn``;
+    the hf engine and benches."""
     from tests.test_fsdp_generation import stub_trainer
     from trainers.generation import fast_generate_single_turn
     from trainers.opd_config import OPDConfig
 
-    assert OPDConfig.__dataclass_fields__["decode_kv_growth"].default is False
+    assert OPDConfig.__dataclass_fields__["decode_kv_growth"].default is True
     model = small_vocab_model()
     ps = rows()
     tr = stub_trainer(model, N)
@@ -250,10 +251,13 @@ def test_flag_reaches_the_generator_from_every_entry_point():
     tr.args.decode_kv_growth = False
     fast_generate_single_turn(tr, ps)
     assert not model._opd_fast_generator.kv_growth
+    tr.args.decode_compaction, tr.args.decode_kv_growth = False, True  # nothing to follow: off, and no warning
+    fast_generate_single_turn(tr, ps)
+    assert not model._opd_fast_generator.kv_growth and not model._opd_fast_generator.compaction
 
     from data_tools.hf_engine import HFEngine
 
-    assert inspect.signature(HFEngine).parameters["decode_kv_growth"].default is False
+    assert inspect.signature(HFEngine).parameters["decode_kv_growth"].default is True
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import decode_bench as db
     import opd_step_realistic as osr

@@ -251,7 +251,8 @@ class AsyncGeneration:
         self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
                                     compaction=bool(self.args.decode_compaction),
                                     compile_step=bool(self.args.decode_compile),
-                                    kv_growth=bool(getattr(self.args, "decode_kv_growth", False)))
+                                    kv_growth=bool(getattr(self.args, "decode_kv_growth", False))
+                                    and bool(self.args.decode_compaction))
         self._async_is = bool(a.vllm_importance_sampling_correction)
         self.add_callback(_AsyncStop(self))
 

@@ -720,7 +720,9 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
         gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
                             compaction=bool(getattr(args, "decode_compaction", False)),
                             compile_step=bool(getattr(args, "decode_compile", False)),
-                            kv_growth=bool(getattr(args, "decode_kv_growth", False)))
+                            # growth follows the compaction window; without compaction it has nothing to follow
+                            kv_growth=bool(getattr(args, "decode_kv_growth", False))
+                            and bool(getattr(args, "decode_compaction", False)))
         return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
 
 

@@ -181,14 +181,14 @@ class OPDConfig(DistillationConfig):
                 "Needs CUDA: on CPU it is off, with a warning. With compaction, 1.34x faster again on the same call, "
                 "for ~23 s of compiling once per process: on in the formal recipe, off by default and in the demos "
                 "(bench/RESULTS.md, run 7)."})
-    decode_kv_growth: bool = field(default=False, metadata={
-        "help": "fast_generation with decode_compaction only: the decoder's KV cache holds only the current window "
-                "instead of the whole batch at full length: its length grows with the attention bucket and its rows "
-                "shrink at each compaction (new, smaller tensors; the old ones freed), so the cache peaks at "
-                "max over windows (rows x length bucket) x KV bytes per token (computed for issue 15's realistic "
-                "128 x 8,192 batch: 9.6-10.5 GiB instead of 28.9 GiB). Same tokens as off (CPU tests). Off by "
-                "default: not yet measured on a GPU (time and memory: bench/decode_bench.py --modes "
-                "compaction,compaction+grow)."})
+    decode_kv_growth: bool = field(default=True, metadata={
+        "help": "fast_generation with decode_compaction only (ignored without it): the decoder's KV cache holds only "
+                "the current window instead of the whole batch at full length: its length grows with the attention "
+                "bucket and its rows shrink at each compaction (new, smaller tensors; the old ones freed), so the "
+                "cache peaks at max over windows (rows x length bucket) x KV bytes per token. Same tokens as off (CPU "
+                "tests; greedy = HF generate under CUDA graphs on an H200). On issue 15's realistic 128 x 8,192 step "
+                "(one H200): the step's peak 33.6 GiB instead of 48.0, step time 137.8 s vs 138.1 "
+                "(bench/RESULTS.md, run 9)."})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
                 "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
