@@ -128,3 +128,16 @@ def test_evaluation_gives_vllm_the_chat_template_ids(tmp_path, bos_model_dir, bo
     assert len(rows) == 2
     for r in rows:
         assert r["n_prompt_tokens"] == len(chat_ids(bos_tok, student_messages(problems[r["problem_id"]], style)))
+
+
+def test_off_policy_solutions_get_the_chat_template_ids(bos_tok):
+    """Stage one's verified solutions (off-policy steps, w_sft) are trained behind the same prompt ids as the rollouts:
+    one BOS, not the two that tokenising the rendered text with special tokens gives."""
+    from trainers.offpolicy import solution_batch
+
+    msgs = [student_messages("What is 2 + 3?"), student_messages("What is 10 - 4?")]
+    out = solution_batch(bos_tok, [render(bos_tok, m) for m in msgs], ["2 + 3 = 5", None], device="cpu")
+    for i, m in enumerate(msgs):
+        got = out["sft_prompt_ids"][i][out["sft_prompt_mask"][i].bool()].tolist()
+        assert got == chat_ids(bos_tok, m) and got[:2] != [bos_tok.bos_token_id] * 2
+    assert out["sft_completion_mask"][1].sum() == 0  # no solution: no token

@@ -32,7 +32,7 @@ def _logp(model, prompt_ids, prompt_mask, comp_ids, comp_mask, temperature=1.0):
 def _plain_sft_tensors(tok, prompts, sols):
     """Prompt left-padded, solution + EOS right-padded, written out by hand (no trainer code)."""
     pid = tok.pad_token_id
-    P = [tok(p)["input_ids"] for p in prompts]
+    P = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]  # chat-rendered: the template wrote any BOS
     C = [tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for s in sols]
     lp, lc = max(map(len, P)), max(map(len, C))
     return (torch.tensor([[pid] * (lp - len(p)) + p for p in P]), torch.tensor([[0] * (lp - len(p)) + [1] * len(p) for p in P]),

@@ -63,8 +63,9 @@ class TimeShare:
 def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *, device) -> dict[str, torch.Tensor]:
     """Tokenise (prompt, teacher solution) pairs in the trainer's layout: left-padded prompts, right-padded completions.
 
-    The prompt is tokenised as TRL tokenises string prompts (``tokenizer(text=...)``), the solution
-    without special tokens and followed by EOS (the end of an assistant turn, as in the student's own
+    The prompt (chat-rendered text) is tokenised as the on-policy rollouts' prompts are
+    (``data_tools.prompts.prompt_ids``: no special tokens added again, so a template that writes BOS, as
+    DeepSeek-R1-Distill-Qwen's does, gives one BOS, not two), the solution without special tokens and followed by EOS (the end of an assistant turn, as in the student's own
     rollouts; TRL ``SFTTrainer`` appends EOS the same way). A row whose solution is None or empty
     gets an all-zero completion mask: it contributes no token.
 
@@ -76,7 +77,9 @@ def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *
 
     eos = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    p_ids = [torch.tensor(x) for x in tokenizer(text=list(prompts))["input_ids"]]
+    from data_tools.prompts import prompt_ids
+
+    p_ids = [torch.tensor(x) for x in prompt_ids(tokenizer, list(prompts))]
     c_ids, c_mask = [], []
     for s in solutions:
         ids = tokenizer(s, add_special_tokens=False)["input_ids"] + [eos] if s else [pad_id]
