@@ -193,3 +193,41 @@ def test_resumed_run_continues_the_solution_stream(tmp_path, tokenizer):  # noqa
     assert b._time_share.credit == -2.0 and not b._time_share.choose(0.5)  # owes off-policy seconds back
     fresh = make_trainer(tmp_path / "c", tokenizer, solved_curriculum(tmp_path / "c"), **kw)
     assert not torch.equal(fresh._offpolicy_batch()["sft_completion_ids"], nxt_a["sft_completion_ids"])
+
+
+def test_sft_learning_rate_scales_off_policy_steps_only(tmp_path, tokenizer):  # noqa: F811
+    """One off-policy step at learning_rate 1e-3 with sft_learning_rate 1e-2 moves the weights exactly as a run at
+    learning_rate 1e-2 does, not as one at 1e-3; the optimizer holds the scheduled rate again after the step, and
+    an on-policy step is not scaled."""
+    import torch
+
+    kw = dict(sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4, debug_max_steps=1,
+              lr_scheduler_type="constant", warmup_steps=0)
+
+    def weights_after(name, **extra):
+        torch.manual_seed(0)
+        tr = make_trainer(tmp_path / name, tokenizer, solved_curriculum(tmp_path / name), **kw, **extra)
+        tr.train()
+        assert [g["lr"] for g in tr.optimizer.param_groups] == [extra["learning_rate"]] * len(tr.optimizer.param_groups)
+        return tr, torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+
+    tr_a, a = weights_after("a", learning_rate=1e-3, sft_learning_rate=1e-2)
+    _, b = weights_after("b", learning_rate=1e-2)
+    _, c = weights_after("c", learning_rate=1e-3)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert (a - c).abs().max() > 1e-4
+    # the hooks scale only a step whose batch is off-policy
+    opt = getattr(tr_a.optimizer, "optimizer", tr_a.optimizer)  # the torch optimizer inside accelerate's wrapper
+    tr_a._off_policy_step = False
+    grads = [torch.zeros_like(p) for p in tr_a.model.parameters()]
+    for p, g in zip(tr_a.model.parameters(), grads):
+        p.grad = g
+    seen = []
+    h = opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
+    opt.step()
+    tr_a._off_policy_step = True
+    opt.step()
+    h.remove()
+    assert seen == [pytest.approx(1e-3), pytest.approx(1e-2)] and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="sft_learning_rate sets the rate of off-policy steps"):
+        make_trainer(tmp_path / "d", tokenizer, solved_curriculum(tmp_path / "d"), sft_learning_rate=1e-5)

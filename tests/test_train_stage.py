@@ -42,6 +42,7 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
         assert args.lr_scheduler_type == "linear_time"  # the formal default: linear decay over the clock
         # arm j: SFT on the verified teacher solutions for 2 passes, then on-policy KL + reward (LEARNING.md)
         assert args.sft_share_start == args.sft_share_end == 1.0 and args.sft_max_epochs == 2 and args.w_kl > 0
+        assert args.sft_learning_rate == pytest.approx(10 * args.learning_rate)
         (full,) = parse_config([OPDConfig], ["--config", str(path)], env={"OUTPUT_DIR": str(tmp_path / "o2")})
         assert full.max_wall_time_seconds == 12 * 3600
     if name == "demo_cpu.yaml":
@@ -162,5 +163,6 @@ def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny
     recs = [json.loads(x) for x in (run / "metrics" / "train.jsonl").read_text().splitlines()]
     assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0, 0.0]
     assert [r["sft/epoch"] for r in recs] == [1.0, 2.0, 2.0, 2.0]
+    assert [r["sft/lr_scale"] for r in recs] == [pytest.approx(1e-5 / 1e-3)] * 2 + [1.0, 1.0]  # TINY_FLAGS' lr 1e-3
     assert recs[-1]["loss/kl"] != 0 and "reward/mean" in recs[-1]
     assert len(list((run / "rollouts").glob("*.parquet"))) == 2  # the two on-policy steps

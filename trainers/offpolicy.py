@@ -95,7 +95,7 @@ def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *
 
 class OffPolicyTerm:
     """``OPDTrainer``'s methods for the off-policy signal (a mixin: it reads the trainer's ``args``
-    (``OPDConfig``: w_sft, sft_share_start/end, sft_batch_size, sft_max_epochs, seed), ``accelerator``,
+    (``OPDConfig``: w_sft, sft_share_start/end, sft_batch_size, sft_max_epochs, sft_learning_rate, seed), ``accelerator``,
     ``train_dataset``, ``processing_class``, ``_metrics``, ``_heads``, ``_get_last_hidden_state``, ``time_fraction``).
 
     The trainer calls ``_init_offpolicy`` in ``__init__``, ``_choose_off_policy`` / ``_offpolicy_batch``
@@ -202,6 +202,29 @@ class OffPolicyTerm:
         the position in the solution stream (its epochs, hence ``sft_max_epochs``) and the time-share credit."""
         return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit}
 
+    def _install_sft_learning_rate(self, optimizer) -> None:
+        """``sft_learning_rate > 0``: torch optimizer step hooks scale every group's rate by
+        ``sft_learning_rate / learning_rate`` for the step of an off-policy batch and restore it after, so the
+        schedule (warm-up, decay over the clock) applies to both kinds of step and checkpoints hold the plain rate."""
+        a = self.args
+        if not a.sft_learning_rate or a.sft_learning_rate == a.learning_rate or a.learning_rate <= 0:
+            return
+        ratio = a.sft_learning_rate / a.learning_rate
+
+        def pre(opt, args, kwargs):
+            if self._off_policy_step:
+                for g in opt.param_groups:
+                    g["opd_scheduled_lr"] = g["lr"]
+                    g["lr"] = g["lr"] * ratio
+
+        def post(opt, args, kwargs):
+            for g in opt.param_groups:
+                if "opd_scheduled_lr" in g:
+                    g["lr"] = g.pop("opd_scheduled_lr")
+
+        optimizer.register_step_pre_hook(pre)
+        optimizer.register_step_post_hook(post)
+
     def _load_offpolicy_state(self, state: dict) -> None:
         """Restore ``_offpolicy_state()`` (a checkpoint written before it existed restarts the stream at 0)."""
         self._sft_pos = int(state.get("sft_pos", 0))
@@ -224,4 +247,6 @@ class OffPolicyTerm:
         m["sft/off_policy_step"].append(float(self._off_policy_step))
         m["sft/epoch"].append(self._sft_pos / len(self._sft_pool))  # passes over the pool (never empty here)
         m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
+        m["sft/lr_scale"].append(a.sft_learning_rate / a.learning_rate if self._off_policy_step and a.sft_learning_rate
+                                 and a.learning_rate > 0 else 1.0)
 

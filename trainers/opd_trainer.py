@@ -249,6 +249,12 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         f0 = self._fraction0
         return f0 + (1.0 - f0) * self.deadline.window_fraction()
 
+    def create_optimizer(self, model=None):
+        """TRL's / transformers' optimizer, plus the off-policy steps' rate (``sft_learning_rate``) as step hooks."""
+        opt = super().create_optimizer(model)
+        self._install_sft_learning_rate(opt)
+        return opt
+
     # ---- learning-rate schedule on the clock ----
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """``linear_time`` / ``cosine_time``: ``trainers.schedules.time_lambda_lr`` over ``time_fraction``;
