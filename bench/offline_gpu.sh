@@ -14,7 +14,8 @@
 #   bash bench/offline_gpu.sh start 1390 "CMD1" "CMD2"  # call 2, carrying .gpu/gguf.part.ab: the queue gets 1390 s
 #                                                       # (30 device-minutes less machine start, transfers, pack)
 #   bash bench/offline_gpu.sh wait 560                  # later calls: wait <= 560 s, print the log's tail
-#                                                       # (530 when chained after park + start in call 2)
+#                                                       # (530 when chained after park + start in call 2); exits 3
+#                                                       # at once on a machine with no queue (a fresh one)
 #   bash bench/offline_gpu.sh pack DIR DEST             # DIR's tables (no weights, no rollouts) -> DEST/*.tar.gz
 # The packed tables are for reading (bench.learning --stage report, duckdb) on another machine. They cannot
 # continue the experiment there: the start and the teacher are left out, and a new setup is a new start.

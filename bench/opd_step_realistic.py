@@ -30,8 +30,9 @@ Batch k has the same drawn lengths in every trainer and every call (seeded), so 
 ``--merge a.json b.json`` prints the combined table.
 Variants (``--variants base,compact,compile,grow,async,liger,all``, or levers joined by '+'): OPDConfig overrides;
 ``base`` = every lever field present off (the static decoder; otherwise fast generation, compiled layers);
-``compact`` = the trainer as shipped (``decode_compaction`` is on by default; the default variant); ``grow`` =
-``decode_kv_growth`` (the KV cache sized to the window; it needs ``compact``: ``compact+grow``); a variant whose
+``compact`` = ``decode_compaction`` alone (the KV cache at full size: as shipped before RESULTS run 9); ``grow`` =
+``decode_kv_growth`` (the KV cache sized to the window; it needs ``compact``: ``compact+grow``, the trainer as shipped
+since run 9 and the default variant); a variant whose
 field does not exist in this checkout is skipped with a note, one that fails (to build or to run) is recorded
 with its error and the next one runs. ``async``: this bench steps the trainer by hand, outside ``Trainer.train()``,
 where the prefetch lives, so it shows no overlap; time async with ``opd_step_bench.py --train-steps N
@@ -638,9 +639,9 @@ def main(argv=None):
     ap.add_argument("--clip-rate", type=float, default=sr.CLIP_RATE)
     ap.add_argument("--sigma", type=float, default=sr.SIGMA)
     ap.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths")
-    ap.add_argument("--variants", default="compact",
-                    help="comma-separated: base (every lever off), compact (as shipped), compile, async, liger, all, "
-                         "or levers joined by '+' (compact+compile)")
+    ap.add_argument("--variants", default="compact+grow",
+                    help="comma-separated: base (every lever off), compact, compile, grow, async, liger, all, "
+                         "or levers joined by '+' (compact+grow: as shipped; compact+grow+compile: the formal recipe)")
     ap.add_argument("--variant-mode", choices=("step", "generation"), default="step",
                     help="ours: whole optimizer steps, or only the generation call of the same batches")
     ap.add_argument("--warmup", type=int, default=1, help="ours: warm-up batches per variant")

@@ -80,7 +80,7 @@ def test_fit_extrapolate_linear_step_time():
 def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     """Ours (FastGenerator) and TRL (own HF generate, and the fast-path substitution) produce exactly the drawn
     lengths; the JSON carries the floor and the pieces."""
-    # no --variants: the default, compact, is the trainer as shipped (decode_compaction on), hook and all
+    # no --variants: the default, compact+grow, is the trainer as shipped (compaction and KV growth on), hook and all
     import json
 
     import opd_step_realistic as osr
@@ -92,7 +92,7 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
                     "--grader-workers", "0", "--fail-fast", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["table"] == res["table"]
-    warm, *ours = res["pieces"]["ours"]["compact"]["rows"]
+    warm, *ours = res["pieces"]["ours"]["compact+grow"]["rows"]
     assert warm["warmup"] and warm["micro_steps"] == 1 and warm["mismatched"] == 0  # batch 0, generated
     assert len(ours) == 1 and ours[0]["mismatched"] == 0 and ours[0]["batch"] == 1
     lens, clip = sr.draw_lengths(8, 32, 0, 1)  # the timed batch, for every trainer
@@ -105,7 +105,7 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     assert g["trace"][0][0] == 0 and g["steps_done"] == max(lens)  # the tracer saw every step
     f = res["floor"]["1"]
     assert f["completion_tokens"] == sum(lens) and f["steps"] == max(lens) - 1
-    assert "| ours/compact (step) |" in res["table"]
+    assert "| ours/compact+grow (step) |" in res["table"]
 
 
 def test_realistic_tiny_generation_mode_and_merge(tmp_path):
