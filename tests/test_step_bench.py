@@ -117,7 +117,7 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
               "--prompt-len", "8", "--grader-workers", "0", "--fail-fast"]
     ra = osr.main(common + ["--pieces", "ours", "--variant-mode", "generation", "--warmup", "1", "--steps", "1",
                             "--json", str(a)])
-    rows = ra["pieces"]["ours"]["compact@gen"]["rows"]
+    rows = ra["pieces"]["ours"]["compact+grow@gen"]["rows"]
     assert [r["batch"] for r in rows] == [0, 1] and all(r["mismatched"] == 0 for r in rows)
     for r in rows:
         assert r["tokens"] == sum(sr.draw_lengths(8, 24, 0, r["batch"])[0])
@@ -132,7 +132,7 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
     m = osr.main(["--merge", str(a), str(b)])
     assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
     assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
-    assert "ours/compact@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
+    assert "ours/compact+grow@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
 
 
 def test_trl_refuses_a_teacher_with_more_rows(tmp_path):
