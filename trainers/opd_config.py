@@ -117,7 +117,8 @@ class OPDConfig(DistillationConfig):
                 "(per token over the step's solution tokens; 0 = off). Rows without a verified solution add nothing."})
     sft_share_start: float = field(default=0.0, metadata={
         "help": "Share of training seconds spent in off-policy steps (cross-entropy on teacher solutions only: no "
-                "generation, no teacher) at the start of the training window, in [0, 1]."})
+                "generation, no teacher) at the start of the training window, in [0, 1]. An off-policy step draws "
+                "its solutions from its own shuffled pool; the curriculum's prompts drawn for that step are skipped."})
     sft_share_end: float = field(default=0.0, metadata={
         "help": "The same share at the end of the window; linear in time_fraction() in between."})
     sft_batch_size: int = field(default=64, metadata={
@@ -133,7 +134,8 @@ class OPDConfig(DistillationConfig):
                 "that would pass the cap is on-policy instead; the count survives a resume); every later step is "
                 "on-policy, still with the w_sft term if set. 0 = no cap. The share schedule is in seconds: where an "
                 "on-policy step costs minutes and an SFT step seconds (long completions), a small pool would "
-                "otherwise be repeated for tens of epochs."})
+                "otherwise be repeated for tens of epochs. The optimizer's moments carry across the hand-over (a "
+                "fresh Adam's first step is un-warmed: bench/LEARNING.md's diagnosis of the 5e-5 collapse)."})
 
     # ---- data ----
     prompt_style: str | None = field(default=None, metadata={
