@@ -97,6 +97,9 @@ class LearningConfig:
     seq_sft_epochs: float = field(default=2.0, metadata={
         "help": "Arm j: passes of off-policy steps over stage one's verified solutions before every step is on-policy "
                 "(OPDConfig.sft_max_epochs)."})
+    seq_sft_lr: float = field(default=0.0, metadata={
+        "help": "Arm j: the rate of its SFT passes (OPDConfig.sft_learning_rate, on the arm's schedule); 0 = the arm's "
+                "own rate for both phases. The formal recipe runs its SFT passes at 10x its on-policy rate."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
@@ -207,6 +210,8 @@ class LearningConfig:
             self.teacher_n_train = 0  # the same teacher data as 0: recorded alike, so a resume accepts either
         if not 0 < self.seq_sft_epochs < math.inf:  # NaN fails too
             raise ValueError(f"seq_sft_epochs must be a finite number > 0, got {self.seq_sft_epochs}")
+        if not 0 <= self.seq_sft_lr < math.inf:
+            raise ValueError(f"seq_sft_lr must be a finite number >= 0, got {self.seq_sft_lr}")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
             raise ValueError("need start_sft_s >= 0, w_sft >= 0 and sft shares in [0, 1]")
         m = self.mark_list

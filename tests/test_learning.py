@@ -98,7 +98,8 @@ def test_paired_difference_matches_plain_formula():
     (dict(eval_temperature=0.0), "temperature"), (dict(n_test=0), "n_test"), (dict(answer_filter="x"), "answer_filter"),
     (dict(report_filter="exact"), "report_filter"), (dict(late_marks=-1), "late_marks"),
     (dict(seq_sft_epochs=0), "seq_sft_epochs"), (dict(seq_sft_epochs=float("nan")), "seq_sft_epochs"),
-    (dict(seq_sft_epochs=float("inf")), "seq_sft_epochs"), (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
+    (dict(seq_sft_epochs=float("inf")), "seq_sft_epochs"), (dict(seq_sft_lr=-1.0), "seq_sft_lr"),
+    (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
     (dict(teacher_n_train=9000, teacher_model="/m"), "teacher_n_train")])
 def test_config_range_checks(tmp_path, kw, match):
     args = dict(out=str(tmp_path / "run"))
@@ -395,11 +396,17 @@ def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
                args.teacher_context, args.kl_mode, args.curriculum_path.startswith(str(cfg.dir / "arms" / name)))
         assert got == w, arm
         assert args.sft_max_epochs == (cfg.seq_sft_epochs if arm == "j" else 0), arm  # j: SFT, then on-policy
+        assert args.sft_learning_rate == 0, arm  # one rate for both phases unless --seq_sft_lr
         assert (args.learning_rate, args.seed, args.student_model) == (3e-5, 2, str(tmp_path / "start"))
         assert (args.output_dir, args.num_generations, args.per_device_train_batch_size) == (
             str(cfg.dir / "arms" / name), cfg.num_generations, cfg.completions_per_step)
         assert (args.max_completion_length, args.temperature, args.answer_filter) == (
             cfg.max_new_tokens, cfg.train_temperature, cfg.answer_filter)
+    # --seq_sft_lr: arm j's SFT passes at their own rate (the formal recipe's sft_learning_rate), on-policy at the arm's
+    cfg_j = LearningConfig(out=str(tmp_path / "r"), arms="a", seq_sft_lr=1e-4)
+    (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg_j, "j@3e-05"), tmp_path / "j2.yaml"))],
+                           env={})
+    assert (args.sft_learning_rate, args.learning_rate, args.sft_max_epochs) == (1e-4, 3e-5, cfg_j.seq_sft_epochs)
 
 
 def test_warmup_steps_reach_every_arm_but_not_the_start(tmp_path):
