@@ -71,7 +71,7 @@ def seq_logps(model, p_ids, p_mask, c_ids, c_mask):
 def sample(model, tok, prompts: list[str], *, max_new_tokens: int, temperature: float, seed: int):
     """One completion per prompt (HF generate): ``(prompt tensors, completion ids (B, K), mask, texts, truncated)``."""
     torch.manual_seed(seed)
-    enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)  # one BOS
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
                              top_p=1.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         valid = c_mask.bool()
         N = valid.sum()
         hs = hidden(student, p_ids, p_mask, c_ids, c_mask)[valid]
-        tp = tok(t_prompts, return_tensors="pt", padding=True).to(dev)
+        tp = tok(t_prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
         with torch.no_grad():
             ht = hidden(teacher, tp.input_ids, tp.attention_mask, c_ids, c_mask)[valid]
             t_lp, _ = losses.token_logprobs(ht, teacher.lm_head.weight, None, c_ids[valid])

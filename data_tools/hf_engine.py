@@ -125,8 +125,12 @@ class HFEngine:
         total = len(prompts)
         done = tokens = 0
         t0 = time.time()
+        from data_tools.prompts import prompt_ids
+
         for start in range(0, total, chunk_size):
-            ids = [self.tokenizer(p)["input_ids"] for p in prompts[start : start + chunk_size]]
+            # chat-rendered text: the template wrote any BOS, so none is added again (one BOS, as vLLM's and the
+            # trainer's prompts under DeepSeek-R1-Distill-Qwen's template; tests/test_bos.py)
+            ids = prompt_ids(self.tokenizer, list(prompts[start : start + chunk_size]))
             for i, p in enumerate(ids):
                 if len(p) + max_tokens > self.max_model_len:
                     raise ValueError(f"prompt {start + i}: {len(p)} tokens + max_tokens {max_tokens} exceed "

@@ -141,3 +141,14 @@ def test_off_policy_solutions_get_the_chat_template_ids(bos_tok):
         got = out["sft_prompt_ids"][i][out["sft_prompt_mask"][i].bool()].tolist()
         assert got == chat_ids(bos_tok, m) and got[:2] != [bos_tok.bos_token_id] * 2
     assert out["sft_completion_mask"][1].sum() == 0  # no solution: no token
+
+
+def test_hf_engine_gives_the_chat_template_ids(bos_model_dir, bos_tok):
+    """Stage one and evaluation through the ``hf`` engine (GPU machines without vLLM): the prompt decoded is
+    apply_chat_template's ids, one BOS (n_prompt_tokens counts them)."""
+    from data_tools.hf_engine import HFEngine
+
+    eng = HFEngine(str(bos_model_dir), device="cpu", max_model_len=256)
+    msgs = [student_messages("What is 2 + 3?"), student_messages("What is 10 - 4?")]
+    (chunk,) = list(eng.generate([render(bos_tok, m) for m in msgs], n=1, max_tokens=2, temperature=0.0))
+    assert [s.n_prompt_tokens for s in chunk] == [len(chat_ids(bos_tok, m)) for m in msgs]

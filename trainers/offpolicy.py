@@ -111,6 +111,7 @@ class OffPolicyTerm:
         self._share_now = 0.0
         self._sft_pool: list[int] = []
         self._sft_pos = 0
+        self._sft_lr_applied = 1.0  # the rate scale the step hook applied this step (sft/lr_scale)
         self._sft_epoch: tuple[int, list[int]] = (-1, [])
         self._acc_sft: dict[str, float] = defaultdict(float)
         if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
@@ -207,8 +208,11 @@ class OffPolicyTerm:
         ``sft_learning_rate / learning_rate`` for the step of an off-policy batch and restore it after, so the
         schedule (warm-up, decay over the clock) applies to both kinds of step and checkpoints hold the plain rate."""
         a = self.args
-        if not a.sft_learning_rate or a.sft_learning_rate == a.learning_rate or a.learning_rate <= 0:
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside accelerate's wrapper
+        if (not a.sft_learning_rate or a.sft_learning_rate == a.learning_rate
+                or getattr(optimizer, "_opd_sft_lr_hooks", False)):  # once per optimizer: twice would compound
             return
+        optimizer._opd_sft_lr_hooks = True
         ratio = a.sft_learning_rate / a.learning_rate
 
         def pre(opt, args, kwargs):
@@ -216,6 +220,8 @@ class OffPolicyTerm:
                 for g in opt.param_groups:
                     g["opd_scheduled_lr"] = g["lr"]
                     g["lr"] = g["lr"] * ratio
+                    # what was applied, for the sft/lr_scale metric (measured here, not derived from the config)
+                    self._sft_lr_applied = float(g["lr"] / g["opd_scheduled_lr"]) if g["opd_scheduled_lr"] else ratio
 
         def post(opt, args, kwargs):
             for g in opt.param_groups:
@@ -247,6 +253,6 @@ class OffPolicyTerm:
         m["sft/off_policy_step"].append(float(self._off_policy_step))
         m["sft/epoch"].append(self._sft_pos / len(self._sft_pool))  # passes over the pool (never empty here)
         m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
-        m["sft/lr_scale"].append(a.sft_learning_rate / a.learning_rate if self._off_policy_step and a.sft_learning_rate
-                                 and a.learning_rate > 0 else 1.0)
+        m["sft/lr_scale"].append(getattr(self, "_sft_lr_applied", 1.0))  # set by the rate hook of this step, if any
+        self._sft_lr_applied = 1.0
 

@@ -275,6 +275,8 @@ class OPDConfig(DistillationConfig):
         need(self.sft_max_epochs >= 0, f"sft_max_epochs must be >= 0, got {self.sft_max_epochs}")
         need(math.isfinite(self.sft_learning_rate) and self.sft_learning_rate >= 0,
              f"sft_learning_rate must be a finite number >= 0, got {self.sft_learning_rate}")
+        need(not self.sft_learning_rate or self.learning_rate > 0,
+             "sft_learning_rate scales the scheduled rate by sft_learning_rate / learning_rate: it needs learning_rate > 0")
         need(not self.sft_learning_rate or self.sft_share_start > 0 or self.sft_share_end > 0,
              "sft_learning_rate sets the rate of off-policy steps: it needs sft_share_start or sft_share_end > 0")
         need(not self.sft_max_epochs or self.w_kl > 0 or self.w_reward > 0,
