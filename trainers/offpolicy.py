@@ -65,7 +65,8 @@ def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *
 
     The prompt (chat-rendered text) is tokenised as the on-policy rollouts' prompts are
     (``data_tools.prompts.prompt_ids``: no special tokens added again, so a template that writes BOS, as
-    DeepSeek-R1-Distill-Qwen's does, gives one BOS, not two), the solution without special tokens and followed by EOS (the end of an assistant turn, as in the student's own
+    DeepSeek-R1-Distill-Qwen's does, gives one BOS, not two); the solution without special tokens and
+    followed by EOS (the end of an assistant turn, as in the student's own
     rollouts; TRL ``SFTTrainer`` appends EOS the same way). A row whose solution is None or empty
     gets an all-zero completion mask: it contributes no token.
 
@@ -220,8 +221,7 @@ class OffPolicyTerm:
                 for g in opt.param_groups:
                     g["opd_scheduled_lr"] = g["lr"]
                     g["lr"] = g["lr"] * ratio
-                    # what was applied, for the sft/lr_scale metric (measured here, not derived from the config)
-                    self._sft_lr_applied = float(g["lr"] / g["opd_scheduled_lr"]) if g["opd_scheduled_lr"] else ratio
+                self._sft_lr_applied = ratio  # set only when the hook fires: sft/lr_scale shows it was applied
 
         def post(opt, args, kwargs):
             for g in opt.param_groups:
@@ -253,6 +253,6 @@ class OffPolicyTerm:
         m["sft/off_policy_step"].append(float(self._off_policy_step))
         m["sft/epoch"].append(self._sft_pos / len(self._sft_pool))  # passes over the pool (never empty here)
         m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
-        m["sft/lr_scale"].append(getattr(self, "_sft_lr_applied", 1.0))  # set by the rate hook of this step, if any
+        m["sft/lr_scale"].append(self._sft_lr_applied)  # set by the rate hook of this step, if any
         self._sft_lr_applied = 1.0
 
