@@ -40,8 +40,8 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
         assert args.max_completion_length >= 8192 and args.use_vllm and args.vllm_mode == "colocate"
         assert args.kl_mode == "sampled" and args.w_reward > 0 and args.ckpt_every_minutes == 30
         assert args.lr_scheduler_type == "linear_time"  # the formal default: linear decay over the clock
-        # arm j: SFT on the verified teacher solutions for 2 passes, then on-policy KL + reward (LEARNING.md)
-        assert args.sft_share_start == args.sft_share_end == 1.0 and args.sft_max_epochs == 2 and args.w_kl > 0
+        # SFT on the verified teacher solutions for 8 passes, then on-policy KL + reward (LEARNING.md, "The verdict so far")
+        assert args.sft_share_start == args.sft_share_end == 1.0 and args.sft_max_epochs == 8 and args.w_kl > 0
         assert args.sft_learning_rate == pytest.approx(10 * args.learning_rate)
         (full,) = parse_config([OPDConfig], ["--config", str(path)], env={"OUTPUT_DIR": str(tmp_path / "o2")})
         assert full.max_wall_time_seconds == 12 * 3600
@@ -144,8 +144,8 @@ def test_second_run_on_same_dirs_exits_75(tmp_path, tiny_model_dir, curriculum_p
 
 def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
     """The formal recipe's own config on the CPU (vLLM, bf16 and compile off; toy lengths): its off-policy steps on the
-    curriculum's verified solutions stop after sft_max_epochs = 2 passes, and every later step is on-policy, with
-    rollouts written (arm j of bench/LEARNING.md)."""
+    curriculum's verified solutions stop after sft_max_epochs = 8 passes, and every later step is on-policy, with
+    rollouts written (bench/LEARNING.md, "The verdict so far")."""
     from stages.train import main
     from tests.test_offpolicy import solved_curriculum
 
@@ -156,13 +156,13 @@ def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny
     monkeypatch.delenv("TEACHER_MODEL", raising=False)
     rc = main(["--config", str(REPO / "configs" / "opd_r1_distill_1p5b.yaml"), *TINY_FLAGS, "--sft_batch_size", "4",
                "--use_vllm", "false", "--bf16", "false", "--teacher_dtype", "float32", "--export_dtype", "float32",
-               "--decode_compile", "false", "--gradient_checkpointing", "false", "--debug_max_steps", "4",
+               "--decode_compile", "false", "--gradient_checkpointing", "false", "--debug_max_steps", "10",
                "--max_wall_time_seconds", "100000", "--lr_warmup_time", "0"])
     assert rc == 0
     run = tmp_path / "run"
     recs = [json.loads(x) for x in (run / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0, 0.0]
-    assert [r["sft/epoch"] for r in recs] == [1.0, 2.0, 2.0, 2.0]
-    assert [r["sft/lr_scale"] for r in recs] == [pytest.approx(1e-5 / 1e-3)] * 2 + [1.0, 1.0]  # TINY_FLAGS' lr 1e-3
+    assert [r["sft/off_policy_step"] for r in recs] == [1.0] * 8 + [0.0, 0.0]
+    assert [r["sft/epoch"] for r in recs] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 8.0, 8.0]
+    assert [r["sft/lr_scale"] for r in recs] == [pytest.approx(1e-5 / 1e-3)] * 8 + [1.0, 1.0]  # TINY_FLAGS' lr 1e-3
     assert recs[-1]["loss/kl"] != 0 and "reward/mean" in recs[-1]
     assert len(list((run / "rollouts").glob("*.parquet"))) == 2  # the two on-policy steps
