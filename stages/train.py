@@ -54,6 +54,11 @@ def run(args, on_trainer=None) -> dict:
     start = process_start_time()
     remove_partial_state(args.resume_dir, args.ckpt_dir)
     table = load_curriculum(args.curriculum_path)
+    if (args.w_sft > 0 or args.sft_share_start > 0 or args.sft_share_end > 0) and "teacher_solution" not in table.column_names:
+        # before the models load (minutes at 1.5B): the off-policy terms need stage one's verified solutions
+        raise ValueError(f"{args.curriculum_path}: no 'teacher_solution' column (columns: {sorted(table.column_names)}), "
+                         "but w_sft / sft_share_* train on it: run make curate (it writes the column), or set w_sft, "
+                         "sft_share_start and sft_share_end to 0")
     student, teacher, tok, t_tok = load_models(args)
     dataset = build_train_dataset(table, tok, prompt_style=args.prompt_style)
     trainer = OPDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
@@ -153,6 +158,15 @@ class _Console(TrainerCallback):
         if not state.is_world_process_zero or not logs or "loss" not in logs:
             return
         g = lambda k: logs.get(k) if logs.get(k) is not None else float("nan")  # noqa: E731
+        if logs.get("sft/off_policy_step") == 1.0:  # an off-policy SFT step: no rollouts, no KL, no reward
+            self._sft_steps = getattr(self, "_sft_steps", 0) + 1
+            print(f"[step {state.global_step}] sft loss={g('loss'):.4f} pass={g('sft/epoch'):.0f} "
+                  f"lr_scale={g('sft/lr_scale'):g} step={g('time/step'):.1f}s", flush=True)
+            return
+        if getattr(self, "_sft_steps", 0) and not getattr(self, "_handed_over", False):
+            self._handed_over = True
+            print(f"[train] on-policy from step {state.global_step} (after {self._sft_steps} off-policy SFT steps, "
+                  f"{g('sft/epoch'):.0f} passes over the verified solutions)", flush=True)
         print(f"[step {state.global_step}] loss={g('loss'):.4f} kl={g('kl/sampled_mean'):.4f} "
               f"reward={g('reward/mean'):.3f} len={g('completions/mean_length'):.1f} "
               f"step={g('time/step'):.1f}s gen={g('time/generation'):.1f}s", flush=True)

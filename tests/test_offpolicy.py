@@ -122,8 +122,14 @@ def test_off_policy_steps_train_on_solutions_only(tmp_path, tokenizer):  # noqa:
 
 
 def test_no_verified_solution_is_an_error(tmp_path, tokenizer):  # noqa: F811
-    with pytest.raises(ValueError, match="no non-empty teacher_solution"):
+    with pytest.raises(ValueError, match="'teacher_solution' column is empty in all 8 rows"):
         make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path, solved=lambda i: False), w_sft=1.0)
+
+
+def test_sft_batch_size_error_names_a_valid_size(tmp_path, tokenizer):  # noqa: F811
+    with pytest.raises(ValueError, match=r"\(4\): e\.g\. 8"):
+        make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
+                     sft_batch_size=10, gradient_accumulation_steps=4)
 
 
 def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # noqa: F811

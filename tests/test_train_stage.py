@@ -142,7 +142,8 @@ def test_second_run_on_same_dirs_exits_75(tmp_path, tiny_model_dir, curriculum_p
     assert rc == EXIT_LOCKED
 
 
-def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
+def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny_model_dir, monkeypatch,  # noqa: F811
+                                                                    capsys):
     """The formal recipe's own config on the CPU (vLLM, bf16 and compile off; toy lengths): its off-policy steps on the
     curriculum's verified solutions stop after sft_max_epochs = 8 passes, and every later step is on-policy, with
     rollouts written (bench/LEARNING.md, "The verdict so far")."""
@@ -166,3 +167,25 @@ def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny
     assert [r["sft/lr_scale"] for r in recs] == [pytest.approx(1e-5 / 1e-3)] * 8 + [1.0, 1.0]  # TINY_FLAGS' lr 1e-3
     assert recs[-1]["loss/kl"] != 0 and "reward/mean" in recs[-1]
     assert len(list((run / "rollouts").glob("*.parquet"))) == 2  # the two on-policy steps
+    lines = [x for x in capsys.readouterr().out.splitlines()
+             if x.startswith(("[step", "[train] on-policy")) and "running:" not in x]  # not the heartbeat
+    assert all(x.startswith(f"[step {i + 1}] sft loss=") and f" pass={i + 1} lr_scale=0.01 " in x
+               for i, x in enumerate(lines[:8])), lines[:8]
+    assert lines[8] == "[train] on-policy from step 9 (after 8 off-policy SFT steps, 8 passes over the verified solutions)"
+    assert all(" sft " not in x and "reward=" in x for x in lines[9:]) and len(lines) == 11
+
+
+def test_sft_recipe_without_teacher_solution_column_fails_before_loading_models(tmp_path, tiny_model_dir,  # noqa: F811
+                                                                                curriculum_path, monkeypatch, capsys):
+    import stages.train as st
+    import trainers.opd_trainer as ot
+
+    env = _env(tmp_path, tiny_model_dir, curriculum_path)  # the plain curriculum: no teacher_solution column
+    for k in ("OUTPUT_DIR", "STUDENT_MODEL", "TRAIN_DATA"):
+        monkeypatch.setenv(k, env[k])
+    monkeypatch.setattr(ot, "load_models", lambda args: pytest.fail("models loaded before the curriculum was checked"))
+    rc = st.main(["--config", str(REPO / "configs" / "opd_r1_distill_1p5b.yaml"), *TINY_FLAGS, "--use_vllm", "false",
+                  "--bf16", "false"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "curriculum.parquet: no 'teacher_solution' column" in err and "sft_share_end to 0" in err

@@ -118,15 +118,21 @@ class OffPolicyTerm:
         if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
             return
         ds = self.train_dataset
-        sols = ds["teacher_solution"] if ds is not None and "teacher_solution" in ds.column_names else []
-        self._sft_pool = [i for i, s in enumerate(sols) if s]
+        if ds is None or "teacher_solution" not in ds.column_names:  # build_train_dataset always adds it
+            raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the train "
+                             "dataset has no 'teacher_solution' column (build it with build_train_dataset)")
+        self._sft_pool = [i for i, s in enumerate(ds["teacher_solution"]) if s]
         if not self._sft_pool:
-            raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum "
-                             "has no non-empty teacher_solution (run stage one with teacher_samples >= 1)")
+            raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum's "
+                             f"'teacher_solution' column is empty in all {len(ds)} rows (no teacher sample verified: "
+                             "run stage one with teacher_samples >= 1, or turn the SFT terms off)")
         world = self.accelerator.num_processes
-        if a.sft_batch_size % (world * a.gradient_accumulation_steps):
+        unit = world * a.gradient_accumulation_steps
+        if a.sft_batch_size % unit:
+            lo, hi = max(unit, a.sft_batch_size // unit * unit), (a.sft_batch_size // unit + 1) * unit
             raise ValueError(f"sft_batch_size ({a.sft_batch_size}) must be a multiple of world size x "
-                             f"gradient_accumulation_steps ({world * a.gradient_accumulation_steps})")
+                             f"gradient_accumulation_steps ({world} x {a.gradient_accumulation_steps} = {unit}): "
+                             f"e.g. {lo} or {hi}")
         if a.sft_max_epochs and a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool):
             log.warning("sft_max_epochs=%g over %d verified solutions is less than one batch of %d: no off-policy "
                         "step will run", a.sft_max_epochs, len(self._sft_pool), a.sft_batch_size)

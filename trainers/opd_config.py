@@ -271,7 +271,9 @@ class OPDConfig(DistillationConfig):
         need(self.w_sft >= 0 and 0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1,
              "need w_sft >= 0 and sft_share_start, sft_share_end in [0, 1]")
         need(self.sft_batch_size >= 1 and self.sft_batch_size % self.gradient_accumulation_steps == 0,
-             f"sft_batch_size ({self.sft_batch_size}) must be a positive multiple of gradient_accumulation_steps")
+             f"sft_batch_size ({self.sft_batch_size}) must be a positive multiple of gradient_accumulation_steps "
+             f"({self.gradient_accumulation_steps}): e.g. "
+             f"{max(1, self.sft_batch_size // self.gradient_accumulation_steps) * self.gradient_accumulation_steps}")
         need(self.sft_max_epochs >= 0, f"sft_max_epochs must be >= 0, got {self.sft_max_epochs}")
         need(math.isfinite(self.sft_learning_rate) and self.sft_learning_rate >= 0,
              f"sft_learning_rate must be a finite number >= 0, got {self.sft_learning_rate}")
