@@ -58,7 +58,7 @@ class HFEngine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from trainers.generation import FastGenerator
+        from trainers.generation import FastGenerator, decode_options
 
         t0 = time.time()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -74,9 +74,8 @@ class HFEngine:
         if not self.eos_ids:
             raise ValueError(f"{model}: neither the tokenizer nor generation_config names an EOS token")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.generator = FastGenerator(pad, self.eos_ids, len_bucket=128, check_every=32, compaction=decode_compaction,
-                                       compile_step=decode_compile,
-                                       kv_growth=decode_kv_growth and decode_compaction)
+        self.generator = FastGenerator(pad, self.eos_ids, len_bucket=128, check_every=32,
+                                       **decode_options(decode_compaction, decode_compile, decode_kv_growth))
         per_seq = kv_bytes_per_token(self.model.config, torch.finfo(getattr(torch, self.dtype)).bits // 8) * max_model_len
         if gpu:
             free, _ = torch.cuda.mem_get_info(self.device)

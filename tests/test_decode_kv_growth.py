@@ -236,10 +236,13 @@ def test_flag_reaches_the_generator_from_every_entry_point():
     """``OPDConfig.decode_kv_growth`` (on by default, ignored without compaction) -> ``fast_generate_single_turn``;
     the hf engine and benches."""
     from tests.test_fsdp_generation import stub_trainer
-    from trainers.generation import fast_generate_single_turn
+    from trainers.generation import decode_options, fast_generate_single_turn
     from trainers.opd_config import OPDConfig
 
     assert OPDConfig.__dataclass_fields__["decode_kv_growth"].default is True
+    # the one place the three flags become FastGenerator's arguments (trainer, async rollouts, hf engine)
+    assert decode_options(True, False, True) == {"compaction": True, "compile_step": False, "kv_growth": True}
+    assert decode_options(False, True, True) == {"compaction": False, "compile_step": True, "kv_growth": False}
     model = small_vocab_model()
     ps = rows()
     tr = stub_trainer(model, N)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from trainers.generation import FastGenerator, SamplingParams
+from trainers.generation import FastGenerator, SamplingParams, decode_options
 
 
 @dataclass
@@ -249,10 +249,8 @@ class AsyncGeneration:
                              "lacks (repetition_penalty, beams, suppress_tokens, ...)")
         model = self.accelerator.unwrap_model(self.model)
         self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
-                                    compaction=bool(self.args.decode_compaction),
-                                    compile_step=bool(self.args.decode_compile),
-                                    kv_growth=bool(getattr(self.args, "decode_kv_growth", False))
-                                    and bool(self.args.decode_compaction))
+                                    **decode_options(self.args.decode_compaction, self.args.decode_compile,
+                                                     getattr(self.args, "decode_kv_growth", False)))
         self._async_is = bool(a.vllm_importance_sampling_correction)
         self.add_callback(_AsyncStop(self))
 

@@ -574,6 +574,15 @@ class FastGenerator:
             last["compiled_batch_sizes"] = sorted(compiled_batch_sizes(st.model)) if st.compiled else []
 
 
+def decode_options(compaction: bool, compile_step: bool, kv_growth: bool) -> dict:
+    """``FastGenerator``'s keyword arguments from the three decode flags (``OPDConfig.decode_compaction`` /
+    ``decode_compile`` / ``decode_kv_growth``, or an engine's). The KV cache's growth follows the compaction window,
+    so without compaction it is off here, quietly: the config's help says so, and ``FastGenerator`` warns only when
+    called with growth and no compaction directly."""
+    return {"compaction": bool(compaction), "compile_step": bool(compile_step),
+            "kv_growth": bool(kv_growth) and bool(compaction)}
+
+
 def generator_for(model, pad_token_id: int, eos_token_ids, **kw) -> FastGenerator:
     """The ``FastGenerator`` kept on ``model`` (created on first use; reused while ids and ``kw`` match)."""
     g = getattr(model, "_opd_fast_generator", None)
@@ -718,16 +727,14 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
             return None
         args = trainer.args
         gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
-                            compaction=bool(getattr(args, "decode_compaction", False)),
-                            compile_step=bool(getattr(args, "decode_compile", False)),
-                            # growth follows the compaction window; without compaction it has nothing to follow
-                            kv_growth=bool(getattr(args, "decode_kv_growth", False))
-                            and bool(getattr(args, "decode_compaction", False)))
+                            **decode_options(getattr(args, "decode_compaction", False),
+                                             getattr(args, "decode_compile", False),
+                                             getattr(args, "decode_kv_growth", False)))
         return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
 
 
-__all__ = ["SamplingParams", "sampling_params_from", "FastGenerator", "generator_for", "fast_generate_single_turn",
-           "fast_path_unsupported", "fsdp2_full_weights", "FSDPHooksNotFound", "gqa_decode_attention", "sample_next",
+__all__ = ["SamplingParams", "sampling_params_from", "FastGenerator", "decode_options", "generator_for",
+           "fast_generate_single_turn", "fast_path_unsupported", "fsdp2_full_weights", "FSDPHooksNotFound", "gqa_decode_attention", "sample_next",
            "sampled_logprob", "group_runs"]
 
 
