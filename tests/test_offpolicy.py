@@ -146,7 +146,7 @@ def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # 
     with pytest.raises(ValueError, match="sft_max_epochs > 0 hands the steps after the cap"):
         make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), w_kl=0.0, w_reward=0.0,
                      sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=1.0)
-    with pytest.raises(ValueError, match="sft_max_epochs caps the off-policy steps"):
+    with pytest.raises(ValueError, match="sft_max_epochs 1 caps the off-policy steps: to turn SFT off set --sft_max_epochs 0 as well"):
         make_trainer(tmp_path / "c", tokenizer, solved_curriculum(tmp_path / "c"), w_sft=1.0, sft_max_epochs=1.0)
 
 
@@ -236,5 +236,5 @@ def test_sft_learning_rate_scales_off_policy_steps_only(tmp_path, tokenizer):  #
     opt.step()
     h.remove()
     assert seen == [pytest.approx(1e-3), pytest.approx(1e-2)] and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
-    with pytest.raises(ValueError, match="sft_learning_rate sets the rate of off-policy steps"):
+    with pytest.raises(ValueError, match="sft_learning_rate 1e-05 sets the rate of off-policy steps: to turn SFT off set --sft_learning_rate 0 as well"):
         make_trainer(tmp_path / "d", tokenizer, solved_curriculum(tmp_path / "d"), sft_learning_rate=1e-5)

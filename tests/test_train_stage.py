@@ -45,6 +45,12 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
         assert args.sft_learning_rate == pytest.approx(10 * args.learning_rate)
         (full,) = parse_config([OPDConfig], ["--config", str(path)], env={"OUTPUT_DIR": str(tmp_path / "o2")})
         assert full.max_wall_time_seconds == 12 * 3600
+        # turning SFT off: one error names both settings that act only on SFT steps, and the flags it names work
+        off = ["--config", str(path), "--sft_share_start", "0", "--sft_share_end", "0"]
+        with pytest.raises(ValueError, match=r"set --sft_learning_rate 0 --sft_max_epochs 0 as well"):
+            parse_config([OPDConfig], off, env=env)
+        (no_sft,) = parse_config([OPDConfig], off + ["--sft_learning_rate", "0", "--sft_max_epochs", "0"], env=env)
+        assert no_sft.sft_share_start == no_sft.sft_share_end == no_sft.sft_max_epochs == 0 and no_sft.w_kl > 0
     if name == "demo_cpu.yaml":
         assert not args.bf16 and args.model_dtype == "float32" and args.teacher_context == "privileged"
 

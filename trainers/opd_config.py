@@ -279,14 +279,18 @@ class OPDConfig(DistillationConfig):
              f"sft_learning_rate must be a finite number >= 0, got {self.sft_learning_rate}")
         need(not self.sft_learning_rate or self.learning_rate > 0,
              "sft_learning_rate scales the scheduled rate by sft_learning_rate / learning_rate: it needs learning_rate > 0")
-        need(not self.sft_learning_rate or self.sft_share_start > 0 or self.sft_share_end > 0,
-             "sft_learning_rate sets the rate of off-policy steps: it needs sft_share_start or sft_share_end > 0")
+        if self.sft_share_start == 0 and self.sft_share_end == 0:  # one error naming every setting to change
+            what = {"sft_learning_rate": "sets the rate of off-policy steps", "sft_max_epochs": "caps the off-policy steps"}
+            only_sft = [k for k in what if getattr(self, k)]
+            need(not only_sft,
+                 "off-policy SFT steps are off (sft_share_start = sft_share_end = 0), but "
+                 + "; ".join(f"{k} {getattr(self, k):g} {what[k]}" for k in only_sft)
+                 + ": to turn SFT off set " + " ".join(f"--{k} 0" for k in only_sft)
+                 + " as well; to keep it, set sft_share_start or sft_share_end > 0")
         need(not self.sft_max_epochs or self.w_kl > 0 or self.w_reward > 0,
              "sft_max_epochs > 0 hands the steps after the cap to on-policy training, which needs w_kl > 0 or "
              "w_reward > 0; for SFT-only runs (w_kl = w_reward = 0) leave sft_max_epochs at 0 and let the clock end "
              "the run")
-        need(not self.sft_max_epochs or self.sft_share_start > 0 or self.sft_share_end > 0,
-             "sft_max_epochs caps the off-policy steps: it needs sft_share_start or sft_share_end > 0")
         need(self.full_topk >= 0, f"full_topk must be >= 0, got {self.full_topk}")
         need(self.head_kernel in HEAD_KERNELS, f"head_kernel must be one of {HEAD_KERNELS}, got {self.head_kernel!r}")
         why = liger_unavailable() if self.head_kernel == "liger" else None
