@@ -56,6 +56,11 @@ ARM_SPECS: dict[str, Arm] = {
              off_policy="mix", stated_answer=True),
     "j": Arm("sequential: SFT on verified solutions for seq_sft_epochs passes, then OPD + reward", 1.0, 1.0, "trained",
              off_policy="seq"),
+    # j's order with one on-policy term each: which of j's two terms costs what after the hand-over
+    "k": Arm("sequential: SFT on verified solutions for seq_sft_epochs passes, then OPD only (w_reward=0)", 1.0, 0.0,
+             "trained", off_policy="seq"),
+    "l": Arm("sequential: SFT on verified solutions for seq_sft_epochs passes, then reward only (w_kl=0)", 0.0, 1.0,
+             None, off_policy="seq"),
 }
 #: SFT on the reference solutions: how the mid-trained start and the teacher are made (not an arm)
 SFT_REFERENCE = Arm("SFT on reference solutions", 0.0, 0.0, None, off_policy="sft")
@@ -95,10 +100,10 @@ class LearningConfig:
     sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h, i: share of training seconds in off-policy steps at 0 s."})
     sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h, i: the same share at budget_s (linear in between)."})
     seq_sft_epochs: float = field(default=2.0, metadata={
-        "help": "Arm j: passes of off-policy steps over stage one's verified solutions before every step is on-policy "
+        "help": "Arms j, k, l: passes of off-policy steps over stage one's verified solutions before every step is on-policy "
                 "(OPDConfig.sft_max_epochs)."})
     seq_sft_lr: float = field(default=0.0, metadata={
-        "help": "Arm j: the rate of its SFT passes (OPDConfig.sft_learning_rate, on the arm's schedule); 0 = the arm's "
+        "help": "Arms j, k, l: the rate of their SFT passes (OPDConfig.sft_learning_rate, on the arm's schedule); 0 = the arm's "
                 "own rate for both phases. The formal recipe runs its SFT passes at 10x its on-policy rate."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
@@ -280,7 +285,8 @@ class LearningConfig:
         """Label of an arm (a run name without its seed) for tables and the plot."""
         arm, lr, _ = self.parse_run(group)
         text = ("off-policy SFT on all teacher samples (sft_filter=none)" if arm == "d" and self.sft_filter == "none"
-                else ARMS[arm].replace("seq_sft_epochs", f"{self.seq_sft_epochs:g}") if arm == "j" else ARMS[arm])
+                else ARMS[arm].replace("seq_sft_epochs", f"{self.seq_sft_epochs:g}") if ARM_SPECS[arm].off_policy == "seq"
+                else ARMS[arm])
         return text + (f", lr {lr:g}" if lr != self.lr else "")
 
     @property

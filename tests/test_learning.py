@@ -383,19 +383,20 @@ def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
             "f": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "sampled", True),
             "g": (1, 1, 0, 0, 0, None, "privileged", "sampled", True), "h": (1, 1, 0.5, 0.7, 0.1, teacher, "teacher", "full", True),
             "i": (1, 1, 0.5, 0.7, 0.1, None, "privileged", "sampled", True),
-            "j": (1, 1, 0, 1, 1, teacher, "teacher", "sampled", True)}
+            "j": (1, 1, 0, 1, 1, teacher, "teacher", "sampled", True),
+            "k": (1, 0, 0, 1, 1, teacher, "teacher", "sampled", True), "l": (0, 1, 0, 1, 1, None, "teacher", "sampled", True)}
     assert set(want) == set(ARMS)
     from bench.learning_config import ARM_SPECS
 
     # the trained teacher is built when an arm reads it or its stage one samples it (d, i: not read, sampled)
-    assert {k for k, v in ARM_SPECS.items() if v.needs_teacher} == {"b", "c", "d", "f", "h", "i", "j"}
+    assert {k for k, v in ARM_SPECS.items() if v.needs_teacher} == {"b", "c", "d", "f", "h", "i", "j", "k", "l"}
     for arm, w in want.items():
         name = f"{arm}@3e-05-s2"
         (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / f"{arm}.yaml"))], env={})
         got = (args.w_kl, args.w_reward, args.w_sft, args.sft_share_start, args.sft_share_end, args.teacher_model,
                args.teacher_context, args.kl_mode, args.curriculum_path.startswith(str(cfg.dir / "arms" / name)))
         assert got == w, arm
-        assert args.sft_max_epochs == (cfg.seq_sft_epochs if arm == "j" else 0), arm  # j: SFT, then on-policy
+        assert args.sft_max_epochs == (cfg.seq_sft_epochs if arm in "jkl" else 0), arm  # j, k, l: SFT, then on-policy
         assert args.sft_learning_rate == 0, arm  # one rate for both phases unless --seq_sft_lr
         assert (args.learning_rate, args.seed, args.student_model) == (3e-5, 2, str(tmp_path / "start"))
         assert (args.output_dir, args.num_generations, args.per_device_train_batch_size) == (
@@ -454,6 +455,8 @@ def test_teacher_n_train_widens_only_the_teachers_problems(tmp_path):
     assert LearningConfig(out=str(tmp_path / "s"), n_train=30, teacher_n_train=30).teacher_n_train == 0
     assert LearningConfig(out=str(tmp_path / "s"), arms="j", seq_sft_epochs=1.5).label("j") == (
         "sequential: SFT on verified solutions for 1.5 passes, then OPD + reward")
+    assert LearningConfig(out=str(tmp_path / "s"), arms="k", seq_sft_epochs=8).label("k@1e-06") == (
+        "sequential: SFT on verified solutions for 8 passes, then OPD only (w_reward=0), lr 1e-06")
     teach = read_rows(wide["teacher_curriculum"])
     ids = [r["problem_id"] for r in teach]
     assert len(teach) == 90 == len(set(ids))
