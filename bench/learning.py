@@ -174,7 +174,7 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if spec.off_policy == "seq":  # SFT steps until the cap, then on-policy (the cap ends the off-policy steps)
         r.update(sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=cfg.seq_sft_epochs,
-                 sft_learning_rate=cfg.seq_sft_lr or None)
+                 sft_learning_rate=cfg.seq_sft_lr or None, sft_handover_reset=cfg.seq_handover_reset or None)
     if not torch.cuda.is_available():
         r["use_cpu"] = True
     return {k: v for k, v in r.items() if v is not None}

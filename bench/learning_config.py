@@ -102,6 +102,9 @@ class LearningConfig:
     seq_sft_epochs: float = field(default=2.0, metadata={
         "help": "Arms j, k, l: passes of off-policy steps over stage one's verified solutions before every step is on-policy "
                 "(OPDConfig.sft_max_epochs)."})
+    seq_handover_reset: int = field(default=0, metadata={
+        "help": "Arms j, k, l: OPDConfig.sft_handover_reset (> 0: clear the optimizer's moments at the hand-over and "
+                "warm the rate up again over this many steps; 0 = carry them)."})
     seq_sft_lr: float = field(default=0.0, metadata={
         "help": "Arms j, k, l: the rate of their SFT passes (OPDConfig.sft_learning_rate, on the arm's schedule); 0 = the arm's "
                 "own rate for both phases. The formal recipe runs its SFT passes at 10x its on-policy rate."})
@@ -215,6 +218,8 @@ class LearningConfig:
             self.teacher_n_train = 0  # the same teacher data as 0: recorded alike, so a resume accepts either
         if not 0 < self.seq_sft_epochs < math.inf:  # NaN fails too
             raise ValueError(f"seq_sft_epochs must be a finite number > 0, got {self.seq_sft_epochs}")
+        if self.seq_handover_reset < 0:
+            raise ValueError(f"seq_handover_reset must be >= 0, got {self.seq_handover_reset}")
         if not 0 <= self.seq_sft_lr < math.inf:
             raise ValueError(f"seq_sft_lr must be a finite number >= 0, got {self.seq_sft_lr}")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):

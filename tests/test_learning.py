@@ -408,6 +408,10 @@ def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
     (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg_j, "j@3e-05"), tmp_path / "j2.yaml"))],
                            env={})
     assert (args.sft_learning_rate, args.learning_rate, args.sft_max_epochs) == (1e-4, 3e-5, cfg_j.seq_sft_epochs)
+    assert args.sft_handover_reset == 0  # moments carried unless --seq_handover_reset
+    cfg_r = LearningConfig(out=str(tmp_path / "r"), arms="a", seq_handover_reset=10)
+    (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg_r, "k"), tmp_path / "k.yaml"))], env={})
+    assert (args.sft_handover_reset, args.w_reward) == (10, 0.0)
 
 
 def test_warmup_steps_reach_every_arm_but_not_the_start(tmp_path):

@@ -150,6 +150,41 @@ def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # 
         make_trainer(tmp_path / "c", tokenizer, solved_curriculum(tmp_path / "c"), w_sft=1.0, sft_max_epochs=1.0)
 
 
+def test_sft_handover_reset_clears_moments_and_rewarms_the_rate(tmp_path, tokenizer):  # noqa: F811
+    """sft_handover_reset = 2 after two off-policy steps: the first on-policy step finds the optimizer's state empty
+    (Adam's moments and step count gone) and runs at 1/2 of the scheduled rate, the next at 2/2; the SFT steps keep
+    their moments and their rate (x10 by sft_learning_rate). The default carries the moments and the rate."""
+    kw = dict(sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4, sft_max_epochs=2.5, debug_max_steps=4,
+              learning_rate=1e-3, sft_learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0)
+
+    def run(name, **extra):
+        tr = make_trainer(tmp_path / name, tokenizer, solved_curriculum(tmp_path / name), **kw, **extra)
+        seen = []
+        orig = tr.create_optimizer
+
+        def create_optimizer(model=None):  # a probe after the trainer's own hooks: what each step really used
+            opt = orig(model)
+            inner = getattr(opt, "optimizer", opt)
+            inner.register_step_pre_hook(lambda o, *_: seen.append(
+                (o.param_groups[0]["lr"], sum(int(st.get("step", 0)) for st in o.state.values()) / max(1, len(o.state)))))
+            return opt
+        tr.create_optimizer = create_optimizer
+        tr.train()
+        recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
+        return tr, seen, recs
+
+    tr, seen, recs = run("reset", sft_handover_reset=2)
+    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0, 0.0] and tr._handover_step == 2
+    assert [lr for lr, _ in seen] == pytest.approx([1e-2, 1e-2, 0.5e-3, 1e-3])
+    assert [n for _, n in seen] == [0, 1, 0, 1]  # Adam's mean step count before each step: reset at the hand-over
+    assert [r["sft/lr_scale"] for r in recs] == pytest.approx([10.0, 10.0, 0.5, 1.0])
+    assert tr._offpolicy_state()["handover_step"] == 2
+    _, seen, recs = run("carry")
+    assert [lr for lr, _ in seen] == pytest.approx([1e-2, 1e-2, 1e-3, 1e-3]) and [n for _, n in seen] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"sft_handover_reset \(2\) acts at the hand-over"):
+        make_trainer(tmp_path / "bad", tokenizer, solved_curriculum(tmp_path / "bad"), w_sft=1.0, sft_handover_reset=2)
+
+
 def test_resume_from_checkpoint_keeps_the_cap(tmp_path, tokenizer):  # noqa: F811
     """Through a real save and resume: the checkpoint's opd_clock.json holds the stream's position, so a resumed run
     with its cap reached trains on-policy; a checkpoint without it (written before it existed) starts the stream
@@ -191,7 +226,7 @@ def test_resumed_run_continues_the_solution_stream(tmp_path, tokenizer):  # noqa
         a._offpolicy_batch()
     a._time_share.record(0.5, True, 4.0)
     state = json.loads(json.dumps(a._offpolicy_state()))  # as written to opd_clock.json
-    assert state == {"sft_pos": 6, "sft_credit": -2.0}
+    assert state == {"sft_pos": 6, "sft_credit": -2.0, "handover_step": None}
     b = make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), **kw)
     b._load_offpolicy_state(state)
     nxt_a, nxt_b = a._offpolicy_batch(), b._offpolicy_batch()

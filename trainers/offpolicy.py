@@ -113,6 +113,7 @@ class OffPolicyTerm:
         self._sft_pool: list[int] = []
         self._sft_pos = 0
         self._sft_lr_applied = 1.0  # the rate scale the step hook applied this step (sft/lr_scale)
+        self._handover_step: int | None = None  # global step of the first on-policy step after sft_max_epochs
         self._sft_epoch: tuple[int, list[int]] = (-1, [])
         self._acc_sft: dict[str, float] = defaultdict(float)
         if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
@@ -144,6 +145,10 @@ class OffPolicyTerm:
         self._share_now = sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
         if a.sft_max_epochs and self._sft_pos + a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool):
             self._share_now = 0.0  # recorded as the share in force: TimeShare then counts these seconds as on-policy
+            if self._handover_step is None:  # the hand-over (a resume past it restores the step, and no reset)
+                self._handover_step = int(self.state.global_step)
+                if a.sft_handover_reset:
+                    self._reset_optimizer_moments()
         off = self._time_share.choose(self._share_now)
         return self._any_process(off) if self.accelerator.num_processes > 1 else off
 
@@ -208,26 +213,49 @@ class OffPolicyTerm:
     def _offpolicy_state(self) -> dict[str, int | float]:
         """What a resumed run needs to continue the mix where it stopped (saved beside the clock's fraction):
         the position in the solution stream (its epochs, hence ``sft_max_epochs``) and the time-share credit."""
-        return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit}
+        return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit, "handover_step": self._handover_step}
+
+    def _reset_optimizer_moments(self) -> None:
+        """``sft_handover_reset``: forget every parameter's optimizer state (Adam's step count and moments), so the
+        on-policy steps' statistics start fresh, with bias correction, as in a new run. Raises RuntimeError for an
+        optimizer that is not a torch one (DeepSpeed keeps its state elsewhere)."""
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's wrapper
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise RuntimeError(f"sft_handover_reset needs a torch optimizer, got {type(opt).__name__}: set it to 0")
+        opt.state.clear()
+        log.info("hand-over at step %d: optimizer moments cleared, rate warming up over %d steps",
+                 self._handover_step, self.args.sft_handover_reset)
+
+    def _rate_scale(self) -> float:
+        """The factor the step hook applies to the scheduled rate this step: ``sft_learning_rate / learning_rate``
+        on an off-policy step; ``min(1, (k + 1) / sft_handover_reset)`` on the k-th on-policy step after a reset
+        hand-over (k = 0 first); else 1."""
+        a = self.args
+        if self._off_policy_step:
+            return a.sft_learning_rate / a.learning_rate if a.sft_learning_rate else 1.0
+        if a.sft_handover_reset and self._handover_step is not None:
+            return min(1.0, (self.state.global_step - self._handover_step + 1) / a.sft_handover_reset)
+        return 1.0
 
     def _install_sft_learning_rate(self, optimizer) -> None:
-        """``sft_learning_rate > 0``: torch optimizer step hooks scale every group's rate by
-        ``sft_learning_rate / learning_rate`` for the step of an off-policy batch and restore it after, so the
-        schedule (warm-up, decay over the clock) applies to both kinds of step and checkpoints hold the plain rate."""
+        """``sft_learning_rate > 0`` or ``sft_handover_reset > 0``: torch optimizer step hooks scale every group's
+        rate by ``_rate_scale()`` (``sft_learning_rate / learning_rate`` for the step of an off-policy batch, the
+        re-warm-up after a reset hand-over) and restore it after, so the schedule (warm-up, decay over the clock)
+        applies to both kinds of step and checkpoints hold the plain rate."""
         a = self.args
         optimizer = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside accelerate's wrapper
-        if (not a.sft_learning_rate or a.sft_learning_rate == a.learning_rate
+        if ((not a.sft_learning_rate or a.sft_learning_rate == a.learning_rate) and not a.sft_handover_reset
                 or getattr(optimizer, "_opd_sft_lr_hooks", False)):  # once per optimizer: twice would compound
             return
         optimizer._opd_sft_lr_hooks = True
-        ratio = a.sft_learning_rate / a.learning_rate
 
         def pre(opt, args, kwargs):
-            if self._off_policy_step:
+            scale = self._rate_scale()
+            if scale != 1.0:
                 for g in opt.param_groups:
                     g["opd_scheduled_lr"] = g["lr"]
-                    g["lr"] = g["lr"] * ratio
-                self._sft_lr_applied = ratio  # set only when the hook fires: sft/lr_scale shows it was applied
+                    g["lr"] = g["lr"] * scale
+                self._sft_lr_applied = scale  # set only when the hook fires: sft/lr_scale shows it was applied
 
         def post(opt, args, kwargs):
             for g in opt.param_groups:
@@ -241,6 +269,8 @@ class OffPolicyTerm:
         """Restore ``_offpolicy_state()`` (a checkpoint written before it existed restarts the stream at 0)."""
         self._sft_pos = int(state.get("sft_pos", 0))
         self._time_share.credit = float(state.get("sft_credit", 0.0))
+        h = state.get("handover_step")
+        self._handover_step = None if h is None else int(h)
 
     def _finish_offpolicy(self, step_s: float) -> None:
         """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""

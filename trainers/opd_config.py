@@ -134,8 +134,15 @@ class OPDConfig(DistillationConfig):
                 "that would pass the cap is on-policy instead; the count survives a resume); every later step is "
                 "on-policy, still with the w_sft term if set. 0 = no cap. The share schedule is in seconds: where an "
                 "on-policy step costs minutes and an SFT step seconds (long completions), a small pool would "
-                "otherwise be repeated for tens of epochs. The optimizer's moments carry across the hand-over (a "
-                "fresh Adam's first step is un-warmed: bench/LEARNING.md's diagnosis of the 5e-5 collapse)."})
+                "otherwise be repeated for tens of epochs. The optimizer's moments carry across the hand-over unless "
+                "sft_handover_reset > 0."})
+    sft_handover_reset: int = field(default=0, metadata={
+        "help": "> 0 (with sft_max_epochs): at the hand-over to on-policy steps, clear the optimizer's moments and warm "
+                "the rate up again linearly over this many steps, as a separate on-policy run after SFT would start. "
+                "0 = carry them: Adam's second moments then come from SFT's gradients, which after several passes "
+                "are small (grad norm ~0.2 vs 1-5 on-policy in bench/LEARNING.md's arm j), so the first on-policy "
+                "steps move the weights several times further than the rate says; a fresh Adam without the warm-up "
+                "takes a full-rate step at once (the 5e-5 collapse). Not measured yet: LEARNING.md command 16."})
 
     # ---- data ----
     prompt_style: str | None = field(default=None, metadata={
@@ -287,6 +294,9 @@ class OPDConfig(DistillationConfig):
                  + "; ".join(f"{k} {getattr(self, k):g} {what[k]}" for k in only_sft)
                  + ": to turn SFT off set " + " ".join(f"--{k} 0" for k in only_sft)
                  + " as well; to keep it, set sft_share_start or sft_share_end > 0")
+        need(self.sft_handover_reset >= 0 and (not self.sft_handover_reset or self.sft_max_epochs > 0),
+             f"sft_handover_reset ({self.sft_handover_reset}) acts at the hand-over that sft_max_epochs > 0 makes: "
+             f"it must be >= 0, and > 0 only with sft_max_epochs > 0")
         need(not self.sft_max_epochs or self.w_kl > 0 or self.w_reward > 0,
              "sft_max_epochs > 0 hands the steps after the cap to on-policy training, which needs w_kl > 0 or "
              "w_reward > 0; for SFT-only runs (w_kl = w_reward = 0) leave sft_max_epochs at 0 and let the clock end "
