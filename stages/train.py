@@ -54,7 +54,7 @@ def run(args, on_trainer=None) -> dict:
     start = process_start_time()
     remove_partial_state(args.resume_dir, args.ckpt_dir)
     table = load_curriculum(args.curriculum_path)
-    if (args.w_sft > 0 or args.sft_share_start > 0 or args.sft_share_end > 0) and "teacher_solution" not in table.column_names:
+    if args.trains_on_teacher_solutions and "teacher_solution" not in table.column_names:
         # before the models load (minutes at 1.5B): the off-policy terms need stage one's verified solutions
         raise ValueError(f"{args.curriculum_path}: no 'teacher_solution' column (columns: {sorted(table.column_names)}), "
                          "but w_sft / sft_share_* train on it: run make curate (it writes the column), or set w_sft, "

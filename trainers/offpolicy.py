@@ -116,7 +116,7 @@ class OffPolicyTerm:
         self._handover_step: int | None = None  # global step of the first on-policy step after sft_max_epochs
         self._sft_epoch: tuple[int, list[int]] = (-1, [])
         self._acc_sft: dict[str, float] = defaultdict(float)
-        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
+        if not a.trains_on_teacher_solutions:
             return
         ds = self.train_dataset
         if ds is None or "teacher_solution" not in ds.column_names:  # build_train_dataset always adds it
@@ -237,7 +237,7 @@ class OffPolicyTerm:
             return min(1.0, (self.state.global_step - self._handover_step + 1) / a.sft_handover_reset)
         return 1.0
 
-    def _install_sft_learning_rate(self, optimizer) -> None:
+    def _install_rate_hooks(self, optimizer) -> None:
         """``sft_learning_rate > 0`` or ``sft_handover_reset > 0``: torch optimizer step hooks scale every group's
         rate by ``_rate_scale()`` (``sft_learning_rate / learning_rate`` for the step of an off-policy batch, the
         re-warm-up after a reset hand-over) and restore it after, so the schedule (warm-up, decay over the clock)
@@ -275,7 +275,7 @@ class OffPolicyTerm:
     def _finish_offpolicy(self, step_s: float) -> None:
         """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""
         a = self.args
-        if not (a.w_sft > 0 or a.sft_share_start > 0 or a.sft_share_end > 0):
+        if not a.trains_on_teacher_solutions:
             return
         self._time_share.record(self._share_now, self._off_policy_step, step_s)
         vec = torch.tensor([self._acc_sft["loss"], self._acc_sft["tokens"]], dtype=torch.float64,

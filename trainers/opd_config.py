@@ -273,7 +273,7 @@ class OPDConfig(DistillationConfig):
         need(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}")
         need(self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}")
         need(self.w_kl >= 0 and self.w_reward >= 0, "w_kl and w_reward must be >= 0")
-        need(self.w_kl > 0 or self.w_reward > 0 or self.w_sft > 0 or self.sft_share_start > 0 or self.sft_share_end > 0,
+        need(self.w_kl > 0 or self.w_reward > 0 or self.trains_on_teacher_solutions,
              "w_kl, w_reward, w_sft and the sft shares are all 0: nothing to train")
         need(self.w_sft >= 0 and 0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1,
              "need w_sft >= 0 and sft_share_start, sft_share_end in [0, 1]")
@@ -376,6 +376,11 @@ class OPDConfig(DistillationConfig):
     @property
     def horizon_seconds(self) -> float:
         return self.max_wall_time_seconds - self.deadline_reserve_seconds
+
+    @property
+    def trains_on_teacher_solutions(self) -> bool:
+        """Any off-policy term is on (``w_sft`` or an SFT share): the curriculum's ``teacher_solution`` is read."""
+        return self.w_sft > 0 or self.sft_share_start > 0 or self.sft_share_end > 0
 
     @property
     def lr_warmup_fraction(self) -> float:

@@ -250,9 +250,10 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         return f0 + (1.0 - f0) * self.deadline.window_fraction()
 
     def create_optimizer(self, model=None):
-        """TRL's / transformers' optimizer, plus the off-policy steps' rate (``sft_learning_rate``) as step hooks."""
+        """TRL's / transformers' optimizer, plus the off-policy steps' rate (``sft_learning_rate``) and the re-warm-up
+        after a reset hand-over (``sft_handover_reset``) as step hooks."""
         opt = super().create_optimizer(model)
-        self._install_sft_learning_rate(opt)
+        self._install_rate_hooks(opt)
         return opt
 
     # ---- learning-rate schedule on the clock ----
