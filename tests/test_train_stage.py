@@ -83,7 +83,10 @@ def test_deadline_stops_in_time_with_loadable_final_checkpoint(tmp_path, tiny_mo
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert wall < 90, f"run took {wall:.0f}s, past MAX_WALL_TIME_SECONDS=90"
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
-    assert summary["stop_reason"].startswith("deadline") and summary["wall_s"] <= 60 + 5
+    # the clock stopped it: between steps ("deadline ...") or, where a step ran past the horizon on a slow
+    # machine, cut short by the hard stop ("horizon ... reached during a step")
+    assert summary["stop_reason"].startswith(("deadline", "horizon")), summary["stop_reason"]
+    assert summary["wall_s"] <= 60 + 5
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("checkpoint-*"))
     assert 1 <= len(ckpts) <= 3
     final = tmp_path / "run" / "checkpoints" / f"checkpoint-{summary['global_step']}"
