@@ -179,8 +179,13 @@ def test_sft_handover_reset_clears_moments_and_rewarms_the_rate(tmp_path, tokeni
     assert [n for _, n in seen] == [0, 1, 0, 1]  # Adam's mean step count before each step: reset at the hand-over
     assert [r["sft/lr_scale"] for r in recs] == pytest.approx([10.0, 10.0, 0.5, 1.0])
     assert tr._offpolicy_state()["handover_step"] == 2
+    # optim/update_rms: Adam's first step moves each element by at most lr (|m_hat| = sqrt(v_hat) there), and the
+    # reset makes the first on-policy step a first step again
+    rms = [r["optim/update_rms"] for r in recs]
+    assert 0.1 < rms[0] <= 1.0 + 1e-6 and 0.1 < rms[2] <= 1.0 + 1e-6, rms
     _, seen, recs = run("carry")
     assert [lr for lr, _ in seen] == pytest.approx([1e-2, 1e-2, 1e-3, 1e-3]) and [n for _, n in seen] == [0, 1, 2, 3]
+    assert all(r["optim/update_rms"] > 0 for r in recs)
     with pytest.raises(ValueError, match=r"sft_handover_reset \(2\) acts at the hand-over"):
         make_trainer(tmp_path / "bad", tokenizer, solved_curriculum(tmp_path / "bad"), w_sft=1.0, sft_handover_reset=2)
 

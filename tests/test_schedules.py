@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.test_trainer import curriculum_path, make_trainer, tokenizer  # noqa: F401 - pytest fixtures
-from trainers.schedules import decay_factor, time_lambda_lr
+from trainers.schedules import adam_update_sumsq, decay_factor, time_lambda_lr
 
 
 def _hf_factors(name: str, T: int, warmup: int) -> list[float]:
@@ -136,3 +136,34 @@ def test_config_accepts_time_schedules_only(tmp_path):
                 dict(lr_scheduler_type="linear_time", lr_final_ratio=2.0)):
         with pytest.raises(ValueError):
             make_args(tmp_path, **bad)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_update_sumsq_is_the_step_torch_adamw_took(amsgrad):
+    """optim/update_rms against the parameters' own change: with weight decay 0, AdamW moves each element by
+    lr x u, so RMS((theta_before - theta_after) / lr) is what adam_update_sumsq reports. A parameter without a
+    gradient this step is left out. The hand-over's case: 300 steps of gradients 20x smaller than the next 10 leave
+    second moments that make the next 10 steps several times larger than the same 10 gradients move a fresh AdamW."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(40, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))
+    opt = torch.optim.AdamW([a, b], lr=0.1, weight_decay=0.0, amsgrad=amsgrad)
+    assert adam_update_sumsq(opt) == (0.0, 0)  # no step yet
+    late = [4.0 * torch.randn(40, generator=g) for _ in range(10)]
+    for step, grad in enumerate([0.2 * torch.randn(40, generator=g) for _ in range(300)] + late):
+        before = a.detach().clone()
+        a.grad = grad.clone()
+        b.grad = torch.randn(7, generator=g) if step == 0 else None  # b: only in the first step
+        opt.step()
+        sq, n = adam_update_sumsq(opt)
+        assert n == (47 if step == 0 else 40)
+        if step > 0:
+            want = ((before - a.detach()) / 0.1).square().mean().sqrt().item()
+            assert math.sqrt(sq / n) == pytest.approx(want, rel=1e-4)
+    carried = math.sqrt(sq / n)
+    fresh_p = torch.nn.Parameter(torch.zeros(40))
+    fresh = torch.optim.AdamW([fresh_p], lr=0.1, weight_decay=0.0, amsgrad=amsgrad)
+    for grad in late:
+        fresh_p.grad = grad.clone()
+        fresh.step()
+    sq, n = adam_update_sumsq(fresh)
+    assert math.sqrt(sq / n) < 1.0 and carried > 2.5 * math.sqrt(sq / n), (carried, math.sqrt(sq / n))

@@ -56,6 +56,7 @@ from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  
 from trainers.model_utils import check_same_tokenizer, load_models, logit_transform, vllm_usable  # noqa: F401
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
+from trainers.schedules import adam_update_sumsq
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,16 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         after a reset hand-over (``sft_handover_reset``) as step hooks."""
         opt = super().create_optimizer(model)
         self._install_rate_hooks(opt)
+        torch_opt = getattr(opt, "optimizer", opt)
+        if isinstance(torch_opt, torch.optim.Optimizer) and not getattr(torch_opt, "_opd_update_probe", False):
+            torch_opt._opd_update_probe = True
+
+            def probe(o, args, kwargs):  # optim/update_rms: Adam's step in units of the rate (schedules.py)
+                sq, n = adam_update_sumsq(o)
+                self._acc["upd_sumsq"] += sq
+                self._acc["upd_count"] += n
+
+            torch_opt.register_step_post_hook(probe)
         return opt
 
     # ---- learning-rate schedule on the clock ----
@@ -634,7 +645,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
     def _finish_step(self) -> None:
         """At ``on_step_end``: reduce this step's sums across processes into metrics; write the rollouts."""
         keys = ("loss_kl", "loss_reward", "k1_sum", "tokens", "clipped", "ratio_sum", "kl_full_sum", "k1_clamped",
-                "is_tokens", "is_diff_sum", "is_w_sum", "is_capped")
+                "is_tokens", "is_diff_sum", "is_w_sum", "is_capped", "upd_sumsq", "upd_count")
         vec = torch.tensor([self._acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.accelerator.device)
         tot = dict(zip(keys, self.accelerator.reduce(vec, reduction="sum").tolist()))
         self._acc.clear()
@@ -652,6 +663,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             m["ppo/clip_frac"].append(tot["clipped"] / n)
             m["ppo/ratio_mean"].append(tot["ratio_sum"] / n)
             m["kl/clamped_frac"].append(tot["k1_clamped"] / n)
+        if tot["upd_count"] > 0:  # RMS of Adam's per-element step over the learning rate (0 on a skipped step)
+            m["optim/update_rms"].append(math.sqrt(tot["upd_sumsq"] / tot["upd_count"]))
         if self._rollout_is or self._async_is:
             self._log_rollout_is(m, tot)
         step_s = time.perf_counter() - self._step_t0

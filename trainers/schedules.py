@@ -81,3 +81,39 @@ def time_lambda_lr(optimizer, fraction: Callable[[], float], shape: str, *, warm
         return decay_factor(shape, fraction(), warmup=warmup, final=final)
 
     return LambdaLR(optimizer, factor)
+
+
+def adam_update_sumsq(optimizer) -> tuple[float, int]:
+    """Sum of squares and count of Adam's last step per parameter element, in units of the learning rate.
+
+    For every parameter that had a gradient in the step just taken, the element's step without weight decay
+    is ``lr * u`` with ``u = m_hat / (sqrt(v_hat) + eps)``, ``m_hat = exp_avg / (1 - beta1^t)``, ``v_hat =
+    exp_avg_sq / (1 - beta2^t)`` (Loshchilov & Hutter 2019, Algorithm 2; torch's ``AdamW``; ``max_exp_avg_sq``
+    under ``amsgrad``). Returns ``(sum of u^2, number of elements)`` over this process's parameters (its shards
+    under FSDP), so sums reduced across processes give the RMS of ``u`` (the ``optim/update_rms`` metric):
+    ~1 where every gradient points the same way step after step, below 1 for noisy ones, and above 1 where
+    the second moments still hold gradients smaller than today's (a run whose gradient scale jumped).
+
+    Call it after ``optimizer.step()`` and before ``zero_grad``. ``(0.0, 0)`` for an optimizer without Adam
+    moments (SGD, DeepSpeed's own state) or before the first step.
+    """
+    import torch
+
+    opt = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside accelerate's wrapper
+    parts, count = [], 0
+    with torch.no_grad():
+        for group in getattr(opt, "param_groups", ()):
+            betas, eps = group.get("betas"), group.get("eps")
+            if betas is None or eps is None:
+                continue
+            for p in group["params"]:
+                st = opt.state.get(p) if p.grad is not None else None
+                if not st or "exp_avg" not in st:
+                    continue
+                t = float(st["step"])
+                v = st["max_exp_avg_sq"] if group.get("amsgrad") else st["exp_avg_sq"]
+                m, v = (getattr(x, "_local_tensor", x).float() for x in (st["exp_avg"], v))  # DTensor: the local shard
+                u = (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps)
+                parts.append(u.square().sum())  # one host sync at the end, not one per parameter
+                count += u.numel()
+    return (float(torch.stack([x.to(parts[0].device) for x in parts]).sum()) if parts else 0.0), count
