@@ -167,3 +167,12 @@ def test_adam_update_sumsq_is_the_step_torch_adamw_took(amsgrad):
         fresh.step()
     sq, n = adam_update_sumsq(fresh)
     assert math.sqrt(sq / n) < 1.0 and carried > 2.5 * math.sqrt(sq / n), (carried, math.sqrt(sq / n))
+
+
+def test_handover_replay_steps_are_adams():
+    """bench/handover_replay.py: a constant, fully consistent gradient moves a fresh AdamW by lr in every element
+    (m_hat = g, v_hat = g^2), so each step's length is sqrt(dims); the re-warm-up ramps it by (k + 1) / N."""
+    from bench.handover_replay import replay
+
+    assert replay([0.5] * 4, 0, 1.0, dims=100) == pytest.approx([10.0] * 4, rel=1e-5)
+    assert replay([0.5] * 4, 2, 1.0, start=2, rewarm=4, dims=100) == pytest.approx([2.5, 5.0, 7.5, 10.0], rel=1e-5)

@@ -140,9 +140,10 @@ class OPDConfig(DistillationConfig):
         "help": "> 0 (with sft_max_epochs): at the hand-over to on-policy steps, clear the optimizer's moments and warm "
                 "the rate up again linearly over this many steps, as a separate on-policy run after SFT would start. "
                 "0 = carry them: Adam's second moments then come from SFT's gradients, which after several passes "
-                "are small (grad norm ~0.2 vs 1-5 on-policy in bench/LEARNING.md's arm j), so the first on-policy "
-                "steps move the weights several times further than the rate says; a fresh Adam without the warm-up "
-                "takes a full-rate step at once (the 5e-5 collapse). Not measured yet: LEARNING.md command 16."})
+                "are small (grad norm ~0.2 vs 1-5 on-policy in bench/LEARNING.md's arm j), so the on-policy steps move "
+                "the weights further than the rate says (~1.6-2x a fresh Adam's in a replay of arm j's logged norms, "
+                "bench/handover_replay.py; the metric optim/update_rms shows it in a run); a fresh Adam without the "
+                "warm-up takes full-rate steps at once. Its effect on accuracy is not measured yet: LEARNING.md 16r."})
 
     # ---- data ----
     prompt_style: str | None = field(default=None, metadata={
