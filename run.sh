@@ -49,10 +49,16 @@ cuda_visible() {  # cheap: nvidia-smi lists a GPU (and CUDA_VISIBLE_DEVICES hide
   [ -x "$PY" ] && "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
 }
 
-plan=0
-[ "${1:-}" = "--plan" ] && { plan=1; shift; }
-case "${1:-}" in -h|--help) sed -n '2,16p' "$0"; exit 0 ;; esac
-if [ -n "${1:-}" ]; then name=$1; why="named on the command line"
+plan=0 name=""
+for arg in "$@"; do  # --plan anywhere, at most one recipe; anything else is refused before anything runs
+  case "$arg" in
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --plan) plan=1 ;;
+    -*) echo "run.sh: unknown option '$arg' (options: --plan, --help)" >&2; exit 2 ;;
+    *) [ -z "$name" ] || { echo "run.sh: one recipe at most, got '$name' and '$arg'" >&2; exit 2; }; name=$arg ;;
+  esac
+done
+if [ -n "$name" ]; then why="named on the command line"
 elif [ -z "${STUDENT_MODEL:-}" ]; then name=demo_cpu; why="STUDENT_MODEL is not set"
 elif cuda_visible; then name=r1_distill_1p5b; why="STUDENT_MODEL is set and CUDA is visible"
 else name=demo_cpu; why="STUDENT_MODEL is set but no CUDA device is visible; the demo recipe runs on STUDENT_MODEL"
@@ -76,13 +82,21 @@ elif [ $plan = 0 ] || [ ! -x $PY ]; then
   rm -f /tmp/opd-setup.$$.log
 fi
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
+# The training config is parsed now, not after stage one: a typo in it must not cost stage one's hours.
+check_train_config() {
+  $PY -m stages.train --config "$TRAIN_CONFIG" --check_config >/dev/null || {
+    echo "run.sh: $TRAIN_CONFIG does not parse (above); nothing was run" >&2; exit 2; }
+}
 if [ $plan = 1 ]; then
   echo "run.sh: recipe $name ($why); OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
+  $PY -m data_tools.clock shell "${clock_args[@]}" >/dev/null || exit 2  # a bad clock: its own one-line error
+  check_train_config
   exec $PY -m data_tools.clock plan "${clock_args[@]}"
 fi
 clock=$($PY -m data_tools.clock shell "${clock_args[@]}") || exit 2
 eval "$clock"  # CLOCK_S RESERVE_S EVAL_RESERVE_S CURATE_BUDGET_S TRAIN_END_S CURATE_SHARE
 export MAX_WALL_TIME_SECONDS=$CLOCK_S DEADLINE_RESERVE_SECONDS=$RESERVE_S  # one clock for every stage
+check_train_config
 
 # One run per OUTPUT_DIR / CKPT_DIR: the lock records this shell's pid; the stages see
 # OPD_LOCK_OWNER and run under it. A lock left by a dead process is taken over.
@@ -121,7 +135,13 @@ eval_estimate() {  # eval_estimate PROTOCOL N_MODELS: seconds, from stage one's 
 
 say "recipe $name ($why) -> OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
 say "clock: ${CLOCK_S}s from this script's start, reserve ${RESERVE_S}s; stage one until ${CURATE_BUDGET_S}s (share $CURATE_SHARE), training until ${TRAIN_END_S}s, evaluation ${eval_policy}"
-stage curate $PY -m stages.curate --config "$CURATE_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + EVAL_RESERVE_S ))
+if ls "$OUTPUT_DIR"/resume/checkpoint-*/trainer_state.json >/dev/null 2>&1 && [ -f "$OUTPUT_DIR/curate/curriculum.parquet" ]; then
+  # training has begun on this curriculum: a resumed run keeps it (stage one would measure more problems
+  # on the new clock and change the rows under the resumed trainer); a fresh OUTPUT_DIR curates again
+  say "curate: skipped, training has state in $OUTPUT_DIR/resume: it resumes on the curriculum it began with"
+else
+  stage curate $PY -m stages.curate --config "$CURATE_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + EVAL_RESERVE_S ))
+fi
 
 eval_s=0
 if [ "${eval_policy%%:*}" = reserve ]; then

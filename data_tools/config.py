@@ -9,6 +9,7 @@ the YAML recipe, so a launcher can point one recipe at other models, data and di
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import warnings
@@ -41,7 +42,11 @@ def _load_yaml(path: str) -> dict[str, Any]:
         with open(path) as f:
             cfg = yaml.safe_load(f) or {}
     except FileNotFoundError:
-        raise SystemExit(f"config file not found: {path}") from None
+        raise ValueError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:  # one line naming the file and the place, not the parser's traceback
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"config file {path} must contain a YAML mapping, got {type(cfg).__name__}")
     return cfg
@@ -55,14 +60,16 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     command-line flags. Range checks run in each dataclass's ``__post_init__`` on the final values.
 
     Raises:
-        ValueError: a YAML key that no dataclass declares, or a YAML value of the wrong type (a float
-            or a list where an int belongs; the message names the file and key); a bad command-line
-            flag (one line naming the flag, not argparse's page of usage).
-        SystemExit: a missing config file.
+        ValueError: a missing or unparsable config file, ``--config`` without a file, a YAML key that no
+            dataclass declares, or a YAML value of the wrong type (a float or a list where an int belongs;
+            the message names the file and key); a bad command-line flag (one line naming the flag, not
+            argparse's page of usage). Flags must be written in full: argparse's prefix matching is off,
+            so ``--learning_rat`` is an error, not ``--learning_rate``.
     """
     args = list(sys.argv[1:] if args is None else args)
     env = os.environ if env is None else env
-    parser = TrlParser(dataclass_types=list(dataclass_types))
+    # allow_abbrev off: a truncated flag ("--temp") would otherwise set whichever field it prefixes, silently
+    parser = TrlParser(dataclass_types=list(dataclass_types), allow_abbrev=False)
 
     def one_line_error(message: str):
         raise ValueError(f"command line: {message}")
@@ -71,6 +78,8 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     config_path = None
     if "--config" in args:
         i = args.index("--config")
+        if i + 1 >= len(args) or args[i + 1].startswith("--"):
+            raise ValueError("--config needs a YAML file, e.g. --config configs/demo_cpu.yaml")
         config_path = args[i + 1]
         del args[i : i + 2]
         cfg = _load_yaml(config_path)
@@ -85,7 +94,20 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     from_env = {field: env[var] for var, field in ENV_CONTRACT.items() if field in fields and env.get(var)}
     if from_env:
         parser.set_defaults_with_config(**{k: _coerce(parser, k, v) for k, v in from_env.items()})
-    return parser.parse_args_into_dataclasses(args=args)
+    try:
+        return parser.parse_args_into_dataclasses(args=args)
+    except ValueError as e:
+        if "not used by the HfArgumentParser" not in str(e):
+            raise
+        flags = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")})
+        unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in flags]
+        names = [f for f in flags if "-" not in f[2:] or "--" + f[2:].replace("-", "_") not in flags]  # one spelling
+        hints = []
+        for u in unknown:
+            name = "--" + u.split("=")[0].lstrip("-").replace("-", "_")
+            near = [f for f in names if f.startswith(name)][:3] or difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+            hints.append(f"{u} (did you mean {' or '.join(near)}?)" if near else u)
+        raise ValueError(f"command line: unknown flag(s): {', '.join(hints) or e}") from None
 
 
 def _check_yaml_value(action: argparse.Action, value: Any, path: str) -> Any:

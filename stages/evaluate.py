@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -90,7 +91,8 @@ class EvalConfig:
                 "or a path to a protocol YAML. Required (a --config protocol YAML sets it)."})
     model: str | None = field(default=None, metadata={
         "help": "Local HF model directory, a checkpoint root holding checkpoint-<step>/ subdirectories, or "
-                "'smollm2-135m' (also when unset: the embedded SmolLM2-135M-Instruct)."})
+                "'smollm2-135m'. Unset: env STUDENT_MODEL if set (the run contract's student), else the embedded "
+                "SmolLM2-135M-Instruct."})
     eval_data: str | None = field(default=None, metadata={
         "help": "Question file (jsonl / parquet / datasets dir) or synth:<split>:<n>; env EVAL_DATA. "
                 "Defaults to the protocol's own question set when it declares one."})
@@ -684,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
     try:
         (cfg,) = parse_config([EvalConfig], args=argv)
+        if cfg.model is None and os.environ.get("STUDENT_MODEL"):
+            cfg.model = os.environ["STUDENT_MODEL"]
+            print(f"evaluate: --model not given: evaluating STUDENT_MODEL={cfg.model}", flush=True)
         run(cfg)
     except (EvalError, ValueError, FileNotFoundError) as e:  # bad configuration, data, model or output dir
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)

@@ -51,23 +51,26 @@ def dedupe_steps(rows: list[dict]) -> list[dict]:
 
 
 def training_seconds(rows: list[dict]) -> float | None:
-    """Training wall time over every process of the run, seconds.
+    """Training wall time over every process of the run, seconds: from the start of each process's first logged
+    step to the end of its last (saves between steps included; model loading, stage one and set-up not).
 
-    ``wall_s`` counts from its own process's start, so a resumed run restarts it: rows are grouped by
-    process start (``time - wall_s``) and the last ``wall_s`` of each process is summed.
+    ``wall_s`` counts from the clock's start (run.sh's ``OPD_RUN_START``, else the process's), which a
+    resumed run may restart: rows are grouped by that start (``time - wall_s``), and each group spans from
+    its first row's ``wall_s - time/step`` to its last ``wall_s``.
     """
-    segments: list[list[float]] = []  # [process start, its last wall_s]
+    segments: list[list[float]] = []  # [clock start, first step's start, last wall_s]
     for r in rows:
         w = r.get("wall_s")
         if not isinstance(w, (int, float)):
             continue
         start = r["time"] - w if isinstance(r.get("time"), (int, float)) else 0.0
+        began = w - float(r.get("time/step") or 0.0)
         seg = next((x for x in segments if abs(x[0] - start) < 1.0), None)
         if seg is None:
-            segments.append([start, w])
+            segments.append([start, began, w])
         else:
-            seg[1] = max(seg[1], w)
-    return round(sum(w for _, w in segments), 1) if segments else None
+            seg[1], seg[2] = min(seg[1], began), max(seg[2], w)
+    return round(sum(end - b for _, b, end in segments), 1) if segments else None
 
 
 def plot_training(metrics: list[dict], dest: Path) -> Path | None:
@@ -127,9 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     report = {"run": str(run), "steps": len(metrics), "train_wall_s": wall,
               "final_metrics": {k: last.get(k) for k, _ in PANELS if k in last}, "eval": evals,
               "plots": [str(png)] if png else [], "checkpoints": [str(c) for c in ckpts]}
-    write_json(report, out / "report.json")
-
     lines = [f"# opd run report: {run}", ""]
+    manifest = run / "curate" / "manifest.json"
+    if manifest.exists():  # how much stage one gave training: a short clock can leave a tiny curriculum
+        c = json.loads(manifest.read_text()).get("counts", {})
+        report["curriculum_rows"] = c.get("curriculum")
+        lines.append(f"stage one: {c.get('curriculum')} curriculum rows from {c.get('problems_measured')} problems "
+                     f"measured of {c.get('problems')}")
     lines.append(f"training: {len(metrics)} steps" + (f", {wall:.0f} s" if wall else ""))
     if evals:
         lines += ["", "| eval | protocol | pass@1 | stderr | clip rate | problems x samples |", "|---|---|---|---|---|---|"]
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               f'  OUTPUT_DIR={run} make query SQL="SELECT level, role, round(avg(correct::INT),3) AS acc, count(*) AS n FROM rollouts JOIN problems USING (problem_id) GROUP BY ALL ORDER BY ALL"',
               f'  OUTPUT_DIR={run} make query SQL="SELECT step, round(\\"kl/sampled_mean\\",4) AS kl, \\"reward/mean\\" AS reward, \\"completions/clip_rate\\" AS clip FROM metrics ORDER BY step"',
               f'  OUTPUT_DIR={run} make query SQL="SELECT c.bucket, round(avg(c.pass_rate),3) AS curate_p, round(avg(t.reward),3) AS train_reward FROM curriculum c JOIN train_rollouts t USING (problem_id) GROUP BY ALL ORDER BY 1"']
+    write_json(report, out / "report.json")
     text = "\n".join(lines) + "\n"
     tmp = out / ".report.md.tmp"
     tmp.write_text(text)

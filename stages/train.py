@@ -1,6 +1,7 @@
 """Stage two: on-policy distillation with a verifier reward, bounded by a wall clock.
 
     python -m stages.train --config configs/demo_cpu.yaml [--field value ...]
+    python -m stages.train --config CONFIG --check_config     # parse and check it, run nothing (run.sh does, first)
 
 Precedence: OPDConfig defaults < YAML < run-contract environment (STUDENT_MODEL, TEACHER_MODEL,
 MAX_WALL_TIME_SECONDS, DEADLINE_RESERVE_SECONDS, OUTPUT_DIR, CKPT_DIR, EXPERIMENT_NAME)
@@ -182,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
     from trainers.opd_trainer import NonFiniteError, OPDConfig
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_only = "--check_config" in argv  # run.sh: parse and check the config before stage one, run nothing
+    if check_only:
+        argv.remove("--check_config")
+        import torch
+
+        if not torch.cuda.is_available():  # checking a GPU recipe on a CPU machine (run.sh --plan): not its hardware
+            argv += ["--use_cpu", "true"]
     try:
         (args,) = parse_config([OPDConfig], argv)
         check_outside_repo(args.output_dir, "OUTPUT_DIR")
@@ -189,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"opd train: configuration error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    if check_only:
+        print("opd train: configuration OK")
+        return 0
     # Under torchrun / accelerate every rank runs this; rank 0 holds the directories' lock for all.
     rank = int(os.environ.get("RANK", "0"))
     lock = run_lock(args.output_dir, args.ckpt_dir) if rank == 0 else contextlib.nullcontext()

@@ -30,3 +30,21 @@ def test_curate_configs_validate(path):
 def test_formal_curate_config_needs_its_environment():
     with pytest.raises(ValueError, match="TEACHER_MODEL"):
         parse_config([CurateConfig], ["--config", str(CONFIGS / "curate_r1_distill_1p5b.yaml")], env={"OUTPUT_DIR": "/tmp/x"})
+
+
+def test_config_mistakes_are_one_line_errors(tmp_path):
+    """Unparsable YAML names the file and line; --config without a file and a missing file are ValueErrors (the stages
+    print them as one line and exit 2); a truncated flag is refused, not taken as the field it prefixes, and an unknown
+    one gets the closest real flag."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("student_model: [smollm2\n")
+    with pytest.raises(ValueError, match=r"bad.yaml is not valid YAML at line 2"):
+        parse_config([CurateConfig], ["--config", str(bad)])
+    with pytest.raises(ValueError, match="--config needs a YAML file"):
+        parse_config([CurateConfig], ["--config"])
+    with pytest.raises(ValueError, match="config file not found: .*nope.yaml"):
+        parse_config([CurateConfig], ["--config", str(tmp_path / "nope.yaml")])
+    with pytest.raises(ValueError, match=r"unknown flag\(s\): --temp \(did you mean --temperature\?\)"):
+        parse_config([CurateConfig], ["--temp", "1.5"])
+    (cfg,) = parse_config([CurateConfig], ["--temperature", "1.5"])
+    assert cfg.temperature == 1.5

@@ -19,11 +19,26 @@ def test_report_from_metrics_and_evals(tmp_path, capsys, monkeypatch):
             "pass_at_1": p, "pass_at_1_stderr": se, "clip_rate": 0.1, "n_problems": 10, "n_samples": 40}))
     for step in (2, 10):
         (tmp_path / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)
+    (tmp_path / "curate").mkdir()
+    (tmp_path / "curate" / "manifest.json").write_text(json.dumps(
+        {"counts": {"curriculum": 3, "problems_measured": 10, "problems": 120}}))
     assert main(["--run", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    assert "stage one: 3 curriculum rows from 10 problems measured of 120" in out
     assert "change in pass@1: +0.0600 (+1.2 combined standard errors)" in out
     assert "checkpoint-2, checkpoint-10" in out
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["steps"] == 3 and report["final_metrics"]["loss"] == 1.0 / 3
+    assert report["steps"] == 3 and report["final_metrics"]["loss"] == 1.0 / 3 and report["curriculum_rows"] == 3
     png = tmp_path / "report" / "training.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_seconds_counts_steps_not_stage_one():
+    """wall_s counts from run.sh's start, so stage one's 230 s before the first step are not training; a resumed run
+    (a new clock start) adds its own span: (300 - (260 - 30)) + (150 - (100 - 20)) = 70 + 70."""
+    from stages.report import training_seconds
+
+    rows = [{"time": 1000 + w, "wall_s": w, "time/step": s} for w, s in ((260, 30), (300, 40))]
+    rows += [{"time": 5000 + w, "wall_s": w, "time/step": s} for w, s in ((100, 20), (150, 50))]
+    assert training_seconds(rows) == 140.0
+    assert training_seconds([]) is None

@@ -21,7 +21,7 @@ from data_tools import clock
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_sh(*args, env=None, timeout=60):
+def _run_sh(*args, env=None, timeout=240):  # --plan parses the training config too (~15 s of imports)
     e = {k: v for k, v in os.environ.items() if k not in ("STUDENT_MODEL", "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS")}
     e.update(env or {})
     return subprocess.run(["bash", str(REPO / "run.sh"), *args], capture_output=True, text=True, env=e, timeout=timeout)
@@ -115,6 +115,21 @@ def test_plan_without_evaluation_keeps_no_evaluation_time():
     r = _run_sh("--plan", "demo_cpu", env={"MAX_WALL_TIME_SECONDS": "300", "DEADLINE_RESERVE_SECONDS": "45",
                                            "EVAL_PROTOCOLS": ""})
     assert r.returncode == 0 and "set-up + stage one       76 s  (share 0.3 of 255 s" in r.stdout
+
+
+def test_run_sh_arguments_and_the_training_config_are_checked_before_anything_runs(tmp_path):
+    """--plan after the recipe is a plan, not a run; an extra word or option is refused; a training config that
+    does not parse stops --plan (and a real run, before stage one) with the key named."""
+    r = _run_sh("demo_cpu", "--plan", env={"OUTPUT_DIR": str(tmp_path / "out")})
+    assert r.returncode == 0 and "stage one" in r.stdout and not (tmp_path / "out").exists(), r.stderr[-2000:]
+    r = _run_sh("demo_cpu", "extra")
+    assert r.returncode == 2 and "one recipe at most, got 'demo_cpu' and 'extra'" in r.stderr
+    r = _run_sh("--plann")
+    assert r.returncode == 2 and "unknown option '--plann'" in r.stderr
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((REPO / "configs" / "demo_cpu.yaml").read_text() + "learning_rat: 1.0e-5\n")
+    r = _run_sh("--plan", env={"TRAIN_CONFIG": str(typo)})
+    assert r.returncode == 2 and "unknown key(s) ['learning_rat']" in r.stderr and "nothing was run" in r.stderr
 
 
 def test_plan_refuses_a_clock_without_room_and_an_unknown_recipe():
@@ -460,7 +475,8 @@ def test_ctrl_c_during_training_saves_stops_and_releases_the_lock(demo_run, tmp_
             p.kill()
     text = log.read_text()
     assert rc == 130, text[-3000:]
-    assert "got SIGINT; stopping the current stage" in text and "budget spent before stage one began" in text
+    assert "got SIGINT; stopping the current stage" in text
+    assert "curate: skipped, training has state" in text  # the resumed run keeps the curriculum it began with
     summary = json.loads((demo_run.out / "train_summary.json").read_text())
     assert summary["stop_reason"] == "sigterm" and summary["global_step"] > before
     assert _last_export(demo_run.out).name == f"checkpoint-{summary['global_step']}"

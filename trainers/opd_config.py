@@ -245,6 +245,10 @@ class OPDConfig(DistillationConfig):
             self.ckpt_dir = str(Path(self.output_dir) / "checkpoints")
         if not self.curriculum_path:
             self.curriculum_path = str(Path(self.output_dir) / "curate" / "curriculum.parquet")
+        import torch
+
+        if not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # nothing to pin for; torch warns at every epoch otherwise
         for name in ("student_model", "teacher_model", "teacher_dtype", "prompt_style", "teacher_logprob_min",
                      "k1_clamp"):
             if getattr(self, name) in ("", "none", "None", "null"):
