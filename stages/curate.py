@@ -389,7 +389,7 @@ def curate(cfg: CurateConfig) -> dict:
     loaded = load_problems(cfg.train_data, limit=cfg.limit, seed=cfg.seed)
     print(loaded.report(), flush=True)
     for rej in loaded.rejects[:5]:
-        print(f"  rejected row {rej['row_index']} ({rej['problem_id']}): {rej['reason']}", flush=True)
+        print(f"  rejected row {rej['row_index']} (0-based; {rej['problem_id']}): {rej['reason']}", flush=True)
     if not loaded.rows:
         raise ValueError(f"no usable problems in {cfg.train_data} ({len(loaded.rejects)} rejected)")
     student = resolve_model(cfg.student_model)

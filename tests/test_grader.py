@@ -245,7 +245,7 @@ def test_parse_gold_and_gsm8k():
     assert parse_gold("$(1,2]$") == "(1,2]"
     assert parse_gold("\\text{Evelyn}") == "\\text{Evelyn}"
     assert parse_gold("x^2+1") == "x^2+1"
-    for bad in ["", "   ", "\\frac{", "}{", "@@@", "x" * 5000]:
+    for bad in ["", "   ", "\\frac{", "}{", "@@@", "x" * 5000, "N/A", "TBD", "?", "n/a."]:
         assert parse_gold(bad) is None, bad
 
 

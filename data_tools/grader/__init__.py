@@ -357,6 +357,10 @@ def grade_batch(
                            zip(preds, golds, tr)))
 
 
+#: Reference answers that mark a missing answer; ``parse_gold`` rejects them (lower-cased, a final "." dropped).
+PLACEHOLDER_ANSWERS = frozenset({"n/a", "na", "tbd", "todo", "null", "nan", "?", "-", "unknown", "no answer"})
+
+
 def parse_gold(answer: str) -> str | None:
     """Normalise a reference answer for data loading; None if it is not an answer at all.
 
@@ -380,6 +384,8 @@ def parse_gold(answer: str) -> str | None:
             return g  # keep \frac{1}{3} as written
         return _norm_str(g)
     plain = _norm_str(g)
+    if plain.strip().lower().rstrip(".") in PLACEHOLDER_ANSWERS:
+        return None  # a dataset's "no answer here" marker, not a gold answer (math-verify reads N/A as N / A)
     if re.fullmatch(r"[A-Za-z][A-Za-z .'-]{0,60}", plain):
         return g
     gl = _to_latex(g)
