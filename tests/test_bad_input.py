@@ -230,9 +230,10 @@ def test_report_spans_processes_and_counts_steps_once(tmp_path, monkeypatch):
 
     monkeypatch.delenv("CKPT_DIR", raising=False)
     t1, t2 = 1_000_000.0, 1_000_500.0  # two processes: 120 s, then (resumed) 90 s
-    rows = [{"step": s, "wall_s": 20.0 * s, "time": t1 + 20.0 * s, "loss": 1.0} for s in range(1, 7)]
-    rows += [{"step": s, "wall_s": 30.0 * (s - 6), "time": t2 + 30.0 * (s - 6), "loss": 0.5} for s in (7, 8, 9)]
-    rows.insert(6, {"step": 6, "wall_s": 121.0, "time": t1 + 121.0, "loss": 1.0})  # a step logged twice
+    rows = [{"step": s, "wall_s": 20.0 * s, "time": t1 + 20.0 * s, "time/step": 20.0, "loss": 1.0} for s in range(1, 7)]
+    rows += [{"step": s, "wall_s": 30.0 * (s - 6), "time": t2 + 30.0 * (s - 6), "time/step": 30.0, "loss": 0.5}
+             for s in (7, 8, 9)]
+    rows.insert(6, {"step": 6, "wall_s": 121.0, "time": t1 + 121.0, "time/step": 21.0, "loss": 1.0})  # logged twice
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["--run", str(tmp_path)]) == 0
