@@ -112,8 +112,10 @@ def adam_update_sumsq(optimizer) -> tuple[float, int]:
                     continue
                 t = float(st["step"])
                 v = st["max_exp_avg_sq"] if group.get("amsgrad") else st["exp_avg_sq"]
-                m, v = (getattr(x, "_local_tensor", x).float() for x in (st["exp_avg"], v))  # DTensor: the local shard
-                u = (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps)
-                parts.append(u.square().sum())  # one host sync at the end, not one per parameter
+                m, v = (getattr(x, "_local_tensor", x) for x in (st["exp_avg"], v))  # DTensor: the local shard
+                # two temporaries of the parameter's size (the 152k-row embedding: ~2 GB in fp32), in place after
+                u = m.float().div(1 - betas[0] ** t)
+                u.div_(v.float().div(1 - betas[1] ** t).sqrt_().add_(eps))
+                parts.append(u.square_().sum())  # one host sync at the end, not one per parameter
                 count += u.numel()
     return (float(torch.stack([x.to(parts[0].device) for x in parts]).sum()) if parts else 0.0), count
