@@ -83,8 +83,10 @@ elif [ $plan = 0 ] || [ ! -x $PY ]; then
 fi
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
 # The training config is parsed now, not after stage one: a typo in it must not cost stage one's hours.
-check_train_config() {
-  $PY -m stages.train --config "$TRAIN_CONFIG" --check_config >/dev/null || {
+check_train_config() {  # quiet when it parses; on an error, its lines without the import-time log noise
+  local out
+  out=$($PY -m stages.train --config "$TRAIN_CONFIG" --check_config 2>&1) || {
+    grep -v -e ' INFO ' -e ' WARNING ' <<<"$out" >&2
     echo "run.sh: $TRAIN_CONFIG does not parse (above); nothing was run" >&2; exit 2; }
 }
 if [ $plan = 1 ]; then
