@@ -181,10 +181,26 @@ def _private_ipc_dir() -> None:
     import shutil
     import tempfile
 
-    path, owner = tempfile.mkdtemp(prefix="opd-vllm-ipc-"), os.getpid()
+    sweep_stale_ipc_dirs(tempfile.gettempdir())
+    path, owner = tempfile.mkdtemp(prefix=f"opd-vllm-ipc-{os.getpid()}-"), os.getpid()
     os.environ["VLLM_RPC_BASE_PATH"] = path
     # only the process that made it removes it (a forked child inherits the atexit list)
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+
+
+def sweep_stale_ipc_dirs(root: str) -> list[str]:
+    """Remove ``opd-vllm-ipc-<pid>-*`` folders under ``root`` whose process is gone (a killed stage skips its atexit);
+    returns the removed paths. Folders of live processes, and names without a pid, are left alone."""
+    import re
+    import shutil
+
+    gone = []
+    for p in Path(root).glob("opd-vllm-ipc-*"):
+        m = re.fullmatch(r"opd-vllm-ipc-(\d+)-.+", p.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(str(p))
+    return gone
 
 
 def on_gpu() -> bool:

@@ -90,3 +90,19 @@ def test_query_views(tmp_path):
     out = subprocess.run([sys.executable, "-m", "data_tools.query", "--run", str(tmp_path), "--csv",
                           "SELECT count(*) AS n FROM rollouts"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["n", "2"]
+
+
+def test_stale_vllm_ipc_folders_of_dead_processes_are_swept(tmp_path):
+    """A stage killed with SIGKILL skips its atexit, leaving its private vLLM socket folder: the next engine start
+    removes folders whose pid is gone, and keeps its own process's and unnamed ones."""
+    from data_tools.engine import sweep_stale_ipc_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"opd-vllm-ipc-{int(dead.stdout)}-abc"
+    live = tmp_path / f"opd-vllm-ipc-{os.getpid()}-def"
+    other = tmp_path / "opd-vllm-ipc-xyz"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "sock").write_text("")
+    assert sweep_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
