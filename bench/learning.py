@@ -37,11 +37,14 @@ again continues (finished pieces, the start and the teacher are kept). Each arm 
 Every evaluation sample is graded under both grader answer filters (``correct_numeric``, ``correct_math``);
 the tables use ``report_filter``. Arm comparisons use paired standard errors over the same problems, at the
 last mark and on the late mean (the last ``late_marks`` marks pooled); with >= 2 seeds also one between runs.
+A sequential arm (j, k, l) is also evaluated at its hand-over, after its last off-policy step (``mark_s`` =
+``HANDOVER_MARK`` = -1, its ``train_s`` and ``step`` say when): the report gives last mark − hand-over per run, what
+the on-policy steps did to the model they started from.
 
 Outputs under DIR: settings.json, protocol.yaml; data/{train,test,curriculum}.parquet (and
 data/teacher_curriculum.parquet under teacher_n_train), data/stage_one.parquet
 (the teacher's samples with verdicts); start/, teacher/; evals/<name>.parquet (one row per mark x problem x
-sample); arms/<run>/ (train.yaml, metrics/train.jsonl, rollouts/, eval/<run>-<mark>/); results.{json,md},
+sample); arms/<run>/ (train.yaml, metrics/train.jsonl, rollouts/, eval/<run>-<mark|handover>/); results.{json,md},
 learning.png. Query with duckdb, e.g.
 ``SELECT name, mark_s, avg(correct_numeric::INT) FROM 'DIR/evals/*.parquet' GROUP BY ALL ORDER BY ALL``.
 """
@@ -71,7 +74,7 @@ log = logging.getLogger("bench.learning")
 from bench.learning_report import report, summarize_mark  # noqa: E402 - after the sys.path line
 
 from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
-    ARM_SPECS, ARMS, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings)
+    ARM_SPECS, ARMS, HANDOVER_MARK, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings)
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -234,12 +237,16 @@ class MarkClock:
         self.sync()
         t = self.elapsed()
         while not self.done and t >= self.marks[self.next]:
-            e0 = self.clock()
-            self.eval_fn(model, self.marks[self.next], t, step)
-            self.sync()
-            self.paused += self.clock() - e0
+            self.paused_call(self.eval_fn, model, self.marks[self.next], t, step)
             self.next += 1
         return self.done
+
+    def paused_call(self, fn, *args) -> None:
+        """``fn(*args)`` off the clock: its seconds are not training seconds (an export, an evaluation)."""
+        e0 = self.clock()
+        fn(*args)
+        self.sync()
+        self.paused += self.clock() - e0
 
 
 def clock_fraction(clock: MarkClock, span_s: float):
@@ -260,6 +267,9 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
     At each mark the model is exported (``trainers.callbacks.export_checkpoint``) to ``<output_dir>/marks/``
     while the clock is paused; after the last mark (or ``max_steps`` optimizer steps, when > 0: then one
     export at the stop) training stops. The off-policy share follows this clock over ``budget_s``.
+    A sequential arm (``sft_max_epochs`` > 0) is also exported once at its hand-over, after its last off-policy
+    step, as mark ``HANDOVER_MARK`` (-1), off the clock like the marks, so the on-policy phase's effect is measured
+    from the model it started from rather than from the nearest mark.
     Returns one record per mark: ``mark_s``, ``train_s``, ``step``, ``path`` (the export).
     """
     from transformers import TrainerCallback
@@ -271,7 +281,7 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
 
     (args,) = parse_config([OPDConfig], ["--config", str(recipe)], env={})  # env={}: the recipe alone decides
     saved: list[dict] = []
-    tok = []
+    tok, trainer_ref = [], []
 
     def on_mark(model, mark, t, step):
         path = Path(args.output_dir) / "marks" / f"checkpoint-{step}"
@@ -293,9 +303,13 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
                 t = clock.elapsed()
                 on_mark(model, t, t, state.global_step)
                 control.should_training_stop = True
+            elif (args.sft_max_epochs and not any(s["mark_s"] == HANDOVER_MARK for s in saved)
+                  and trainer_ref[0].sft_phase_done()):  # the next step is the first on-policy one
+                clock.paused_call(on_mark, model, HANDOVER_MARK, clock.elapsed(), state.global_step)
 
     def hook(trainer):
         tok.append(trainer.processing_class)
+        trainer_ref.append(trainer)
         # the mix schedule follows this arm's training clock (evaluations paused), not the process's wall clock
         fraction = clock_fraction(clock, budget_s or max(marks))
         if fraction is not None:
@@ -324,7 +338,8 @@ def evaluate(cfg: LearningConfig, model: str, *, name: str, mark_s: float, train
              out_dir: Path) -> list[dict]:
     """``stages.evaluate`` of ``model`` under ``protocol(cfg)`` -> rows of ``evals/<name>.parquet``.
 
-    Results land in ``out_dir/eval/<name>-<mark>/`` (samples.parquet, summary.json); the returned rows add the
+    Results land in ``out_dir/eval/<name>-<mark>/`` (``<name>-handover`` for ``HANDOVER_MARK``; samples.parquet,
+    summary.json); the returned rows add the
     arm's ``name``, ``mark_s``, ``train_s`` and ``step`` to each sample and keep both grader filters'
     verdicts (``correct_numeric``, ``correct_math``); ``correct`` is the one of ``cfg.answer_filter``.
     """
@@ -332,8 +347,9 @@ def evaluate(cfg: LearningConfig, model: str, *, name: str, mark_s: float, train
 
     from stages.evaluate import EvalConfig, run as evaluate_stage
 
+    mark = "handover" if mark_s == HANDOVER_MARK else f"{mark_s:g}"
     ecfg = EvalConfig(protocol=str(cfg.dir / "protocol.yaml"), model=model, output_dir=str(out_dir),
-                      label=f"{name}-{mark_s:g}", engine=cfg.engine, dtype="float32", grade_all_filters=True,
+                      label=f"{name}-{mark}", engine=cfg.engine, dtype="float32", grade_all_filters=True,
                       chunk_size=max(1, cfg.eval_batch // cfg.eval_samples))
     (summary,) = evaluate_stage(ecfg)
     _free()

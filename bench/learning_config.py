@@ -11,6 +11,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: ``mark_s`` of a sequential arm's evaluation at its hand-over (after its last off-policy step; its ``train_s``
+#: says when): a value no clock mark takes, so the per-mark tables leave it out and a query picks it by name.
+HANDOVER_MARK = -1.0
+
 
 @dataclass(frozen=True)
 class Arm:

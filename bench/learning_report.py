@@ -14,6 +14,8 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.learning_config import HANDOVER_MARK
+
 if TYPE_CHECKING:
     from bench.learning import LearningConfig
 
@@ -119,6 +121,19 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
                      seed_stderr=seed_stderr(list(per_run[best].values()), list(per_run[arm].values()))
                      if arm != best else None)
         out["late_mean"] = {"marks": late_m, "best_arm": best, "comparisons": cmp}
+    handover = {}  # per run of a sequential arm: its model at the hand-over, and what the on-policy steps did to it
+    for name in sorted(n for n in evals if n not in ("student", "teacher")):
+        ho = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == HANDOVER_MARK]
+        if not ho:
+            continue
+        last = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == cfg.mark_list[-1]]
+        handover[name] = summarize_mark(ho)
+        if last:
+            d, se, _ = paired_difference(last, ho)
+            handover[name].update(last_avg_at_k=summarize_mark(last)["avg_at_k"], last_step=max(r["step"] for r in last),
+                                  last_minus_handover=d, stderr=se)
+    if handover:
+        out["handover"] = handover
     return out
 
 
@@ -230,6 +245,16 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         lines.append("")
         for arm, c in cmp.items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
+    if col.get("handover"):
+        last = f"{cfg.mark_list[-1]:g} s"
+        lines += ["", f"At the hand-over (sequential arms: the model after the last off-policy step, mark_s = "
+                      f"{HANDOVER_MARK:g} in evals/) and at {last}, paired over the same problems:", ""]
+        for n, h in col["handover"].items():
+            after = (f"; at {last} (step {h['last_step']}) {h['last_avg_at_k']:.3f}, on-policy steps' effect "
+                     f"{h['last_minus_handover']:+.3f} ± {_fmt(h['stderr'])}" if "last_minus_handover" in h else
+                     f"; no evaluation at {last}")
+            lines.append(f"- {n}: hand-over at {h['train_s']:.0f} s (step {h['step']}) {h['avg_at_k']:.3f} ± "
+                         f"{_fmt(h['stderr'])}{after}")
     return lines
 
 

@@ -293,6 +293,34 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     assert (out2 / "teacher" / "config.json").exists() and not (out2 / ".teacher.tmp").exists()
 
 
+@pytest.mark.slow
+def test_cpu_sequential_arm_is_evaluated_at_its_hand_over(tmp_path):
+    """Arm j at toy size (CPU): besides its marks, the model after its last off-policy step is exported off the clock
+    and evaluated as mark HANDOVER_MARK, and the report measures the on-policy steps from it."""
+    from bench.learning_config import HANDOVER_MARK
+
+    out = tmp_path / "learn"
+    cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--start_sft_steps", "2",
+           "--teacher_sft_steps", "3", "--arms", "j", "--seq_sft_epochs", "1", "--budget_s", "60", "--marks", "30,60"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cfg = LearningConfig(out=str(out), preset="cpu_smoke")
+    recs = [json.loads(x) for x in (out / "arms" / "j" / "metrics" / "train.jsonl").read_text().splitlines()]
+    kinds = [r["sft/off_policy_step"] for r in recs]
+    # 1 pass over stage one's 16 solutions (sft_filter none), 8 a step: 2 off-policy steps, then on-policy
+    assert kinds[:3] == [1.0, 1.0, 0.0], kinds
+    rows = pq.read_table(out / "evals" / "j.parquet").to_pylist()
+    ho = [r for r in rows if r["mark_s"] == HANDOVER_MARK]
+    assert len(ho) == cfg.n_test * cfg.eval_samples and {r["step"] for r in ho} == {2}
+    later = [r for r in rows if r["mark_s"] == 60.0]
+    assert max(r["train_s"] for r in ho) < min(r["train_s"] for r in later) and later[0]["step"] > 2
+    assert (out / "arms" / "j" / "eval" / "j-handover").is_dir() or any(  # its own evaluation, or a mark's export
+        r["step"] == 2 for r in rows if r["mark_s"] == 30.0)
+    h = json.loads((out / "results.json").read_text())["handover"]["j"]
+    assert h["step"] == 2 and h["last_step"] == later[0]["step"] and "last_minus_handover" in h
+    assert "- j: hand-over at" in (out / "results.md").read_text()
+
+
 def test_arm_runs_rates_and_seeds(tmp_path):
     cfg = LearningConfig(out=str(tmp_path / "r"), arms="d,f@3e-5,c", arm_lr="d=5e-5", seeds="0,2")
     assert cfg.instances == ["d@5e-05", "d@5e-05-s2", "f@3e-05", "f@3e-05-s2", "c", "c-s2"]
@@ -337,6 +365,35 @@ def test_report_pools_seeds_of_one_arm(tmp_path):
     assert res["arms"]["c"]["marks"]["10.0"]["avg_at_k"] == pytest.approx(0.5)
     assert res["arms"]["c"]["last_mark_by_run"] == {"c": 0.5, "c-s1": 0.5}
     assert res["comparisons_at_last_mark"]["c"]["gain_over_start"] == pytest.approx(0.5)
+
+
+def test_report_measures_the_on_policy_phase_from_the_hand_over(tmp_path):
+    """A sequential arm's evaluation at its hand-over (mark_s = HANDOVER_MARK) stays out of the per-mark tables and
+    the late mean; the report gives last mark − hand-over, paired over problems, per run."""
+    from bench.learning_config import HANDOVER_MARK
+
+    cfg = LearningConfig(out=str(tmp_path / "run"), arms="j,d", marks="10,20", budget_s=20, n_test=4, eval_samples=4)
+    ev = cfg.dir / "evals"
+    probs = ["p1", "p2", "p3", "p4"]
+    write_parquet(_rows("student", {p: [0, 0, 0, 0] for p in probs}), ev / "student.parquet")
+    ho = {"p1": [1, 1, 1, 1], "p2": [1, 1, 0, 0], "p3": [1, 0, 0, 0], "p4": [0, 0, 0, 0]}
+    end = {"p1": [1, 1, 0, 0], "p2": [1, 1, 0, 0], "p3": [0, 0, 0, 0], "p4": [0, 0, 0, 1]}
+    ho_rows = [{**r, "train_s": 13.4} for r in _rows("j", ho, HANDOVER_MARK, 7)]  # after step 7, 13.4 s in
+    j = _rows("j", {p: [0, 0, 1, 1] for p in probs}, 10, 5) + ho_rows + _rows("j", end, 20, 12)
+    write_parquet(j, ev / "j.parquet")
+    write_parquet(_rows("d", {p: [0, 1, 1, 1] for p in probs}, 10, 5) + _rows("d", end, 20, 12), ev / "d.parquet")
+    res = report(cfg)
+    assert set(res["arms"]["j"]["marks"]) == {"10.0", "20.0"}  # the hand-over is no mark of the table
+    assert res["late_mean"]["comparisons"]["j"]["late_mean"] == pytest.approx(0.40625)  # marks 10 and 20 only
+    h = res["handover"]["j"]
+    assert (h["step"], h["avg_at_k"], h["last_step"], h["last_avg_at_k"]) == (7, pytest.approx(0.4375), 12, 0.3125)
+    diffs = [-0.5, 0.0, -0.25, 0.25]  # end - hand-over per problem
+    m = sum(diffs) / 4
+    assert h["last_minus_handover"] == pytest.approx(m)
+    assert h["stderr"] == pytest.approx(math.sqrt(sum((v - m) ** 2 for v in diffs) / 3) / 2)
+    assert "d" not in res["handover"]
+    md = (cfg.dir / "results.md").read_text()
+    assert "- j: hand-over at 13 s (step 7) 0.438 ± 0.161; at 20 s (step 12) 0.312, on-policy steps' effect -0.125 ± 0.161" in md
 
 
 def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):

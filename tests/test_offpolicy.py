@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from tests.test_trainer import curriculum_rows, make_trainer, tiny_model, tokenizer  # noqa: F401 - fixture
 from trainers.offpolicy import TimeShare, sft_share
@@ -115,7 +116,7 @@ def test_off_policy_steps_train_on_solutions_only(tmp_path, tokenizer):  # noqa:
     assert int(n) == int(cm.sum())
 
     tr.train()
-    assert tr.state.global_step == 2 and calls == []
+    assert tr.state.global_step == 2 and calls == [] and not tr.sft_phase_done()  # no cap: never past a hand-over
     recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
     assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0] and recs[-1]["loss/sft"] > 0
     assert not list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))
@@ -138,9 +139,18 @@ def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # 
     tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
                       sft_batch_size=4, sft_max_epochs=2.5, debug_max_steps=4)
     assert len(tr._sft_pool) == 4
+    done_at_end = []  # sft_phase_done() after each step: True from the step after which the next is on-policy
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            done_at_end.append(tr.sft_phase_done())
+
+    tr.add_callback(Probe())
+    assert not tr.sft_phase_done()
     tr.train()
     recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
     assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0, 0.0]
+    assert done_at_end == [False, True, True, True]
     assert [r["sft/epoch"] for r in recs] == [1.0, 2.0, 2.0, 2.0] and recs[-1]["sft/share"] == 0.0
     assert len(list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))) == 2  # the on-policy steps
     with pytest.raises(ValueError, match="sft_max_epochs > 0 hands the steps after the cap"):

@@ -143,7 +143,7 @@ class OffPolicyTerm:
         on-policy whenever one more batch would take the solution stream past ``sft_max_epochs`` passes."""
         a = self.args
         self._share_now = sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
-        if a.sft_max_epochs and self._sft_pos + a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool):
+        if self.sft_phase_done():
             self._share_now = 0.0  # recorded as the share in force: TimeShare then counts these seconds as on-policy
             if self._handover_step is None:  # the hand-over (a resume past it restores the step, and no reset)
                 self._handover_step = int(self.state.global_step)
@@ -151,6 +151,13 @@ class OffPolicyTerm:
                     self._reset_optimizer_moments()
         off = self._time_share.choose(self._share_now)
         return self._any_process(off) if self.accelerator.num_processes > 1 else off
+
+    def sft_phase_done(self) -> bool:
+        """True once the solution stream has no batch left under ``sft_max_epochs`` passes, so every later step
+        is on-policy; always False without a cap (``sft_max_epochs = 0``). Read at a step's end, it says whether
+        the next step is past the hand-over (bench/learning.py exports the model there)."""
+        a = self.args
+        return bool(a.sft_max_epochs) and self._sft_pos + a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool)
 
     def _offpolicy_batch(self) -> dict[str, Any]:
         """``sft_batch_size`` teacher solutions (this process's share), each epoch of the pool in a seeded order."""
