@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from bench.learning import ARMS, LearningConfig, MarkClock, clock_fraction, merge_settings
+from bench.learning import ARMS, LearningConfig, merge_settings
+from bench.learning_clock import MarkClock, clock_fraction
 from bench.learning_report import paired_difference, report
 from data_tools.runio import write_parquet
 
