@@ -18,6 +18,10 @@ linear decay scored 54.22 vs 50.56 for constant (AIME24 avg@12, OPSD on Qwen3; i
 Because the factor reads the clock, nothing of the schedule is in the optimizer's state: a resumed run
 continues from the fraction f0 its checkpoint saved (``OPDTrainer``'s ``opd_clock.json``), with
 f = f0 + (1 - f0) x the new window's used share, so it reaches the schedule's end at the new horizon.
+
+Beside them, ``adam_update_sumsq``: the step Adam takes per weight in units of the rate (the metric
+``optim/update_rms``). A schedule sets the rate; this says how far that rate actually moved the weights, which
+differs from 1 when the optimizer's moments were built on other gradients (an SFT phase before on-policy steps).
 """
 
 from __future__ import annotations
