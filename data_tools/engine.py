@@ -64,10 +64,23 @@ def _die_with_parent(parent: int | None) -> None:
         os._exit(1)
 
 
+def _ignore_terminal_interrupt() -> None:
+    """Block SIGINT in an engine process (and the threads and processes it starts: the mask is inherited).
+
+    Ctrl-C in a terminal signals the whole foreground process group. The stage process turns it into a
+    clean exit that shuts its engine down (``exit_on_sigterm``); vLLM's own processes install SIGINT
+    handlers of their own, and one hit while its workers start prints a page of tracebacks ("WorkerProc
+    initialization failed") for an interrupt that was the user's. Blocked, the signal reaches only the
+    stage; vLLM stops its processes with SIGTERM, and they die with their parent regardless.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
 def _after_fork_in_child() -> None:
     # forked children inherit _ARMED, so the engine-core process's own forked workers get it too
     if _ARMED:
         _die_with_parent(_FORK_PARENT)
+        _ignore_terminal_interrupt()
 
 
 if hasattr(os, "register_at_fork"):
@@ -76,6 +89,7 @@ if os.environ.get(PARENT_ENV) and os.environ[PARENT_ENV] != str(os.getpid()):
     # A process vLLM started with ``spawn`` (its choice on CPU, and once CUDA is initialised): spawn
     # re-imports the stage's main module, which imports this one, so the request is made here.
     _die_with_parent(int(os.environ[PARENT_ENV]) if os.getppid() == int(os.environ[PARENT_ENV]) else None)
+    _ignore_terminal_interrupt()
 
 
 def reap_stale_engines(pid_file: Path) -> list[int]:

@@ -114,13 +114,20 @@ CHILD = {
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_engine_children_die_with_their_parent(tmp_path, method):
-    """A child forked or spawned while an engine starts gets PR_SET_PDEATHSIG: kill -9 of the parent ends it."""
+    """A child forked or spawned while an engine starts gets PR_SET_PDEATHSIG: kill -9 of the parent ends it.
+    It also blocks SIGINT (a terminal's Ctrl-C is the stage's to handle); the parent does not."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(CHILD[method]))
     parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
     child = int(parent.stdout.readline())
     time.sleep(1.0 if method == "spawn" else 0.2)  # the spawned child imports the main module first
+
+    def sigint_blocked(pid):
+        blk = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigBlk:"))
+        return bool(int(blk.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+    assert sigint_blocked(child) and not sigint_blocked(parent.pid)
     parent.kill()
     parent.wait()
     deadline = time.time() + 15
