@@ -294,8 +294,12 @@ class LearningConfig:
         """Label of an arm (a run name without its seed) for tables and the plot."""
         arm, lr, _ = self.parse_run(group)
         text = ("off-policy SFT on all teacher samples (sft_filter=none)" if arm == "d" and self.sft_filter == "none"
-                else ARMS[arm].replace("seq_sft_epochs", f"{self.seq_sft_epochs:g}") if ARM_SPECS[arm].off_policy == "seq"
                 else ARMS[arm])
+        if ARM_SPECS[arm].off_policy == "seq":
+            n = self.seq_sft_epochs
+            text = text.replace("seq_sft_epochs passes", "1 pass" if n == 1 else f"{n:g} passes")
+            if self.sft_filter == "none":
+                text = text.replace("verified solutions", "all teacher samples (sft_filter=none)")
         return text + (f", lr {lr:g}" if lr != self.lr else "")
 
     @property

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.learning_config import HANDOVER_MARK
+from bench.learning_config import ARM_SPECS, HANDOVER_MARK
 
 if TYPE_CHECKING:
     from bench.learning import LearningConfig
@@ -124,14 +124,17 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
     handover = {}  # per run of a sequential arm: its model at the hand-over, and what the on-policy steps did to it
     for name in sorted(n for n in evals if n not in ("student", "teacher")):
         ho = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == HANDOVER_MARK]
-        if not ho:
-            continue
         last = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == cfg.mark_list[-1]]
-        handover[name] = summarize_mark(ho)
+        if not ho:
+            if ARM_SPECS.get(cfg.parse_run(name)[0]) and ARM_SPECS[cfg.parse_run(name)[0]].off_policy == "seq" and last:
+                # a sequential run whose clock ended in its SFT passes: say so (LEARNING.md command 16 had two)
+                handover[name] = {"reached": False, "last_step": max(r["step"] for r in last)}
+            continue
+        handover[name] = {"reached": True, **summarize_mark(ho)}
         if last:
             d, se, _ = paired_difference(last, ho)
             handover[name].update(last_avg_at_k=summarize_mark(last)["avg_at_k"], last_step=max(r["step"] for r in last),
-                                  last_minus_handover=d, stderr=se)
+                                  last_minus_handover=d, last_minus_handover_stderr=se)
     if handover:
         out["handover"] = handover
     return out
@@ -250,9 +253,13 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         lines += ["", f"At the hand-over (sequential arms: the model after the last off-policy step, mark_s = "
                       f"{HANDOVER_MARK:g} in evals/) and at {last}, paired over the same problems:", ""]
         for n, h in col["handover"].items():
+            if not h["reached"]:
+                lines.append(f"- {n}: hand-over not reached: every step to {last} (step {h['last_step']}) was "
+                             f"off-policy, an SFT run (raise --budget_s or lower --seq_sft_epochs to measure it)")
+                continue
             after = (f"; at {last} (step {h['last_step']}) {h['last_avg_at_k']:.3f}, on-policy steps' effect "
-                     f"{h['last_minus_handover']:+.3f} ± {_fmt(h['stderr'])}" if "last_minus_handover" in h else
-                     f"; no evaluation at {last}")
+                     f"{h['last_minus_handover']:+.3f} ± {_fmt(h['last_minus_handover_stderr'])}"
+                     if "last_minus_handover" in h else f"; no evaluation at {last}")
             lines.append(f"- {n}: hand-over at {h['train_s']:.0f} s (step {h['step']}) {h['avg_at_k']:.3f} ± "
                          f"{_fmt(h['stderr'])}{after}")
     return lines

@@ -248,7 +248,15 @@ def exit_on_sigterm() -> None:
 
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
         print(f"stopping on {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        # a second Ctrl-C while the engine shuts down would raise again inside vLLM's shutdown and pull the
+        # IPC folder from under its starting workers (a page of their tracebacks): say so and let it finish
+        signal.signal(signal.SIGTERM, already_stopping)
+        signal.signal(signal.SIGINT, already_stopping)
         sys.exit(128 + signum)
+
+    def already_stopping(signum, frame):  # noqa: ARG001
+        print(f"{signal.Signals(signum).name} again: already stopping (the engine shuts down; kill -9 to force)",
+              file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

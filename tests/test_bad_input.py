@@ -275,6 +275,23 @@ def test_exit_on_sigterm_unwinds_without_traceback(tmp_path, sig, ignored):
     assert p.returncode == 128 + sig and mark.exists() and "Traceback" not in err
 
 
+def test_a_second_signal_while_stopping_is_ignored(tmp_path):
+    """Ctrl-C twice: the second one lands in the finally block (the engine's shutdown) and must not interrupt it."""
+    mark = tmp_path / "shutdown-finished"
+    code = (f"import time\nfrom data_tools.engine import exit_on_sigterm\nexit_on_sigterm()\n"
+            f"try:\n    print('ready', flush=True)\n    time.sleep(60)\nfinally:\n    print('stopping', flush=True)\n"
+            f"    time.sleep(1.5)\n    open({str(mark)!r}, 'w').close()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGINT)
+    assert p.stdout.readline().strip() == "stopping"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and mark.exists() and "Traceback" not in err
+    assert "SIGINT again: already stopping" in err
+
+
 def test_heartbeat_prints_during_silence(capsys):
     from data_tools.progress import heartbeat
 

@@ -391,10 +391,19 @@ def test_report_measures_the_on_policy_phase_from_the_hand_over(tmp_path):
     diffs = [-0.5, 0.0, -0.25, 0.25]  # end - hand-over per problem
     m = sum(diffs) / 4
     assert h["last_minus_handover"] == pytest.approx(m)
-    assert h["stderr"] == pytest.approx(math.sqrt(sum((v - m) ** 2 for v in diffs) / 3) / 2)
+    assert h["last_minus_handover_stderr"] == pytest.approx(math.sqrt(sum((v - m) ** 2 for v in diffs) / 3) / 2)
+    rates = [1.0, 0.5, 0.25, 0.0]  # the hand-over's own avg@k and its standard error over problems
+    mr = sum(rates) / 4
+    assert h["stderr"] == pytest.approx(math.sqrt(sum((v - mr) ** 2 for v in rates) / 3) / 2)
     assert "d" not in res["handover"]
     md = (cfg.dir / "results.md").read_text()
-    assert "- j: hand-over at 13 s (step 7) 0.438 ± 0.161; at 20 s (step 12) 0.312, on-policy steps' effect -0.125 ± 0.161" in md
+    assert "- j: hand-over at 13 s (step 7) 0.438 ± 0.213; at 20 s (step 12) 0.312, on-policy steps' effect -0.125 ± 0.161" in md
+    # a sequential run whose clock ended in its SFT passes is named as such
+    write_parquet(_rows("j-s1", {p: [0, 0, 1, 1] for p in probs}, 10, 5) + _rows("j-s1", end, 20, 12),
+                  ev / "j-s1.parquet")
+    res = report(cfg)
+    assert res["handover"]["j-s1"] == {"reached": False, "last_step": 12} and res["handover"]["j"]["reached"]
+    assert "- j-s1: hand-over not reached: every step to 20 s (step 12) was off-policy" in (cfg.dir / "results.md").read_text()
 
 
 def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):
