@@ -124,8 +124,8 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
                 t = clock.elapsed()
                 on_mark(model, t, t, state.global_step)
                 control.should_training_stop = True
-            elif (args.sft_max_epochs and not any(s["mark_s"] == HANDOVER_MARK for s in saved)
-                  and trainer_ref[0].sft_phase_done()):  # the next step is the first on-policy one
+            # the next step is the first on-policy one: export the model the on-policy phase starts from, once
+            elif trainer_ref[0].sft_phase_done() and not any(s["mark_s"] == HANDOVER_MARK for s in saved):
                 clock.paused_call(on_mark, model, HANDOVER_MARK, clock.elapsed(), state.global_step)
 
     def hook(trainer):

@@ -126,7 +126,8 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
         ho = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == HANDOVER_MARK]
         last = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == cfg.mark_list[-1]]
         if not ho:
-            if ARM_SPECS.get(cfg.parse_run(name)[0]) and ARM_SPECS[cfg.parse_run(name)[0]].off_policy == "seq" and last:
+            spec = ARM_SPECS.get(cfg.parse_run(name)[0])
+            if spec and spec.off_policy == "seq" and last:
                 # a sequential run whose clock ended in its SFT passes: say so (LEARNING.md command 16 had two)
                 handover[name] = {"reached": False, "last_step": max(r["step"] for r in last)}
             continue
