@@ -102,12 +102,12 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
 
     (args,) = parse_config([OPDConfig], ["--config", str(recipe)], env={})  # env={}: the recipe alone decides
     saved: list[dict] = []
-    tok, trainer_ref = [], []
+    trainer_ref = []  # the trainer stage.train builds, from its hook: its tokenizer goes with every export
 
     def on_mark(model, mark, t, step):
         path = Path(args.output_dir) / "marks" / f"checkpoint-{step}"
         if not path.exists():
-            export_checkpoint(model, tok[0], path.parent, step, keep=10**6)
+            export_checkpoint(model, trainer_ref[0].processing_class, path.parent, step, keep=10**6)
         saved.append(dict(mark_s=float(mark), train_s=round(float(t), 2), step=int(step), path=str(path)))
 
     clock = MarkClock([math.inf] if max_steps else marks, on_mark)
@@ -129,7 +129,6 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
                 clock.paused_call(on_mark, model, HANDOVER_MARK, clock.elapsed(), state.global_step)
 
     def hook(trainer):
-        tok.append(trainer.processing_class)
         trainer_ref.append(trainer)
         # the mix schedule follows this arm's training clock (evaluations paused), not the process's wall clock
         fraction = clock_fraction(clock, budget_s or max(marks))

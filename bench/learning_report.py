@@ -281,28 +281,41 @@ def results_markdown(res: dict, cfg: LearningConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, cfg: LearningConfig, path: Path) -> None:
+def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, float, float]]:
     """avg@k against training minutes, one line per arm (error bars: standard error), one panel per answer
-    filter; skipped without matplotlib."""
+    filter, and an open diamond per sequential run at its hand-over; skipped without matplotlib.
+
+    Returns the hand-over points drawn, ``(answer filter, run, minutes, avg@k)`` ([] when skipped).
+    """
     try:
         import matplotlib
     except ImportError:  # the GPU machine has no matplotlib: `--stage report` redraws it from evals/
         print(f"[learning] matplotlib missing: {path.name} not drawn (run --stage report where it is installed)")
-        return
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [res, res["other_filter"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), sharey=True)
+    drawn = []
     for ax, col in zip(axes, panels):
         s = col["student"]
+        colors: dict[str, str] = {}
         for arm, a in col["arms"].items():
             ms = [m for m in cfg.mark_list if str(m) in a["marks"]]
             xs = [0.0] + [a["marks"][str(m)]["train_s"] / 60 for m in ms]
             ys = [s["avg_at_k"]] + [a["marks"][str(m)]["avg_at_k"] for m in ms]
             es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in ms]
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
+            line = ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
+            colors[arm] = line.lines[0].get_color()
+        labelled = False
+        for run, h in (col.get("handover") or {}).items():  # a sequential run's model after its last SFT step
+            if h["reached"]:
+                ax.plot(h["train_s"] / 60, h["avg_at_k"], marker="D", ms=7, mfc="none", ls="none",
+                        color=colors.get(arm_group(run), "k"), label=None if labelled else "hand-over (SFT passes end)")
+                labelled = True
+                drawn.append((col["answer_filter"], run, h["train_s"] / 60, h["avg_at_k"]))
         if col.get("teacher"):
             ax.axhline(col["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
         ax.set_xlabel("training minutes on the arm's own clock (evaluation excluded)")
@@ -311,12 +324,13 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> None:
                      (" (reported)" if col is res else " (equal expressions accepted)"))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})")
-    axes[0].legend(fontsize=7, loc="upper left")
+    axes[0].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"SmolLM2-135M-Instruct: arms at equal training seconds (reward graded '{cfg.answer_filter}')")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
     plt.close(fig)
+    return drawn
 
 

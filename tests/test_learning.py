@@ -398,6 +398,13 @@ def test_report_measures_the_on_policy_phase_from_the_hand_over(tmp_path):
     assert "d" not in res["handover"]
     md = (cfg.dir / "results.md").read_text()
     assert "- j: hand-over at 13 s (step 7) 0.438 ± 0.213; at 20 s (step 12) 0.312, on-policy steps' effect -0.125 ± 0.161" in md
+    # the plot marks the hand-over in both panels, at its own clock time and score
+    from bench.learning_report import plot
+
+    pytest.importorskip("matplotlib")
+    drawn = plot(res, cfg, tmp_path / "p.png")
+    assert [(f, n) for f, n, _, _ in drawn] == [("numeric", "j"), ("math", "j")]
+    assert drawn[0][2] == pytest.approx(13.4 / 60) and drawn[0][3] == pytest.approx(0.4375)
     # a sequential run whose clock ended in its SFT passes is named as such
     write_parquet(_rows("j-s1", {p: [0, 0, 1, 1] for p in probs}, 10, 5) + _rows("j-s1", end, 20, 12),
                   ev / "j-s1.parquet")
