@@ -171,7 +171,8 @@ def report(cfg: LearningConfig) -> dict:
     from data_tools.runio import write_json
 
     evals = load_evals(cfg)
-    res: dict = {"settings": dataclasses.asdict(cfg), **_collect(cfg, evals, cfg.report_filter),
+    # preset "": its values are already in the fields, as settings.json records them (a report run later has no preset)
+    res: dict = {"settings": {**dataclasses.asdict(cfg), "preset": ""}, **_collect(cfg, evals, cfg.report_filter),
                  "skipped": {a: "not run (see the run log)" for a in cfg.instances if a not in evals}}
     skip_file = cfg.dir / "skipped.json"  # why run_all skipped or lost arms, kept for later reports
     if skip_file.exists():
