@@ -414,6 +414,10 @@ def curate(cfg: CurateConfig) -> dict:
     n_chunks = (len(visit) + cfg.chunk_size - 1) // cfg.chunk_size
     have = lambda role, i: (parts / f"{role}-{i:05d}.parquet").exists()  # noqa: E731
     any_have = lambda role: any(have(role, i) for i in range(n_chunks))  # noqa: E731
+    if any_have("teacher") or any_have("student"):  # an earlier run of this curation stopped part-way
+        done = {r: sum(have(r, i) for i in range(n_chunks)) for r in ("teacher", "student")}
+        print(f"[curate] resuming: {done['teacher']}/{n_chunks} teacher and {done['student']}/{n_chunks} student "
+              f"chunks already in {parts}; measuring the rest", flush=True)
     clock0 = run_start_time()
     window = cfg.max_wall_time_seconds - cfg.deadline_reserve_seconds
     deadline = clock0 + cfg.time_share * window if cfg.max_wall_time_seconds else None

@@ -275,7 +275,7 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
     return FakeEngine
 
 
-def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, monkeypatch):
+def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, monkeypatch, capsys):
     import data_tools.engine
     import stages.curate as C
     from data_tools.config import parse_config
@@ -291,6 +291,7 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     # clock 200 s, share 0.3 -> stage one until 60 s: engine 5 s, chunk pairs of 20 s: 0 (25 s), 1 (45 s), then 65 > 60
     (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "200", "--time_share", "0.3"], env={})
     m = C.curate(cfg)
+    assert "resuming" not in capsys.readouterr().out
     b = m["budget"]
     assert calls == ["teacher chunk 0", "student chunk 0", "teacher chunk 1", "student chunk 1"]
     assert (b["chunks"], b["chunks_measured"], b["problems_measured"], b["problems_unmeasured"]) == (6, 2, 4, 8)
@@ -314,6 +315,8 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "1000", "--time_share", "0.5"], env={})
     m = C.curate(cfg)
+    assert (f"[curate] resuming: 2/6 teacher and 2/6 student chunks already in {out / 'curate' / 'parts'}; "
+            "measuring the rest") in capsys.readouterr().out
     assert calls == [f"{r} chunk {i}" for i in range(2, 6) for r in ("teacher", "student")]
     assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
     assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
