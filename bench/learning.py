@@ -371,7 +371,7 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
 
     arm, lr, seed = cfg.parse_run(name)
     cfg = dataclasses.replace(cfg, lr=lr, seed=seed)
-    student_path = json.loads((cfg.dir / "settings.json").read_text())["start_path"]
+    student_path = start_path(cfg)
     out = cfg.dir / "arms" / name
     shutil.rmtree(out, ignore_errors=True)  # a run cut short starts again
     t_wall, offset, verified = time.time(), 0.0, None
@@ -409,10 +409,20 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
     print(f"[learning] arm {name} ({cfg.label(name)}): {_line(cfg, last)}, wall {time.time() - t_wall:.0f}s", flush=True)
 
 
+def start_path(cfg: LearningConfig) -> str:
+    """The arms' start model recorded in ``settings.json``: the given student, or ``<out>/start``, which follows
+    the run directory when it was moved (tables copied back from a GPU machine keep their settings)."""
+    settings = json.loads((cfg.dir / "settings.json").read_text())
+    path = settings["start_path"]
+    if settings.get("out") and Path(path) == Path(settings["out"]) / "start":
+        return str(cfg.dir / "start")
+    return path
+
+
 def arm_recipe(cfg: LearningConfig, name: str) -> dict:
     """The ``stages.train`` recipe of arm run ``name`` (``train_recipe`` at its rate and seed, on its curriculum)."""
     arm, lr, seed = cfg.parse_run(name)
-    student = json.loads((cfg.dir / "settings.json").read_text())["start_path"]
+    student = start_path(cfg)
     own = ARM_SPECS[arm].off_policy or ARM_SPECS[arm].stated_answer
     cur = cfg.dir / "arms" / name / "curriculum.parquet" if own else cfg.dir / "data" / "curriculum.parquet"
     return train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name, lr=lr, seed=seed)
@@ -473,7 +483,7 @@ def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
     shutil.rmtree(work, ignore_errors=True)  # a stage one cut short is measured again, whole
     k = cfg.stage_one_samples
     recipe = _yaml(dict(train_data=str(cfg.dir / "data" / "train.parquet"), limit=cfg.stage_one_problems,
-                        student_model=settings["start_path"], teacher_model=str(cfg.dir / "teacher"),
+                        student_model=start_path(cfg), teacher_model=str(cfg.dir / "teacher"),
                         teacher_context="teacher", prompt_style=cfg.prompt_style, teacher_samples=k, student_samples=1,
                         max_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, top_p=1.0,
                         answer_filter=cfg.answer_filter, seed=settings["seed"] + 104729, engine=cfg.engine,

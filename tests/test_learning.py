@@ -541,3 +541,17 @@ def test_teacher_n_train_widens_only_the_teachers_problems(tmp_path):
     assert ids[:30] == [r["problem_id"] for r in read_rows(wide["curriculum"])]
     assert not set(ids) & {r["problem_id"] for r in read_rows(wide["test"])}
     assert [r["curriculum_index"] for r in teach] == list(range(90))
+
+
+def test_a_moved_run_directory_takes_its_start_along(tmp_path):
+    """Tables copied back from a GPU machine record their old --out: the arms' start follows the directory when
+    it was the run's own start/, and a given student path is kept as recorded."""
+    from bench.learning import arm_recipe, start_path
+
+    cfg = LearningConfig(out=str(tmp_path / "here"), arms="c")
+    cfg.dir.mkdir(parents=True)
+    (cfg.dir / "settings.json").write_text(json.dumps({"out": "/tmp/learn_i4", "start_path": "/tmp/learn_i4/start"}))
+    assert start_path(cfg) == str(cfg.dir / "start")
+    assert arm_recipe(cfg, "c")["student_model"] == str(cfg.dir / "start")
+    (cfg.dir / "settings.json").write_text(json.dumps({"out": "/tmp/learn_i4", "start_path": "/models/student"}))
+    assert start_path(cfg) == "/models/student"
