@@ -416,8 +416,9 @@ def curate(cfg: CurateConfig) -> dict:
     any_have = lambda role: any(have(role, i) for i in range(n_chunks))  # noqa: E731
     if any_have("teacher") or any_have("student"):  # an earlier run of this curation stopped part-way
         done = {r: sum(have(r, i) for i in range(n_chunks)) for r in ("teacher", "student")}
+        rest = "nothing left to measure" if min(done.values()) == n_chunks else "measuring the rest"
         print(f"[curate] resuming: {done['teacher']}/{n_chunks} teacher and {done['student']}/{n_chunks} student "
-              f"chunks already in {parts}; measuring the rest", flush=True)
+              f"chunks already in {parts}; {rest}", flush=True)
     clock0 = run_start_time()
     window = cfg.max_wall_time_seconds - cfg.deadline_reserve_seconds
     deadline = clock0 + cfg.time_share * window if cfg.max_wall_time_seconds else None

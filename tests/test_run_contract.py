@@ -320,6 +320,10 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     assert calls == [f"{r} chunk {i}" for i in range(2, 6) for r in ("teacher", "student")]
     assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
     assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
+    n_calls = len(calls)
+    C.curate(cfg)  # a third run finds everything on disk and generates nothing
+    assert "6/6 teacher and 6/6 student chunks already in" in (text := capsys.readouterr().out)
+    assert "nothing left to measure" in text and len(calls) == n_calls
 
 
 def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypatch):
