@@ -414,7 +414,8 @@ def start_path(cfg: LearningConfig) -> str:
     the run directory when it was moved (tables copied back from a GPU machine keep their settings)."""
     settings = json.loads((cfg.dir / "settings.json").read_text())
     path = settings["start_path"]
-    if settings.get("out") and Path(path) == Path(settings["out"]) / "start":
+    # out is recorded resolved since 2026-12-03; an older relative one is resolved from here, as it was typed
+    if settings.get("out") and Path(path) == Path(settings["out"]).expanduser().resolve() / "start":
         return str(cfg.dir / "start")
     return path
 
@@ -623,9 +624,12 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     check_given_models(cfg)
     settings_path = cfg.dir / "settings.json"
     student_path = resolve_model(cfg.student_model)
-    start_path = (str(cfg.dir / "start") if cfg.start_model or cfg.start_sft_s > 0 or cfg.start_sft_steps
-                  else student_path)
-    settings = {**dataclasses.asdict(cfg), "preset": "", "student_path": student_path, "start_path": start_path}
+    start = (str(cfg.dir / "start") if cfg.start_model or cfg.start_sft_s > 0 or cfg.start_sft_steps
+             else student_path)
+    # out resolved, as start_path is: a moved directory is recognised by it (start_path() below); runs: what this
+    # command asks for, merged with earlier commands' (the report's "not run" list)
+    settings = {**dataclasses.asdict(cfg), "preset": "", "out": str(cfg.dir), "student_path": student_path,
+                "start_path": start, "runs": [] if setup_only else cfg.instances}
     old = json.loads(settings_path.read_text()) if settings_path.exists() else None
     settings = merge_settings(old, settings, cfg.arm_list)
     if old is None and cfg.fast_generation and not check_fast_generation(cfg, student_path):
@@ -643,7 +647,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
         print(f"[learning] teacher data: {sum(mix.values())} problems, by level {dict(sorted(mix.items()))}", flush=True)
     if cfg.start_model:  # a given start (e.g. an earlier run's): its evaluation is every arm's mark 0
         adopt_model(cfg, cfg.start_model, dest_name="start", eval_name="student")
-    elif start_path != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
+    elif start != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
         fine_tune(cfg, student_path, data, dest_name="start", eval_name="student", seconds=cfg.start_sft_s,
                   steps=cfg.start_sft_steps)
     else:
@@ -651,7 +655,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     if cfg.teacher_model:
         adopt_model(cfg, cfg.teacher_model, dest_name="teacher", eval_name="teacher")
     elif setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
-        fine_tune(cfg, start_path, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
+        fine_tune(cfg, start, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
                   steps=cfg.teacher_sft_steps,
                   curriculum="teacher_curriculum" if "teacher_curriculum" in data else "curriculum")
     if setup_only:

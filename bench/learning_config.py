@@ -341,12 +341,12 @@ def check_given_models(cfg: "LearningConfig") -> None:
 #: the deadline and its overhead estimate, what the fast-generation check decided, where the directory lives,
 #: and whether arm exports are kept.
 LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final",
-                  "late_marks")
+                  "late_marks", "runs")
 
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
-    """The settings to record for a (re)started run: ``new``, with the arms of ``old`` kept and its
-    ``fast_generation_used`` decision reused.
+    """The settings to record for a (re)started run: ``new``, with the arms and the requested runs of ``old`` kept
+    and its ``fast_generation_used`` decision reused.
 
     Raises:
         ValueError: ``old`` records other values for a setting outside ``LOOSE_SETTINGS`` (a different
@@ -365,5 +365,6 @@ def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         raise ValueError(f"the run directory holds a run with other settings ({diff}); use another --out")
     out["arms"] = ",".join(x for x in dict.fromkeys(old.get("arms", "").split(",") + arms) if x)
+    out["runs"] = list(dict.fromkeys((old.get("runs") or []) + (new.get("runs") or [])))  # every command's runs
     out["fast_generation_used"] = old.get("fast_generation_used", old.get("fast_generation", True))
     return out

@@ -171,9 +171,14 @@ def report(cfg: LearningConfig) -> dict:
     from data_tools.runio import write_json
 
     evals = load_evals(cfg)
+    saved = cfg.dir / "settings.json"
+    # the runs the directory's commands asked for (since 2026-12-03); before, the recorded arms x the last seeds,
+    # which named runs never asked for once a later command ran other seeds
+    runs = json.loads(saved.read_text()).get("runs") if saved.exists() else None
     # preset "": its values are already in the fields, as settings.json records them (a report run later has no preset)
     res: dict = {"settings": {**dataclasses.asdict(cfg), "preset": ""}, **_collect(cfg, evals, cfg.report_filter),
-                 "skipped": {a: "not run (see the run log)" for a in cfg.instances if a not in evals}}
+                 "skipped": {a: "not run (see the run log)" for a in (cfg.instances if runs is None else runs)
+                             if a not in evals}}
     skip_file = cfg.dir / "skipped.json"  # why run_all skipped or lost arms, kept for later reports
     if skip_file.exists():
         res["skipped"].update({a: w for a, w in json.loads(skip_file.read_text()).items() if a not in evals})
@@ -310,13 +315,13 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
             es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in ms]
             line = ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
             colors[arm] = line.lines[0].get_color()
-        labelled = False
-        for run, h in (col.get("handover") or {}).items():  # a sequential run's model after its last SFT step
-            if h["reached"]:
-                ax.plot(h["train_s"] / 60, h["avg_at_k"], marker="D", ms=7, mfc="none", ls="none",
-                        color=colors.get(arm_group(run), "k"), label=None if labelled else "hand-over (SFT passes end)")
-                labelled = True
-                drawn.append((col["answer_filter"], run, h["train_s"] / 60, h["avg_at_k"]))
+        reached = {run: h for run, h in (col.get("handover") or {}).items() if h["reached"]}
+        for run, h in reached.items():  # a sequential run's model after its last SFT step, in its arm's colour
+            ax.plot(h["train_s"] / 60, h["avg_at_k"], marker="D", ms=7, mfc="none", ls="none", clip_on=False,
+                    color=colors.get(arm_group(run), "k"))
+            drawn.append((col["answer_filter"], run, h["train_s"] / 60, h["avg_at_k"]))
+        if reached:  # one legend entry, in no arm's colour
+            ax.plot([], [], marker="D", ms=7, mfc="none", ls="none", color="k", label="hand-over (SFT passes end)")
         if col.get("teacher"):
             ax.axhline(col["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
         ax.set_xlabel("training minutes on the arm's own clock (evaluation excluded)")
@@ -325,7 +330,7 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
                      (" (reported)" if col is res else " (equal expressions accepted)"))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})")
-    axes[0].legend(fontsize=7, loc="lower right")
+    axes[0].legend(fontsize=7, loc="best")
     fig.suptitle(f"SmolLM2-135M-Instruct: arms at equal training seconds (reward graded '{cfg.answer_filter}')")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")

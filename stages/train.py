@@ -169,7 +169,7 @@ class _Console(TrainerCallback):
             k = getattr(args, "sft_handover_reset", 0)
             reset = f"; optimizer moments reset, rate warming up over {k} steps" if k else ""
             print(f"[train] on-policy from step {state.global_step} (after {self._sft_steps} off-policy SFT steps, "
-                  f"{g('sft/epoch'):.0f} passes over the curriculum's teacher solutions{reset})", flush=True)
+                  f"{g('sft/epoch'):.3g} passes over the curriculum's teacher solutions{reset})", flush=True)
         print(f"[step {state.global_step}] loss={g('loss'):.4f} kl={g('kl/sampled_mean'):.4f} "
               f"reward={g('reward/mean'):.3f} len={g('completions/mean_length'):.1f} "
               f"step={g('time/step'):.1f}s gen={g('time/generation'):.1f}s", flush=True)

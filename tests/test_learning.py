@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,9 @@ def test_merge_settings_resume_rules():
     # same experiment, other arms / deadline / directory: accepted, arms kept, the fallback decision kept
     again = merge_settings(first, {**base, "arms": "c", "deadline_s": 60.0, "out": "/moved"}, ["c"])
     assert again["arms"] == "a,b,c" and again["fast_generation_used"] is False and again["out"] == "/moved"
+    # the runs each command asked for accumulate (other seeds of other arms are no new experiment)
+    runs = merge_settings({**first, "runs": ["a", "b"]}, {**base, "runs": ["c-s1"], "seeds": "1"}, ["c"])["runs"]
+    assert runs == ["a", "b", "c-s1"]
     with pytest.raises(ValueError, match=r"other settings \(\['lr', 'task'\]\)"):
         merge_settings(first, {**base, "lr": 3e-5, "task": "gsm8k"}, ["a"])
     # a setting added since the old run was recorded: its default is what the old run had
@@ -175,6 +179,11 @@ def test_report_tables_and_comparisons(tmp_path):
     assert res["arms"]["c"]["marks"]["20.0"]["step"] == 9
     assert res["arms"]["a"]["marks"]["10.0"]["clip_rate"] == 0.25  # sample 0 of each problem hit the cap
     assert res["best_arm"] == "c" and "d" in res["skipped"]
+    # with the requested runs recorded, only those are "not run" (here d's seed 1, not the arms x last seeds)
+    (cfg.dir / "settings.json").write_text(json.dumps({"runs": ["a", "c", "d-s1"]}))
+    assert set(report(cfg)["skipped"]) == {"d-s1"}
+    (cfg.dir / "settings.json").unlink()
+    res = report(cfg)
     cmp = res["comparisons_at_last_mark"]["a"]
     diffs = [0.5, 0.25, 0.0, 0.5]  # c - a per problem
     m = sum(diffs) / 4
@@ -227,6 +236,8 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "start: SFT" in p.stdout and "(step 2)" in p.stdout and "(step 3)" in p.stdout
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["runs"] == ["a", "c", "d", "f"] and settings["start_path"] == str(out / "start")
     cfg = LearningConfig(out=str(out), preset="cpu_smoke", start_sft_steps=2, teacher_sft_steps=3)
     per_mark = cfg.n_test * cfg.eval_samples
     from transformers import AutoModelForCausalLM
@@ -555,3 +566,12 @@ def test_a_moved_run_directory_takes_its_start_along(tmp_path):
     assert arm_recipe(cfg, "c")["student_model"] == str(cfg.dir / "start")
     (cfg.dir / "settings.json").write_text(json.dumps({"out": "/tmp/learn_i4", "start_path": "/models/student"}))
     assert start_path(cfg) == "/models/student"
+    # an older record of a relative --out (start_path was always resolved), read from where it was typed
+    old = tmp_path / "rel"
+    (cfg.dir / "settings.json").write_text(json.dumps({"out": "rel", "start_path": str(old / "start")}))
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert start_path(cfg) == str(cfg.dir / "start")
+    finally:
+        os.chdir(cwd)
