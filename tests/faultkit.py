@@ -96,10 +96,19 @@ def wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None, wh
         time.sleep(0.3)
 
 
+def default_sigint() -> None:
+    """``preexec_fn``: SIGINT back to its default in the child. pytest started as a background job of a script
+    (``cmd &`` without job control) inherits SIGINT ignored, and bash cannot trap a signal ignored at its entry,
+    so run.sh's Ctrl-C tests would test that launcher rather than run.sh (2026-12-03: both failed so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
-    """Start ``cmd`` in its own session (so a process-group signal is what a terminal's Ctrl-C sends), output to ``log``."""
+    """Start ``cmd`` in its own session (so a process-group signal is what a terminal's Ctrl-C sends), output to ``log``,
+    with SIGINT at its default as a terminal's foreground job has it."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=default_sigint)
     proc.log = log
     return proc
 

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_tools import clock
+from tests.faultkit import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -468,7 +469,8 @@ def test_ctrl_c_during_training_saves_stops_and_releases_the_lock(demo_run, tmp_
                         CURATE_CONFIG=cfg)
     log = tmp_path / "log"
     with open(log, "w") as f:
-        p = subprocess.Popen(["bash", str(REPO / "run.sh")], env=env, stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(["bash", str(REPO / "run.sh")], env=env, stdout=f, stderr=subprocess.STDOUT,
+                             preexec_fn=default_sigint)  # as a terminal's foreground job, however pytest was started
     try:
         deadline = time.time() + 600
         while lines() == before:  # a new training step: training is running
