@@ -370,12 +370,15 @@ def _budget_record(cfg: CurateConfig, budget: ChunkBudget, timings: dict, rollou
            "mean_completion_tokens": round(pa.compute.mean(student["n_tokens"]).as_py() or 0.0, 1) if student.num_rows else None}
 
 
-def _budget_line(b: dict) -> str:
+def _budget_line(b: dict, engine_started: bool = True) -> str:
+    """One line on this run's clock. ``engine_started`` False: every chunk was on disk, so the record's
+    start-up and rate are the earlier run's (kept for run.sh's estimate) and are not printed as this run's."""
     end = "no clock" if b["budget_end_s"] is None else f"budget until {b['budget_end_s']:.0f}s"
     tps = b["completion_tokens_per_s"]
+    spent = (f"engine start-up {b['engine_startup_s'] or 0:.0f}s, generation {b['generation_s']:.0f}s at "
+             f"{tps or 0:.0f} completion tok/s" if engine_started else "no engine started: every chunk was on disk")
     return (f"[curate] clock: {end}, stage one ended at {b['ended_at_s']:.0f}s on the run's clock (set-up {b['setup_s']:.0f}s, "
-            f"engine start-up {b['engine_startup_s'] or 0:.0f}s, generation {b['generation_s']:.0f}s at "
-            f"{tps or 0:.0f} completion tok/s); measured {b['chunks_measured']}/{b['chunks']} chunks = "
+            f"{spent}); measured {b['chunks_measured']}/{b['chunks']} chunks = "
             f"{b['problems_measured']} problems ({b['problems_unmeasured']} not visited); {b['stop_reason']}")
 
 
@@ -523,7 +526,7 @@ def curate(cfg: CurateConfig) -> dict:
                 "tables": {k: str(out / f"{k}.parquet") for k in ("rollouts", "problems", "curriculum", "rejects")},
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(manifest, out / "manifest.json")
-    print(_budget_line(budget_rec), flush=True)
+    print(_budget_line(budget_rec, engine_started=bool(engine_used)), flush=True)
     unvisited = counts["problems"] - counts["problems_measured"]
     print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum, "
           f"{counts['load_rejects'] + counts['filter_rejects']} rejects"

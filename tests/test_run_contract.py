@@ -322,9 +322,12 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
     assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
     n_calls = len(calls)
-    C.curate(cfg)  # a third run finds everything on disk and generates nothing
+    m = C.curate(cfg)  # a third run finds everything on disk and generates nothing
     assert "6/6 teacher and 6/6 student chunks already in" in (text := capsys.readouterr().out)
     assert "nothing left to measure" in text and len(calls) == n_calls
+    # its clock line reports no engine of its own (the manifest keeps the earlier run's rates for run.sh)
+    assert "no engine started: every chunk was on disk" in text and "engine start-up" not in text
+    assert m["budget"]["engine_startup_s"] == 5.0
 
 
 def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypatch):
