@@ -256,3 +256,64 @@ def test_snapshot_runs_its_own_weights(tokenizer):
         assert not torch.allclose(before, after)
         torch.testing.assert_close(snap(input_ids=ids).logits, before)
     assert not any(p.requires_grad for p in snap.parameters()) and not snap.training
+
+
+def test_device_synchronize_waits_for_a_capture(monkeypatch):
+    """``guard_device_synchronize``: a ``torch.cuda.synchronize()`` from another thread blocks while the worker
+    holds ``CAPTURE_LOCK`` (a capture in progress) and runs once it is released; the worker's own call inside
+    the lock passes (re-entrant); guarding twice wraps once. The CUDA call is replaced by a recorder here."""
+    import trainers.async_rollouts as ar
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(threading.current_thread().name))
+    ar.guard_device_synchronize()
+    guarded = torch.cuda.synchronize
+    ar.guard_device_synchronize()
+    assert torch.cuda.synchronize is guarded and guarded._opd_unguarded is not None
+
+    held, release = threading.Event(), threading.Event()
+
+    def capture():
+        with ar.CAPTURE_LOCK:
+            torch.cuda.synchronize()  # the worker's own, inside its capture block
+            held.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=capture, name="capturer")
+    worker.start()
+    assert held.wait(10)
+    main = threading.Thread(target=torch.cuda.synchronize, name="trainer")
+    main.start()
+    main.join(0.3)
+    assert main.is_alive() and calls == ["capturer"]  # waiting for the capture to end
+    release.set()
+    main.join(10)
+    worker.join(10)
+    assert not main.is_alive() and calls == ["capturer", "trainer"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_survives_device_synchronize_from_the_main_thread(tokenizer):
+    """RESULTS.md run 10: inductor's autotuning called ``torch.cuda.synchronize()`` in the main thread while the
+    worker captured a decode graph ("operation not permitted when stream is capturing"). Here the main thread
+    synchronizes the device in a loop while the worker decodes with compaction (a capture per new window); the
+    completions must equal a synchronous greedy decode of the same weights."""
+    from trainers.async_rollouts import AsyncRollouts
+    from trainers.generation import FastGenerator, SamplingParams
+
+    model = tiny_model(tokenizer, seed=3).cuda()
+    sp = SamplingParams(max_new_tokens=300, temperature=1.0, top_p=1.0, top_k=0, do_sample=False)
+    prompts = [[1 + (i * 7 + j) % 50 for j in range(5 + i % 4)] for i in range(24)]
+    ar = AsyncRollouts(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], compaction=True, attn_bucket=16)
+    ar.launch(model, prompts, sp, version=0)
+    x = torch.randn(256, 256, device="cuda")
+    n = 0
+    while ar.busy:
+        x = (x @ x).tanh()
+        torch.cuda.synchronize()
+        n += 1
+    job = ar.take(prompts)
+    expect = FastGenerator(tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(model, prompts, sp)
+    assert n > 0 and job is not None and job.completions == expect
+    assert ar.generator.stats.get("graphs", 0) >= 2

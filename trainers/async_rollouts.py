@@ -42,6 +42,32 @@ from transformers import TrainerCallback
 from trainers.generation import FastGenerator, SamplingParams, decode_options
 
 
+#: Held by the worker from each CUDA-graph capture's warm-up to its end (``FastGenerator(capture_lock=...)``).
+#: Synchronizing the whole device while any stream captures fails in every capture mode ("operation not permitted
+#: when stream is capturing"), and the main thread does it where we do not control it: inductor's autotuning
+#: benchmarks the compiled layers' kernels with ``torch.cuda.synchronize()`` in the first backward (RESULTS.md
+#: run 10, the async step with ``compile_layers``). ``guard_device_synchronize`` makes that call wait for the lock.
+CAPTURE_LOCK = threading.RLock()
+
+
+def guard_device_synchronize() -> None:
+    """Replace ``torch.cuda.synchronize`` (once per process) by a version that takes ``CAPTURE_LOCK`` first, so a
+    device-wide synchronize from any thread waits for the worker's capture in progress instead of breaking it.
+    The lock is re-entrant: the worker's own synchronizes inside its capture block pass. Never removed (an
+    uncontended lock per call)."""
+    orig = torch.cuda.synchronize
+    if getattr(orig, "_opd_unguarded", None) is not None:
+        return
+
+    def synchronize(device=None):
+        with CAPTURE_LOCK:
+            return orig(device)
+
+    synchronize._opd_unguarded = orig
+    synchronize.__doc__ = orig.__doc__
+    torch.cuda.synchronize = synchronize
+
+
 @dataclass
 class Rollouts:
     """One generation batch from the snapshot: ids and behaviour log-probs per completion.
@@ -102,7 +128,9 @@ class AsyncRollouts:
         # keep_cache: the snapshot's addresses never change, so the captured decode step is reused each step
         self.generator = FastGenerator(pad_token_id, eos_token_ids, keep_cache=True,
                                        capture_error_mode="thread_local", stop_event=self._stop,
-                                       **generator_kw)
+                                       capture_lock=CAPTURE_LOCK, **generator_kw)
+        if self.device.type == "cuda":
+            guard_device_synchronize()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread: threading.Thread | None = None
         self._job: Rollouts | None = None

@@ -196,8 +196,8 @@ class OPDConfig(DistillationConfig):
         "help": "fast_generation only: the decode step's decoder layers through torch.compile (dynamic=False, one "
                 "compile per batch bucket; the attention over the cache stays eager) inside the captured CUDA graph. "
                 "Needs CUDA: on CPU it is off, with a warning. With compaction, 1.34x faster again on the same call, "
-                "for ~23 s of compiling once per process: on in the formal recipe, off by default and in the demos "
-                "(bench/RESULTS.md, run 7)."})
+                "for ~23 s of compiling once per process (bench/RESULTS.md run 7); the realistic step 137.8 -> 121.5 s (run "
+                "10). On in the formal recipe, off by default and in the demos."})
     decode_kv_growth: bool = field(default=True, metadata={
         "help": "fast_generation with decode_compaction only (ignored without it): the decoder's KV cache holds only "
                 "the current window instead of the whole batch at full length: its length grows with the attention "
