@@ -259,53 +259,69 @@ def test_snapshot_runs_its_own_weights(tokenizer):
 
 
 def test_device_synchronize_waits_for_a_capture(monkeypatch):
-    """``guard_device_synchronize``: a ``torch.cuda.synchronize()`` from another thread blocks while the worker
-    holds ``CAPTURE_LOCK`` (a capture in progress) and runs once it is released; the worker's own call inside
-    the lock passes (re-entrant); guarding twice wraps once. The CUDA call is replaced by a recorder here."""
+    """``guard_device_synchronize``: each device-wide synchronize (``torch.cuda.synchronize``, dynamo's
+    ``CudaInterface.synchronize`` that inductor's benchmarker calls in torch 2.13, ``torch.accelerator.synchronize``)
+    called from another thread blocks while the worker holds ``CAPTURE_LOCK`` (a capture in progress) and runs once
+    it is released; the worker's own call inside the lock passes (re-entrant); guarding twice wraps once. The CUDA
+    calls are replaced by recorders here."""
     import trainers.async_rollouts as ar
+    from torch._dynamo.device_interface import CudaInterface
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(threading.current_thread().name))
+
+    def recorder(what):
+        return lambda *a, **k: calls.append((what, threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", recorder("cuda"))
+    monkeypatch.setattr(CudaInterface, "synchronize", staticmethod(recorder("dynamo")))
+    monkeypatch.setattr(torch.accelerator, "synchronize", recorder("accelerator"))
     ar.guard_device_synchronize()
-    guarded = torch.cuda.synchronize
+    guarded = (torch.cuda.synchronize, CudaInterface.synchronize, torch.accelerator.synchronize)
     ar.guard_device_synchronize()
-    assert torch.cuda.synchronize is guarded and guarded._opd_unguarded is not None
+    assert (torch.cuda.synchronize, CudaInterface.synchronize, torch.accelerator.synchronize) == guarded
+    assert all(g._opd_unguarded is not None for g in guarded)
 
-    held, release = threading.Event(), threading.Event()
+    for what, sync in (("cuda", lambda: torch.cuda.synchronize()), ("dynamo", lambda: CudaInterface.synchronize()),
+                       ("accelerator", lambda: torch.accelerator.synchronize())):
+        calls.clear()
+        held, release = threading.Event(), threading.Event()
 
-    def capture():
-        with ar.CAPTURE_LOCK:
-            torch.cuda.synchronize()  # the worker's own, inside its capture block
-            held.set()
-            release.wait(10)
+        def capture(sync=sync):
+            with ar.CAPTURE_LOCK:
+                sync()  # the worker's own, inside its capture block
+                held.set()
+                release.wait(10)
 
-    worker = threading.Thread(target=capture, name="capturer")
-    worker.start()
-    assert held.wait(10)
-    main = threading.Thread(target=torch.cuda.synchronize, name="trainer")
-    main.start()
-    main.join(0.3)
-    assert main.is_alive() and calls == ["capturer"]  # waiting for the capture to end
-    release.set()
-    main.join(10)
-    worker.join(10)
-    assert not main.is_alive() and calls == ["capturer", "trainer"]
+        worker = threading.Thread(target=capture, name="capturer")
+        worker.start()
+        assert held.wait(10)
+        main = threading.Thread(target=sync, name="trainer")
+        main.start()
+        main.join(0.3)
+        assert main.is_alive() and calls == [(what, "capturer")], what  # waiting for the capture to end
+        release.set()
+        main.join(10)
+        worker.join(10)
+        assert not main.is_alive() and calls == [(what, "capturer"), (what, "trainer")], what
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_capture_survives_device_synchronize_from_the_main_thread(tokenizer):
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_capture_survives_device_synchronize_from_the_main_thread(tokenizer, compile_step):
     """RESULTS.md run 10: inductor's autotuning called ``torch.cuda.synchronize()`` in the main thread while the
     worker captured a decode graph ("operation not permitted when stream is capturing"). Here the main thread
-    synchronizes the device in a loop while the worker decodes with compaction (a capture per new window); the
-    completions must equal a synchronous greedy decode of the same weights."""
+    synchronizes the device in a loop while the worker decodes with compaction (a capture per new window), with and
+    without ``decode_compile`` (the worker compiles each new batch bucket outside the lock); the completions must
+    equal a synchronous greedy decode of the same weights."""
     from trainers.async_rollouts import AsyncRollouts
     from trainers.generation import FastGenerator, SamplingParams
 
     model = tiny_model(tokenizer, seed=3).cuda()
     sp = SamplingParams(max_new_tokens=300, temperature=1.0, top_p=1.0, top_k=0, do_sample=False)
     prompts = [[1 + (i * 7 + j) % 50 for j in range(5 + i % 4)] for i in range(24)]
-    ar = AsyncRollouts(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], compaction=True, attn_bucket=16)
+    ar = AsyncRollouts(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], compaction=True, attn_bucket=16,
+                       compile_step=compile_step)
     ar.launch(model, prompts, sp, version=0)
     x = torch.randn(256, 256, device="cuda")
     n = 0

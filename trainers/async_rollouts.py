@@ -42,30 +42,44 @@ from transformers import TrainerCallback
 from trainers.generation import FastGenerator, SamplingParams, decode_options
 
 
-#: Held by the worker from each CUDA-graph capture's warm-up to its end (``FastGenerator(capture_lock=...)``).
+#: Held by the worker around each CUDA-graph capture (``FastGenerator(capture_lock=...)``: from the synchronize
+#: before ``torch.cuda.graph`` to the one after it; the warm-up step, where ``decode_compile`` compiles, runs outside
+#: it, so a compile that waits on dynamo's lock held by the main thread can never wait on this one too).
 #: Synchronizing the whole device while any stream captures fails in every capture mode ("operation not permitted
 #: when stream is capturing"), and the main thread does it where we do not control it: inductor's autotuning
-#: benchmarks the compiled layers' kernels with ``torch.cuda.synchronize()`` in the first backward (RESULTS.md
-#: run 10, the async step with ``compile_layers``). ``guard_device_synchronize`` makes that call wait for the lock.
+#: benchmarks the compiled layers' kernels with a device synchronize in the first backward (RESULTS.md run 10, the
+#: async step with ``compile_layers``). ``guard_device_synchronize`` makes those calls wait for the lock.
 CAPTURE_LOCK = threading.RLock()
 
 
-def guard_device_synchronize() -> None:
-    """Replace ``torch.cuda.synchronize`` (once per process) by a version that takes ``CAPTURE_LOCK`` first, so a
-    device-wide synchronize from any thread waits for the worker's capture in progress instead of breaking it.
-    The lock is re-entrant: the worker's own synchronizes inside its capture block pass. Never removed (an
-    uncontended lock per call)."""
-    orig = torch.cuda.synchronize
-    if getattr(orig, "_opd_unguarded", None) is not None:
-        return
-
-    def synchronize(device=None):
+def _guarded(orig):
+    def synchronize(*args, **kwargs):
         with CAPTURE_LOCK:
-            return orig(device)
+            return orig(*args, **kwargs)
 
     synchronize._opd_unguarded = orig
     synchronize.__doc__ = orig.__doc__
-    torch.cuda.synchronize = synchronize
+    return synchronize
+
+
+def guard_device_synchronize() -> None:
+    """Route the device-wide synchronizes of this process through ``CAPTURE_LOCK`` (once per process), so one from
+    any thread waits for the worker's capture in progress instead of breaking it: ``torch.cuda.synchronize``
+    (inductor's benchmarker calls it in torch 2.11), dynamo's ``CudaInterface.synchronize`` (a staticmethod bound to
+    the original at import; inductor's benchmarker calls it in torch 2.13) and ``torch.accelerator.synchronize``.
+    The lock is re-entrant: the worker's own synchronizes inside its capture block pass. Never removed (an
+    uncontended lock per call)."""
+    if getattr(torch.cuda.synchronize, "_opd_unguarded", None) is None:
+        torch.cuda.synchronize = _guarded(torch.cuda.synchronize)
+    try:
+        from torch._dynamo.device_interface import CudaInterface
+    except ImportError:  # pragma: no cover - private module moved
+        CudaInterface = None
+    if CudaInterface is not None and getattr(CudaInterface.synchronize, "_opd_unguarded", None) is None:
+        CudaInterface.synchronize = staticmethod(_guarded(CudaInterface.synchronize))
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "synchronize") and getattr(acc.synchronize, "_opd_unguarded", None) is None:
+        acc.synchronize = _guarded(acc.synchronize)
 
 
 @dataclass

@@ -354,8 +354,8 @@ class FastGenerator:
         min_batch_bucket: smallest batch a compaction goes to (below it, the weights' read dominates a step).
         capture_error_mode: ``torch.cuda.graph``'s mode; "thread_local" when another thread keeps
             launching work during the capture (``trainers.async_rollouts``).
-        capture_lock: a lock held from each capture's warm-up to its end (``async_rollouts.CAPTURE_LOCK``):
-            no mode lets another thread synchronize the whole device while a stream captures.
+        capture_lock: a lock held around each capture, not its warm-up (``async_rollouts.CAPTURE_LOCK``): no
+            capture mode lets another thread synchronize the whole device while a stream captures.
         stop_event: a ``threading.Event`` checked at each "all finished?" check: set = stop decoding
             early (the call's output is then incomplete; the caller discards it).
     """
@@ -552,25 +552,27 @@ class FastGenerator:
                 elif key in st.graphs:
                     st.graphs[key].replay()
                 else:  # warm-up (a real decode step, also where a compile happens) on a side stream, then capture
-                    with self.capture_lock:
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        s = torch.cuda.Stream()
-                        s.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(s):
-                            st.step()
-                        torch.cuda.current_stream().wait_stream(s)
-                        if t + 1 < N:  # the capture records a step for the next ones; it executes nothing
-                            if st.pool is None:
-                                st.pool = torch.cuda.graph_pool_handle()
-                            g = torch.cuda.CUDAGraph()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        st.step()
+                    torch.cuda.current_stream().wait_stream(s)
+                    if t + 1 < N:  # the capture records a step for the next ones; it executes nothing
+                        if st.pool is None:
+                            st.pool = torch.cuda.graph_pool_handle()
+                        g = torch.cuda.CUDAGraph()
+                        with self.capture_lock:  # the capture only: a compile (warm-up) never waits inside it
+                            torch.cuda.synchronize()
                             with torch.cuda.graph(g, pool=st.pool, capture_error_mode=self.capture_error_mode):
                                 st.step()
-                            st.graphs[key] = g
-                            last["graphs"] += 1
-                            self.stats["graphs"] = self.stats.get("graphs", 0) + 1
-                        torch.cuda.synchronize()
-                        last["capture_s"] += time.perf_counter() - t0
+                            torch.cuda.synchronize()
+                        st.graphs[key] = g
+                        last["graphs"] += 1
+                        self.stats["graphs"] = self.stats.get("graphs", 0) + 1
+                    torch.cuda.synchronize()
+                    last["capture_s"] += time.perf_counter() - t0
                 t += 1
         finally:
             self.stats["compactions"] = self.stats.get("compactions", 0) + last["compactions"]
