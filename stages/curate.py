@@ -371,12 +371,13 @@ def _budget_record(cfg: CurateConfig, budget: ChunkBudget, timings: dict, rollou
 
 
 def _budget_line(b: dict, engine_started: bool = True) -> str:
-    """One line on this run's clock. ``engine_started`` False: every chunk was on disk, so the record's
-    start-up and rate are the earlier run's (kept for run.sh's estimate) and are not printed as this run's."""
+    """One line on this run's clock. ``engine_started`` False (every chunk was on disk, or the budget was spent
+    before stage one began: ``stop_reason`` says which): the record's start-up and rate are an earlier run's (kept
+    for run.sh's estimate) and are not printed as this run's."""
     end = "no clock" if b["budget_end_s"] is None else f"budget until {b['budget_end_s']:.0f}s"
     tps = b["completion_tokens_per_s"]
     spent = (f"engine start-up {b['engine_startup_s'] or 0:.0f}s, generation {b['generation_s']:.0f}s at "
-             f"{tps or 0:.0f} completion tok/s" if engine_started else "no engine started: every chunk was on disk")
+             f"{tps or 0:.0f} completion tok/s" if engine_started else "no engine started this run")
     return (f"[curate] clock: {end}, stage one ended at {b['ended_at_s']:.0f}s on the run's clock (set-up {b['setup_s']:.0f}s, "
             f"{spent}); measured {b['chunks_measured']}/{b['chunks']} chunks = "
             f"{b['problems_measured']} problems ({b['problems_unmeasured']} not visited); {b['stop_reason']}")
