@@ -42,8 +42,8 @@ from transformers import TrainerCallback
 from trainers.generation import FastGenerator, SamplingParams, decode_options
 
 
-#: Held by the worker around each CUDA-graph capture (``FastGenerator(capture_lock=...)``: from the synchronize
-#: before ``torch.cuda.graph`` to the one after it; the warm-up step, where ``decode_compile`` compiles, runs outside
+#: Held by the worker around each CUDA-graph capture (``FastGenerator(capture_lock=...)``: the ``torch.cuda.graph``
+#: block, whose entry synchronizes the device; the warm-up step, where ``decode_compile`` compiles, runs outside
 #: it, so a compile that waits on dynamo's lock held by the main thread can never wait on this one too).
 #: Synchronizing the whole device while any stream captures fails in every capture mode ("operation not permitted
 #: when stream is capturing"), and the main thread does it where we do not control it: inductor's autotuning
@@ -69,17 +69,14 @@ def guard_device_synchronize() -> None:
     the original at import; inductor's benchmarker calls it in torch 2.13) and ``torch.accelerator.synchronize``.
     The lock is re-entrant: the worker's own synchronizes inside its capture block pass. Never removed (an
     uncontended lock per call)."""
-    if getattr(torch.cuda.synchronize, "_opd_unguarded", None) is None:
-        torch.cuda.synchronize = _guarded(torch.cuda.synchronize)
     try:
         from torch._dynamo.device_interface import CudaInterface
     except ImportError:  # pragma: no cover - private module moved
         CudaInterface = None
-    if CudaInterface is not None and getattr(CudaInterface.synchronize, "_opd_unguarded", None) is None:
-        CudaInterface.synchronize = staticmethod(_guarded(CudaInterface.synchronize))
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "synchronize") and getattr(acc.synchronize, "_opd_unguarded", None) is None:
-        acc.synchronize = _guarded(acc.synchronize)
+    for owner, static in ((torch.cuda, False), (CudaInterface, True), (getattr(torch, "accelerator", None), False)):
+        fn = getattr(owner, "synchronize", None)
+        if fn is not None and getattr(fn, "_opd_unguarded", None) is None:
+            setattr(owner, "synchronize", staticmethod(_guarded(fn)) if static else _guarded(fn))
 
 
 @dataclass

@@ -563,11 +563,10 @@ class FastGenerator:
                         if st.pool is None:
                             st.pool = torch.cuda.graph_pool_handle()
                         g = torch.cuda.CUDAGraph()
-                        with self.capture_lock:  # the capture only: a compile (warm-up) never waits inside it
-                            torch.cuda.synchronize()
-                            with torch.cuda.graph(g, pool=st.pool, capture_error_mode=self.capture_error_mode):
-                                st.step()
-                            torch.cuda.synchronize()
+                        # the capture only (torch.cuda.graph synchronizes on entry): a compile never waits inside it
+                        with self.capture_lock, torch.cuda.graph(g, pool=st.pool,
+                                                                 capture_error_mode=self.capture_error_mode):
+                            st.step()
                         st.graphs[key] = g
                         last["graphs"] += 1
                         self.stats["graphs"] = self.stats.get("graphs", 0) + 1
