@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers, trl; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| trl', trl.__version__)"
 stage model "$PY" -c "from data_tools.models import resolve_model; print(resolve_model(None))"
 
-stage gpu_tests "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+stage gpu_tests "$PY" -m pytest -m gpu -q -p no:cacheprovider
 
 export OUTPUT_DIR="$res/run" EXPERIMENT_NAME=demo_gpu
 export CKPT_DIR="$OUTPUT_DIR/checkpoints"

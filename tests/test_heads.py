@@ -17,7 +17,8 @@ from tests.test_trainer import curriculum_path, make_trainer, tiny_model, tokeni
 from trainers import heads, losses
 
 CUDA = torch.cuda.is_available()
-#: the Liger GPU tests need a CUDA device and liger_kernel (make setup-gpu; bench/offline_gpu.sh prepare carries it)
+#: the Liger GPU tests need a CUDA device and liger_kernel (not in requirements/: pip install liger-kernel==0.8.5;
+#: bench/offline_gpu.sh prepare carries it)
 _LIGER_MISSING = heads.liger_unavailable()
 NEEDS_LIGER = pytest.mark.skipif(_LIGER_MISSING is not None, reason=str(_LIGER_MISSING))
 

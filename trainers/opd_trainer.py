@@ -120,7 +120,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
 
         args = args or OPDConfig()
         if args.use_vllm and not vllm_usable():
-            log.warning("use_vllm is set but vLLM colocate needs CUDA and an importable vllm: using HF generate")
+            log.warning("use_vllm is set but vLLM colocate needs CUDA and an importable vllm: generating with the fast decoder "
+                        "(trainers.generation) where it applies, else HF generate")
             args.use_vllm = False
         if isinstance(model, str):
             model = create_model_from_path(model, dtype=DTYPES[args.model_dtype])
