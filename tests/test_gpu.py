@@ -173,6 +173,15 @@ def test_opd_trainer_steps_on_cuda_write_loadable_exports(tmp_path, tiny_model_d
     changed = [n for n, p in model.named_parameters() if n in start and not torch.equal(p.detach().cpu(), start[n])]
     assert changed, "three steps at lr 1e-3 left every weight unchanged"
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # per-step device memory: the run's peak is the running maximum of the steps' own peaks, and each step's peak is
+    # at least what it left allocated
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert len(recs) == 3
+    run_peak = 0.0
+    for r in recs:
+        assert 0 < r["memory/allocated_gib"] <= r["memory/step_peak_gib"] <= r["memory/peak_gib"]
+        run_peak = max(run_peak, r["memory/step_peak_gib"])
+        assert r["memory/peak_gib"] >= run_peak
 
 
 def test_evaluation_summary_matches_samples_on_cuda(tmp_path):

@@ -440,3 +440,63 @@ def test_export_checkpoint_bf16_rotation_and_atomicity(tmp_path, tokenizer):
     (tmp_path / "rs" / "checkpoint-3").mkdir()
     (tmp_path / "rs" / "checkpoint-3" / "trainer_state.json").write_text("{}")
     assert find_resume_checkpoint(tmp_path / "rs").endswith("checkpoint-3")
+
+
+class _FakeCuda:
+    """torch.cuda's four memory calls over a scripted allocator: ``alloc`` bytes now, ``peak`` since the reset."""
+
+    def __init__(self):
+        self.alloc, self.peak, self.resets = 0, 0, 0
+
+    def is_available(self):
+        return True
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def memory_allocated(self):
+        return self.alloc
+
+    def reset_peak_memory_stats(self):
+        self.resets += 1
+        self.peak = self.alloc
+
+    def use(self, nbytes):  # a transient allocation of nbytes on top of what is held
+        self.peak = max(self.peak, self.alloc + nbytes)
+
+
+def test_step_memory_separates_step_peaks_from_the_run_peak_and_growth():
+    from trainers.model_utils import StepMemory
+
+    gib = 2**30
+    cuda = _FakeCuda()
+    cuda.alloc = 2 * gib
+    cuda.use(6 * gib)  # model loading before the first step: 8 GiB peak
+    mem = StepMemory(cuda)
+    rows = []
+    for transient, kept in ((3, 0.5), (1, 0.5), (2, 0.0)):  # each step: a transient, then memory it keeps
+        mem.begin()
+        cuda.use(int(transient * gib))
+        cuda.alloc += int(kept * gib)
+        rows.append(mem.end())
+    assert cuda.resets == 3
+    assert [r["memory/step_peak_gib"] for r in rows] == [5.0, 3.5, 5.0]
+    assert [r["memory/allocated_gib"] for r in rows] == [2.5, 3.0, 3.0]
+    assert [r["memory/peak_gib"] for r in rows] == [8.0, 8.0, 8.0]  # the loading peak, not lost to the resets
+    cuda.use(10 * gib)  # between steps (an export): 13 GiB, counted at the next step
+    mem.begin()
+    assert mem.end()["memory/peak_gib"] == 13.0
+
+
+def test_step_memory_on_cpu_reports_the_resident_peak_only():
+    import resource
+
+    from trainers.model_utils import StepMemory
+
+    class NoCuda:
+        def is_available(self):
+            return False
+
+    out = StepMemory(NoCuda()).end()
+    assert set(out) == {"memory/peak_gib"}
+    assert out["memory/peak_gib"] == pytest.approx(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, rel=0.01)

@@ -68,3 +68,44 @@ def load_models(args):
         t_tok = AutoTokenizer.from_pretrained(t_path)
         teacher = AutoModelForCausalLM.from_pretrained(t_path, dtype=DTYPES[args.teacher_dtype or args.model_dtype])
     return student, teacher, tok, t_tok
+
+
+class StepMemory:
+    """The device memory of each optimizer step, for the ``memory/*`` metrics.
+
+    ``torch.cuda.max_memory_allocated`` alone is a running maximum: over steps of varying completion lengths it
+    rises whenever a step is longer than every earlier one, and cannot tell that from a leak. So each step starts
+    with ``reset_peak_memory_stats`` and ends with three values (GiB, this process's device):
+
+    - ``memory/peak_gib``: the run's peak so far (the step peaks' maximum, and whatever was allocated before or
+      between steps: model loading, exports), the metric's meaning before this class existed;
+    - ``memory/step_peak_gib``: this step's own peak (generation, teacher scoring, update);
+    - ``memory/allocated_gib``: allocated at the step's end. Flat over steps in a healthy run; a steady rise is
+      memory kept across steps (a leak, or CUDA-graph pools of newly captured decode shapes, which the fast
+      decoder keeps for reuse).
+
+    On a CPU there is no such counter: ``peak_gib`` is the process's peak resident set (``ru_maxrss``), and the other
+    two are not logged. ``cuda`` is injectable for tests (any object with ``is_available``,
+    ``max_memory_allocated``, ``memory_allocated``, ``reset_peak_memory_stats``).
+    """
+
+    def __init__(self, cuda=None):
+        self.cuda = cuda if cuda is not None else torch.cuda
+        self.run_peak = 0
+
+    def begin(self) -> None:
+        """Before a step: fold the peak since the last reset into the run's, then reset it."""
+        if self.cuda.is_available():
+            self.run_peak = max(self.run_peak, self.cuda.max_memory_allocated())
+            self.cuda.reset_peak_memory_stats()
+
+    def end(self) -> dict[str, float]:
+        """After a step: its metrics, GiB (see the class)."""
+        if not self.cuda.is_available():
+            import resource
+
+            return {"memory/peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+        step_peak = self.cuda.max_memory_allocated()
+        self.run_peak = max(self.run_peak, step_peak)
+        return {"memory/peak_gib": self.run_peak / 2**30, "memory/step_peak_gib": step_peak / 2**30,
+                "memory/allocated_gib": self.cuda.memory_allocated() / 2**30}

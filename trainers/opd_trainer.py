@@ -37,7 +37,6 @@ import copy
 import json
 import logging
 import math
-import resource
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -53,7 +52,8 @@ from trainers import async_rollouts, heads, losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  # noqa: F401 - re-exported
-from trainers.model_utils import check_same_tokenizer, load_models, logit_transform, vllm_usable  # noqa: F401
+from trainers.model_utils import (  # noqa: F401
+    StepMemory, check_same_tokenizer, load_models, logit_transform, vllm_usable)
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
 from trainers.schedules import adam_update_sumsq
@@ -78,6 +78,7 @@ class _StepHooks(TrainerCallback):
         self.trainer = trainer
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._step_memory.begin()
         self.trainer._step_t0 = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -206,6 +207,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         self._acc_max: dict[str, float] = {}  # reduced with max across processes (rollout IS statistics)
         self._timers: dict[str, float] = defaultdict(float)
         self._step_t0 = time.perf_counter()
+        self._step_memory = StepMemory()
         self._last_gen_tokens = 0
         self._fraction0 = 0.0  # time_fraction() at the resumed checkpoint (CLOCK_STATE); 0 for a fresh run
         self._pending_rollouts: dict[str, Any] | None = None
@@ -677,10 +679,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         m["time/teacher"].append(teach)
         m["time/update"].append(max(step_s - gen - rew - teach, 0.0))
         m["throughput/tokens_per_s"].append(self._last_gen_tokens / step_s if step_s > 0 else 0.0)
-        if torch.cuda.is_available():
-            m["memory/peak_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
-        else:  # CPU: the process's peak resident set (ru_maxrss is KiB on Linux)
-            m["memory/peak_gib"].append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        for k, v in self._step_memory.end().items():
+            m[k].append(v)
         m["nonfinite/total_skipped"].append(float(self._skipped_steps))
         self._finish_offpolicy(step_s)
         self._flush_rollouts()
