@@ -255,6 +255,7 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         lines.append("")
         for arm, c in cmp.items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
+    lines += _seed_lines(col, cfg)
     if col.get("handover"):
         last = f"{cfg.mark_list[-1]:g} s"
         lines += ["", f"At the hand-over (sequential arms: the model after the last off-policy step, mark_s = "
@@ -270,6 +271,24 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
             lines.append(f"- {n}: hand-over at {h['train_s']:.0f} s (step {h['step']}) {h['avg_at_k']:.3f} ± "
                          f"{_fmt(h['stderr'])}{after}")
     return lines
+
+
+def _seed_lines(col: dict, cfg: LearningConfig) -> list[str]:
+    """Per arm with >= 2 runs: each run's avg@k at the last mark and on the late mean, in run order, with their
+    sample standard deviation (ddof=1): how far one checkpoint and one late mean move between seeds."""
+    late = (col.get("late_mean") or {}).get("comparisons", {})
+    out = []
+    for arm, a in col["arms"].items():
+        parts = []
+        for what, vals in ((f"at {cfg.mark_list[-1]:g} s", a.get("last_mark_by_run", {})),
+                           ("late mean", late.get(arm, {}).get("by_run", {}))):
+            if len(vals) >= 2:
+                v = [vals[n] for n in a["runs"] if n in vals]
+                parts.append(f"{what} " + " / ".join(f"{x:.3f}" for x in v)
+                             + f" (standard deviation {statistics.stdev(v):.4f})")
+        if parts:
+            out.append(f"- {arm}, runs {', '.join(n for n in a['runs'])}: " + "; ".join(parts))
+    return ["", "Between seeds (each run alone):", ""] + out if out else []
 
 
 def results_markdown(res: dict, cfg: LearningConfig) -> str:

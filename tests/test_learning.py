@@ -448,7 +448,12 @@ def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):
     assert c["by_run"] == {"c": 0.75, "c-s1": 0.25} and late["comparisons"]["d"]["by_run"] == {"d": 1.0, "d-s1": 0.75}
     assert c["late_mean"] == pytest.approx(0.5) and c["best_minus_arm"] == pytest.approx(0.375)
     assert c["seed_stderr"] == pytest.approx(seed_stderr([1.0, 0.75], [0.75, 0.25]))
-    assert "between runs ± 0.280 from 2 and 2 seeds" in (cfg.dir / "results.md").read_text()
+    md = (cfg.dir / "results.md").read_text()
+    assert "between runs ± 0.280 from 2 and 2 seeds" in md
+    # each run alone: c-s2 has its 10 s mark only, so it is in neither list (no 20 s mark, no late mean)
+    sd = math.sqrt(2 * 0.25**2)  # of 0.75 and 0.25
+    assert (f"- c, runs c, c-s1, c-s2: at 20 s 0.750 / 0.250 (standard deviation {sd:.4f}); late mean 0.750 / 0.250 "
+            f"(standard deviation {sd:.4f})") in md
 
 
 def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
