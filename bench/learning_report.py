@@ -121,6 +121,9 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
                      seed_stderr=seed_stderr(list(per_run[best].values()), list(per_run[arm].values()))
                      if arm != best else None)
         out["late_mean"] = {"marks": late_m, "best_arm": best, "comparisons": cmp}
+    sweep = rate_sweep(out, cfg)
+    if sweep:
+        out["rate_sweep"] = sweep
     handover = {}  # per run of a sequential arm: its model at the hand-over, and what the on-policy steps did to it
     for name in sorted(n for n in evals if n not in ("student", "teacher")):
         ho = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == HANDOVER_MARK]
@@ -138,6 +141,31 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
                                   last_minus_handover=d, last_minus_handover_stderr=se)
     if handover:
         out["handover"] = handover
+    return out
+
+
+def rate_sweep(col: dict, cfg: LearningConfig) -> dict[str, dict]:
+    """Per arm run at >= 2 learning rates (``a``, ``a@3e-05``, ...): each rate's avg@k at the last mark and on the
+    late mean (seeds pooled), and the best rate, chosen on the late mean where every rate has one, else on the last
+    mark. ``edge`` is True when the best is the lowest or highest rate tried: the sweep has not bracketed the
+    optimum, and a rate beyond it may do better. Rates with no evaluation at the last mark are left out."""
+    late = (col.get("late_mean") or {}).get("comparisons", {})
+    last = str(cfg.mark_list[-1])
+    by_arm: dict[str, dict[float, dict]] = {}
+    for group, a in col["arms"].items():
+        if last not in a["marks"]:
+            continue
+        arm, lr, _ = cfg.parse_run(group)
+        by_arm.setdefault(arm, {})[lr] = {"run": group, "last_mark": a["marks"][last]["avg_at_k"],
+                                          "late_mean": late.get(group, {}).get("late_mean")}
+    out = {}
+    for arm, rates in by_arm.items():
+        if len(rates) < 2:
+            continue
+        key = "late_mean" if all(r["late_mean"] is not None for r in rates.values()) else "last_mark"
+        best = max(rates, key=lambda lr: rates[lr][key])
+        out[arm] = {"rates": {f"{lr:g}": r for lr, r in sorted(rates.items())}, "chosen_on": key,
+                    "best_lr": best, "edge": best in (min(rates), max(rates))}
     return out
 
 
@@ -256,6 +284,15 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         for arm, c in cmp.items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
     lines += _seed_lines(col, cfg)
+    if col.get("rate_sweep"):
+        lines += ["", "Learning-rate sweep (each arm at the rates it ran; seeds pooled):", ""]
+        for arm, sw in col["rate_sweep"].items():
+            on = "on the late mean" if sw["chosen_on"] == "late_mean" else f"at {cfg.mark_list[-1]:g} s"
+            cells = [f"{lr} {r['last_mark']:.3f}" + (f" (late {r['late_mean']:.3f})" if r["late_mean"] is not None else "")
+                     for lr, r in sw["rates"].items()]
+            edge = ": the sweep's edge, a rate beyond it is untried" if sw["edge"] else ""
+            lines.append(f"- {arm} ({cfg.label(arm)}), at {cfg.mark_list[-1]:g} s: " + ", ".join(cells)
+                         + f"; best {on}: **{sw['best_lr']:g}**{edge}")
     if col.get("handover"):
         last = f"{cfg.mark_list[-1]:g} s"
         lines += ["", f"At the hand-over (sequential arms: the model after the last off-policy step, mark_s = "

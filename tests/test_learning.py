@@ -580,3 +580,37 @@ def test_a_moved_run_directory_takes_its_start_along(tmp_path):
         assert start_path(cfg) == str(cfg.dir / "start")
     finally:
         os.chdir(cwd)
+
+
+def test_report_names_each_arms_best_rate_and_whether_the_sweep_brackets_it(tmp_path):
+    """Arm a at three rates, c at two (one with a second seed), d at one: the sweep lists a and c only, picks the
+    best on the late mean (marks 10 and 20 pooled), and says when the best is the sweep's lowest or highest rate."""
+    cfg = LearningConfig(out=str(tmp_path / "run"), arms="a", marks="10,20", late_marks=2, budget_s=20, n_test=2,
+                         eval_samples=2)  # default lr 1e-5: run "a" is a@1e-05
+    ev = cfg.dir / "evals"
+    write_parquet(_rows("student", {"p1": [0, 0], "p2": [0, 0]}), ev / "student.parquet")
+    runs = {  # name: (10 s marks, 20 s marks), per problem p1, p2
+        "a@3e-06": (([0, 0], [0, 0]), ([1, 0], [0, 0])),  # late 0.125
+        "a": (([1, 0], [1, 0]), ([1, 1], [1, 0])),  # late 0.625
+        "a@3e-05": (([1, 1], [1, 1]), ([0, 0], [0, 0])),  # late 0.5, 0.0 at 20 s
+        "c": (([0, 0], [0, 0]), ([1, 0], [0, 0])),  # late 0.125
+        "c-s1": (([1, 1], [0, 0]), ([1, 1], [0, 0])),  # late 0.5 -> c pooled 0.3125
+        "c@3e-05": (([1, 1], [1, 0]), ([1, 1], [1, 1])),  # late 0.875
+        "d@3e-05": (([1, 1], [1, 1]), ([1, 1], [1, 1])),
+    }
+    for name, (m10, m20) in runs.items():
+        rows = _rows(name, dict(zip(("p1", "p2"), m10)), 10, 1) + _rows(name, dict(zip(("p1", "p2"), m20)), 20, 2)
+        write_parquet(rows, ev / f"{name}.parquet")
+    sw = report(cfg)["rate_sweep"]
+    assert set(sw) == {"a", "c"}
+    a = sw["a"]
+    assert list(a["rates"]) == ["3e-06", "1e-05", "3e-05"] and a["chosen_on"] == "late_mean"
+    assert [r["late_mean"] for r in a["rates"].values()] == pytest.approx([0.125, 0.625, 0.5])
+    assert [r["last_mark"] for r in a["rates"].values()] == pytest.approx([0.25, 0.75, 0.0])
+    assert (a["best_lr"], a["edge"]) == (1e-5, False)
+    assert sw["c"]["rates"]["1e-05"]["late_mean"] == pytest.approx(0.3125)
+    assert (sw["c"]["best_lr"], sw["c"]["edge"]) == (3e-5, True)
+    md = (cfg.dir / "results.md").read_text()
+    assert ("- a (reward only (w_kl=0)), at 20 s: 3e-06 0.250 (late 0.125), 1e-05 0.750 (late 0.625), 3e-05 0.000 "
+            "(late 0.500); best on the late mean: **1e-05**") in md
+    assert "best on the late mean: **3e-05**: the sweep's edge, a rate beyond it is untried" in md
