@@ -324,7 +324,7 @@ def _seed_lines(col: dict, cfg: LearningConfig) -> list[str]:
                 parts.append(f"{what} " + " / ".join(f"{x:.3f}" for x in v)
                              + f" (standard deviation {statistics.stdev(v):.4f})")
         if parts:
-            out.append(f"- {arm}, runs {', '.join(n for n in a['runs'])}: " + "; ".join(parts))
+            out.append(f"- {arm}, runs {', '.join(a['runs'])}: " + "; ".join(parts))
     return ["", "Between seeds (each run alone):", ""] + out if out else []
 
 
@@ -369,7 +369,9 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
             xs = [0.0] + [a["marks"][str(m)]["train_s"] / 60 for m in ms]
             ys = [s["avg_at_k"]] + [a["marks"][str(m)]["avg_at_k"] for m in ms]
             es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in ms]
-            line = ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{arm}: {a['label']}")
+            # past the colour cycle's 10 colours a line style tells two arms of one colour apart
+            style = ("-", "--", ":", "-.")[(len(colors) // 10) % 4]
+            line = ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, ls=style, label=f"{arm}: {a['label']}")
             colors[arm] = line.lines[0].get_color()
         reached = {run: h for run, h in (col.get("handover") or {}).items() if h["reached"]}
         for run, h in reached.items():  # a sequential run's model after its last SFT step, in its arm's colour
@@ -386,9 +388,14 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
                      (" (reported)" if col is res else " (equal expressions accepted)"))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})")
-    axes[0].legend(fontsize=7, loc="best")
+    # The legend goes under the panels: inside them it hid lines (a sweep of 10 arms covered d's, 2026-12-03).
+    handles, labels = axes[0].get_legend_handles_labels()
+    ncol = 2 if len(labels) > 4 else 1
+    rows = -(-len(labels) // ncol)
+    fig.set_size_inches(6.5 * len(panels), 4.5 + 0.2 * rows)
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=ncol, frameon=False)
     fig.suptitle(f"SmolLM2-135M-Instruct: arms at equal training seconds (reward graded '{cfg.answer_filter}')")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, (0.2 * rows + 0.15) / (4.5 + 0.2 * rows), 1, 1))
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
