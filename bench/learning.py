@@ -539,11 +539,17 @@ def _parse(argv):
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(LearningConfig)
-    parser.add_argument("--stage", default="all", choices=["all", "setup", "arm", "recipe", "report", "regrade"],
+    parser.add_argument("--stage", default="all",
+                        choices=["all", "setup", "arm", "recipe", "report", "regrade", "pool"],
                         help="all: data, start, teacher, baseline, every arm (each in a subprocess), report. setup: "
                              "all but the arms. recipe: print --arm's stages.train YAML. report: redraw from evals/. "
-                             "regrade: grade evals/ again under both answer filters.")
+                             "regrade: grade evals/ again under both answer filters. pool: copy --pool_from's arm "
+                             "runs into --out (after checking both ran the same setup: bench/learning_pool.py), "
+                             "then report.")
     parser.add_argument("--arm", default=None, help="--stage arm / recipe: which arm run (e.g. f@3e-05-s1).")
+    parser.add_argument("--pool_from", default="",
+                        help="--stage pool: comma-separated run directories (e.g. packed tables of a later lease) "
+                             "whose arm runs join --out's.")
     cfg, extra = parser.parse_args_into_dataclasses(args=argv)
     return cfg, extra
 
@@ -561,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights (design.md section 8), TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
-    if extra.stage in ("arm", "recipe", "report", "regrade"):
+    if extra.stage == "pool" and not extra.pool_from:
+        print("bench.learning: --stage pool needs --pool_from DIR[,DIR...]", file=sys.stderr)
+        return 2
+    if extra.stage in ("arm", "recipe", "report", "regrade", "pool"):
         saved = cfg.dir / "settings.json"
         if not saved.exists():
             print(f"bench.learning: {saved} not found: run --stage setup (or the experiment) on this --out first: "
@@ -595,6 +604,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if extra.stage == "regrade":
                 regrade(cfg)
+            if extra.stage == "pool":
+                from bench.learning_pool import pool
+
+                for src in [x for x in extra.pool_from.split(",") if x.strip()]:
+                    rec = pool(cfg.dir, Path(src.strip()))
+                    print(f"[learning] pooled {rec['from']}: checked {', '.join(rec['checked'])}; copied "
+                          f"{', '.join(rec['copied']) or 'nothing'}" + (f"; already here: {', '.join(rec['skipped'])}"
+                                                                         if rec["skipped"] else ""))
             report(cfg)
         except (ValueError, FileNotFoundError) as e:
             print(f"bench.learning: {e}", file=sys.stderr)

@@ -614,3 +614,58 @@ def test_report_names_each_arms_best_rate_and_whether_the_sweep_brackets_it(tmp_
     assert ("- a (reward only (w_kl=0)), at 20 s: 3e-06 0.250 (late 0.125), 1e-05 0.750 (late 0.625), 3e-05 0.000 "
             "(late 0.500); best on the late mean: **1e-05**") in md
     assert "best on the late mean: **3e-05**: the sweep's edge, a rate beyond it is untried" in md
+
+
+def _pool_dir(root: Path, runs: dict[str, dict[str, list[bool]]], *, student_text="x", **settings) -> Path:
+    """A run directory as a lease leaves it: settings.json, the setup's evaluations and some arm runs."""
+    from data_tools.runio import write_json
+
+    write_json({"budget_s": 10.0, "marks": "10", "lr": 1e-5, "deadline_s": 540.0, **settings}, root / "settings.json")
+    probs = {"p1": [0, 1], "p2": [0, 0]}
+    student = _rows("student", probs)
+    for r in student:
+        r["completion"] = f"{student_text}-{r['problem_id']}-{r['sample_index']}"
+    write_parquet(student, root / "evals" / "student.parquet")
+    write_parquet(_rows("teacher", {"p1": [1, 1], "p2": [1, 0]}), root / "evals" / "teacher.parquet")
+    for name, rates in runs.items():
+        write_parquet(_rows(name, rates, 10, 3), root / "evals" / f"{name}.parquet")
+        (root / "arms" / name / "metrics").mkdir(parents=True)
+        (root / "arms" / name / "metrics" / "train.jsonl").write_text('{"step": 1}\n')
+    return root
+
+
+def test_pool_joins_a_later_lease_after_checking_its_setup(tmp_path):
+    from bench.learning_pool import pool
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}})
+    src = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}}, deadline_s=300.0, arms="c", seeds="1")
+    rec = pool(dest, src)
+    assert rec["copied"] == ["c-s1"] and rec["skipped"] == []
+    assert rec["checked"] == ["student (4 completions equal)", "teacher (4 completions equal)"]
+    assert pq.read_table(dest / "evals" / "c-s1.parquet").num_rows == 4
+    assert (dest / "arms" / "c-s1" / "metrics" / "train.jsonl").read_text() == '{"step": 1}\n'
+    cfg = LearningConfig(out=str(dest), arms="c", seeds="0,1", marks="10", budget_s=10, n_test=2, eval_samples=2)
+    assert report(cfg)["arms"]["c"]["runs"] == ["c", "c-s1"]  # the pooled seed is read with the first
+    again = pool(dest, src)  # the same runs again: skipped, nothing rewritten, both pools recorded
+    assert again["copied"] == [] and again["skipped"] == ["c-s1"]
+    assert [r["copied"] for r in json.loads((dest / "pooled.json").read_text())] == [["c-s1"], []]
+
+
+def test_pool_refuses_another_setup_a_changed_setting_or_a_clashing_run(tmp_path):
+    from bench.learning_pool import pool
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}})
+    other_start = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}}, student_text="y")
+    with pytest.raises(ValueError, match=r"student's evaluations differ in 4 of 4 completions"):
+        pool(dest, other_start)
+    other_budget = _pool_dir(tmp_path / "c", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}}, budget_s=20.0)
+    with pytest.raises(ValueError, match=r"settings differ: budget_s 10.0 vs 20.0"):
+        pool(dest, other_budget)
+    clash = _pool_dir(tmp_path / "d", {"c": {"p1": [0, 0], "p2": [0, 0]}, "c-s1": {"p1": [1, 0], "p2": [1, 0]}})
+    with pytest.raises(ValueError, match=r"c in both with different results"):
+        pool(dest, clash)
+    # nothing was copied by any refused pool, and none was recorded
+    assert sorted(p.name for p in (dest / "evals").iterdir()) == ["c.parquet", "student.parquet", "teacher.parquet"]
+    assert not (dest / "pooled.json").exists() and not (dest / "arms" / "c-s1").exists()
+    assert subprocess.run([sys.executable, "-m", "bench.learning", "--out", str(dest), "--stage", "pool"],
+                          cwd=ROOT, capture_output=True, text=True).returncode == 2
