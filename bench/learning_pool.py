@@ -10,7 +10,8 @@ and ``arms/<run>/``) into the destination after checking that
   may differ: paths, the command's arm list, its deadline);
 - the start's and the teacher's evaluations are the same completions on the same problems and samples (the
   evidence that both are the same models; a setup rebuilt with other data or steps fails here);
-- no run name is in both with different results (a name already pooled, with equal bytes, is skipped).
+- no run name is in both with different results (a name already pooled, with equal bytes, is skipped), and no
+  run to copy has an unfinished ``arms/<run>/`` in the destination (it is never deleted).
 
 Every copy is atomic (a temporary name, then a rename), and ``pooled.json`` in the destination records each pool:
 its source, the runs copied and skipped, and when. Across leases a seconds-based run differs by its machine as it
@@ -115,10 +116,13 @@ def pool(dest: Path, src: Path) -> dict:
     if clash:
         raise ValueError(f"cannot pool {src} into {dest}: {', '.join(clash)} in both with different results; "
                          "a run name is one run (rename or remove one side's evals/<run>.parquet and arms/<run>/)")
+    unfinished = [r for r in copied if (src / "arms" / r).is_dir() and (dest / "arms" / r).exists()]
+    if unfinished:  # never delete what a run left here, even an unfinished one
+        raise ValueError(f"cannot pool {src} into {dest}: arms/{', arms/'.join(unfinished)} already in {dest} without "
+                         "evals/ (a run that did not finish there): move it away first")
     for run in copied:  # arms/ first: a run whose evals/ exists is a pooled run, whole
         if (src / "arms" / run).is_dir():
             (dest / "arms").mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(dest / "arms" / run, ignore_errors=True)
             _copy_atomic(src / "arms" / run, dest / "arms" / run)
         _copy_atomic(src / "evals" / f"{run}.parquet", dest / "evals" / f"{run}.parquet")
     record = {"from": str(src.resolve()), "checked": checked, "copied": copied, "skipped": skipped,

@@ -664,6 +664,10 @@ def test_pool_refuses_another_setup_a_changed_setting_or_a_clashing_run(tmp_path
     clash = _pool_dir(tmp_path / "d", {"c": {"p1": [0, 0], "p2": [0, 0]}, "c-s1": {"p1": [1, 0], "p2": [1, 0]}})
     with pytest.raises(ValueError, match=r"c in both with different results"):
         pool(dest, clash)
+    (dest / "arms" / "c-s1").mkdir(parents=True)  # a run that did not finish here: its folder is kept
+    with pytest.raises(ValueError, match=r"arms/c-s1 already in .* without evals/"):
+        pool(dest, _pool_dir(tmp_path / "e", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}}))
+    (dest / "arms" / "c-s1").rmdir()
     # nothing was copied by any refused pool, and none was recorded
     assert sorted(p.name for p in (dest / "evals").iterdir()) == ["c.parquet", "student.parquet", "teacher.parquet"]
     assert not (dest / "pooled.json").exists() and not (dest / "arms" / "c-s1").exists()
