@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights (design.md section 8), TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
-    if extra.stage == "pool" and not extra.pool_from:
+    sources = [x.strip() for x in (extra.pool_from or "").split(",") if x.strip()]
+    if extra.stage == "pool" and not sources:
         print("bench.learning: --stage pool needs --pool_from DIR[,DIR...]", file=sys.stderr)
         return 2
     if extra.stage in ("arm", "recipe", "report", "regrade", "pool"):
@@ -605,13 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             if extra.stage == "regrade":
                 regrade(cfg)
             if extra.stage == "pool":
-                from bench.learning_pool import pool
-
-                for src in [x for x in extra.pool_from.split(",") if x.strip()]:
-                    rec = pool(cfg.dir, Path(src.strip()))
-                    print(f"[learning] pooled {rec['from']}: checked {', '.join(rec['checked'])}; copied "
-                          f"{', '.join(rec['copied']) or 'nothing'}" + (f"; already here: {', '.join(rec['skipped'])}"
-                                                                         if rec["skipped"] else ""))
+                return _pool_stage(cfg, sources)
             report(cfg)
         except (ValueError, FileNotFoundError) as e:
             print(f"bench.learning: {e}", file=sys.stderr)
@@ -631,6 +626,31 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"bench.learning: {e}", file=sys.stderr)
         return 2
+
+
+def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
+    """``--stage pool``: check every source, then copy (``bench.learning_pool``), then report; under the run lock."""
+    from bench.learning_pool import apply, plan
+    from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, run_lock
+
+    try:
+        with run_lock(cfg.dir):  # not while an experiment (or another pool) writes here
+            plans = [plan(cfg.dir, Path(s)) for s in sources]  # every source checked before anything is copied
+            for p in plans:
+                new = p.copy + p.arms_only
+                print(f"[learning] pool {p.src}: checked {', '.join(p.checked)}; copying {', '.join(new) or 'nothing'}"
+                      + (f"; already here: {', '.join(p.skip)}" if p.skip else ""), flush=True)
+            try:
+                apply(cfg.dir, plans)
+            except OSError as e:
+                print(f"bench.learning: {e} (pooled.json lists what was pooled before it)", file=sys.stderr)
+                return EXIT_IO
+            report(cfg)
+    except LockHeld as e:
+        print(f"bench.learning: {e}", file=sys.stderr)
+        return EXIT_LOCKED
+    print((cfg.dir / "results.md").read_text(), end="")
+    return 0
 
 
 def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:

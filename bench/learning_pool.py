@@ -3,19 +3,22 @@
 A GPU lease rarely holds every run an experiment needs, so a later lease repeats the setup on a fresh machine and
 runs the rest in a directory of its own. The setup is built by step count and reproduces exactly (LEARNING.md: the
 start's and the teacher's evaluation completions matched, 1,200 of 1,200, on four machines), so the runs can be read
-together, but only after checking that. This module copies a source directory's arm runs (``evals/<run>.parquet``
-and ``arms/<run>/``) into the destination after checking that
+together, but only after checking that. :func:`plan` checks every source before anything is copied:
 
-- the two directories' settings agree on everything that defines an arm run (:data:`SETTINGS_FREE` lists what
-  may differ: paths, the command's arm list, its deadline);
-- the start's and the teacher's evaluations are the same completions on the same problems and samples (the
-  evidence that both are the same models; a setup rebuilt with other data or steps fails here);
-- no run name is in both with different results (a name already pooled, with equal bytes, is skipped), and no
-  run to copy has an unfinished ``arms/<run>/`` in the destination (it is never deleted).
+- the directories' settings agree on everything that defines an arm run (:data:`SETTINGS_FREE` lists what may
+  differ: paths, the command's arm list, its deadline);
+- the start's and the teacher's evaluations hold the same completions for the same problems and samples, each key
+  once (the evidence that both are the same models; a setup rebuilt with other data or steps fails here);
+- each run to copy has a readable ``evals/<run>.parquet`` with the evaluation's columns, one name, and only the
+  start's problems;
+- no run name is in two places with different results (a run already here with equal bytes is skipped), and no run
+  to copy has an unfinished ``arms/<run>/`` here (it is never deleted).
 
-Every copy is atomic (a temporary name, then a rename), and ``pooled.json`` in the destination records each pool:
-its source, the runs copied and skipped, and when. Across leases a seconds-based run differs by its machine as it
-does by a seed (LEARNING.md, "Fresh machines"): the report's paired standard errors do not include that.
+:func:`apply` then copies each run (``arms/<run>/``, then ``evals/<run>.parquet``, each under a temporary name and
+renamed), removes a run's copied ``arms/<run>/`` again if its ``evals/`` copy fails, and records each source that
+added something in ``pooled.json`` (with the source's own ``pooled.json`` records, so a run's origin is kept).
+Across leases a seconds-based run differs by its machine as it does by a seed (LEARNING.md, "Fresh machines"): the
+report's paired standard errors do not include that.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Settings that may differ between the directories pooled: where things live, what one command ran, its clock.
@@ -33,37 +37,82 @@ SETTINGS_FREE = frozenset({
     "late_marks", "student_path", "start_path", "start_model", "teacher_model", "student_model", "gsm8k_dir",
     "fast_generation", "fast_generation_used",
 })
+# Defaults of settings that older settings.json files lack (bench.learning.main reads them the same way).
+SETTINGS_DEFAULTS = {"answer_filter": "math"}
 SHARED_EVALS = ("student", "teacher")  # the setup's evaluations: compared, never copied
+RUN_COLUMNS = ("name", "mark_s", "problem_id", "sample_index", "completion")
+
+
+@dataclass
+class Plan:
+    """What pooling ``src`` into ``dest`` will do (:func:`plan`)."""
+
+    src: Path
+    checked: list[str]
+    copy: list[str] = field(default_factory=list)  # runs whose evals/ and arms/ are copied
+    arms_only: list[str] = field(default_factory=list)  # runs already here whose arms/ is missing here
+    skip: list[str] = field(default_factory=list)  # runs already here, whole
+    source_log: list = field(default_factory=list)  # the source's own pooled.json: where its runs came from
+
+
+def _json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: {what}") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read as JSON ({e})") from None
 
 
 def _settings(d: Path) -> dict:
-    p = d / "settings.json"
-    if not p.exists():
-        raise FileNotFoundError(f"{p} not found: {d} is not a bench.learning run directory")
-    return json.loads(p.read_text())
+    s = _json(d / "settings.json", f"{d} is not a bench.learning run directory")
+    if not isinstance(s, dict):
+        raise ValueError(f"{d / 'settings.json'} is not a JSON object")
+    return {**SETTINGS_DEFAULTS, **s}
+
+
+def _table(path: Path, columns=RUN_COLUMNS) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        t = pq.read_table(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found") from None
+    except Exception as e:  # pyarrow raises its own types for a truncated or foreign file
+        raise ValueError(f"{path} cannot be read as parquet ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    missing = [c for c in columns if c not in t.column_names]
+    if missing:
+        raise ValueError(f"{path} lacks the evaluation column(s) {', '.join(missing)}")
+    return t.select(list(columns)).to_pylist()
 
 
 def _completions(path: Path) -> dict[tuple[str, int], str]:
-    import pyarrow.parquet as pq
+    out: dict[tuple[str, int], str] = {}
+    for r in _table(path):
+        key = (r["problem_id"], int(r["sample_index"]))
+        if key in out:
+            raise ValueError(f"{path} holds problem {key[0]!r} sample {key[1]} twice")
+        out[key] = r["completion"]
+    return out
 
-    t = pq.read_table(path, columns=["problem_id", "sample_index", "completion"]).to_pylist()
-    return {(r["problem_id"], int(r["sample_index"])): r["completion"] for r in t}
 
-
-def check_same_setup(dest: Path, src: Path) -> list[str]:
-    """Raise unless ``src``'s arm runs can be read beside ``dest``'s; return the setup evaluations compared.
+def check_same_setup(dest: Path, src: Path) -> tuple[list[str], set[str]]:
+    """Raise unless ``src``'s arm runs can be read beside ``dest``'s; return the setup evaluations compared and the
+    start's problem ids.
 
     Raises:
-        FileNotFoundError: either directory lacks ``settings.json`` or ``evals/student.parquet``.
-        ValueError: a setting outside :data:`SETTINGS_FREE` differs (each named with both values), or the start's or
-            the teacher's evaluation differs (rows missing on one side, or different completions: counted).
+        FileNotFoundError: either directory lacks ``settings.json`` or ``evals/student.parquet``, or one side has the
+            teacher's evaluation and the other not.
+        ValueError: a setting outside :data:`SETTINGS_FREE` differs (each named with both values); a file cannot be
+            read; or the start's or the teacher's evaluation differs (rows on one side only, a key twice, or
+            different completions: counted).
     """
     a, b = _settings(dest), _settings(src)
     differ = {k: (a.get(k), b.get(k)) for k in sorted((set(a) | set(b)) - SETTINGS_FREE) if a.get(k) != b.get(k)}
     if differ:
         raise ValueError(f"cannot pool {src} into {dest}: settings differ: "
                          + "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in differ.items()))
-    compared = []
+    compared, problems = [], set()
     for name in SHARED_EVALS:
         pa_, pb = dest / "evals" / f"{name}.parquet", src / "evals" / f"{name}.parquet"
         if name == "student" or pa_.exists() or pb.exists():
@@ -80,55 +129,129 @@ def check_same_setup(dest: Path, src: Path) -> list[str]:
                 raise ValueError(f"cannot pool {src} into {dest}: the {name}'s evaluations differ in {n_diff} of "
                                  f"{len(ca)} completions, so the two setups did not build the same {name}")
             compared.append(f"{name} ({len(ca)} completions equal)")
-    return compared
+            if name == "student":
+                problems = {k[0] for k in ca}
+    return compared, problems
+
+
+def plan(dest: Path, src: Path) -> Plan:
+    """Check ``src`` against ``dest`` (module docstring) and say what pooling it would copy; writes nothing.
+
+    Raises:
+        FileNotFoundError / ValueError: from :func:`check_same_setup`; ValueError also when ``src`` is ``dest``, a
+            run's ``evals/<run>.parquet`` cannot be read, lacks a column, names another run or holds a problem the
+            start was not evaluated on, a run is in both with different results, or a run to copy has an
+            ``arms/<run>/`` here without its ``evals/`` (an unfinished run, never deleted).
+    """
+    dest, src = Path(dest), Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"--pool_from {src}: no such directory")
+    if dest.resolve() == src.resolve():
+        raise ValueError(f"--pool_from {src} is the --out directory itself")
+    checked, problems = check_same_setup(dest, src)
+    p = Plan(src=src, checked=checked, source_log=_pool_log(src))
+    clash = []
+    for f in sorted((src / "evals").glob("*.parquet")):
+        run = f.stem
+        if run in SHARED_EVALS:
+            continue
+        rows = _table(f)
+        names = {r["name"] for r in rows}
+        if names != {run}:
+            raise ValueError(f"{f}: its rows name {sorted(names)}, not its run {run!r}")
+        extra = {r["problem_id"] for r in rows} - problems
+        if extra:
+            raise ValueError(f"{f}: {len(extra)} problem(s) the start was not evaluated on (e.g. {sorted(extra)[0]!r})")
+        have = dest / "evals" / f.name
+        if have.exists():
+            if not filecmp.cmp(have, f, shallow=False):
+                clash.append(run)
+            elif (src / "arms" / run).is_dir() and not (dest / "arms" / run).exists():
+                p.arms_only.append(run)
+            else:
+                p.skip.append(run)
+        else:
+            p.copy.append(run)
+    if clash:
+        raise ValueError(f"cannot pool {src} into {dest}: {', '.join(clash)} in both with different results; "
+                         "a run name is one run (rename or remove one side's evals/<run>.parquet and arms/<run>/)")
+    unfinished = [r for r in p.copy if (src / "arms" / r).is_dir() and (dest / "arms" / r).exists()]
+    if unfinished:  # never delete what a run left here, even an unfinished one
+        raise ValueError(f"cannot pool {src} into {dest}: arms/{', arms/'.join(unfinished)} already in {dest} without "
+                         "evals/ (a run that did not finish there): move it away first")
+    return p
 
 
 def _copy_atomic(src: Path, dest: Path) -> None:
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
-    if src.is_dir():
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-    else:
-        shutil.copy2(src, tmp)
-    os.replace(tmp, dest)
+    try:
+        if src.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp)
+        else:
+            shutil.copy2(src, tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise
+
+
+def _pool_log(dest: Path) -> list:
+    log = dest / "pooled.json"
+    if not log.exists():
+        return []
+    records = _json(log, "")
+    if not isinstance(records, list):
+        raise ValueError(f"{log} is not a JSON list of pool records")
+    return records
+
+
+def apply(dest: Path, plans: list[Plan]) -> list[dict]:
+    """Copy what ``plans`` (from :func:`plan`, all made before any copy) say; return the records added to
+    ``dest/pooled.json`` (``{"from", "checked", "copied", "skipped", "at", "source_pooled"}``, one per source that
+    added a run).
+
+    Raises:
+        OSError: a copy failed (a full disk, a file gone); the run being copied is removed again, those copied before
+            it stay (and are recorded), and the message names the run.
+    """
+    dest = Path(dest)
+    from data_tools.runio import write_json
+
+    log = _pool_log(dest)  # read (and checked) before anything is copied
+    added = []
+    for p in plans:
+        done: list[str] = []
+        try:
+            for run in p.copy + p.arms_only:
+                arms = dest / "arms" / run
+                copied_arms = False
+                try:
+                    if (p.src / "arms" / run).is_dir():
+                        arms.parent.mkdir(parents=True, exist_ok=True)
+                        _copy_atomic(p.src / "arms" / run, arms)
+                        copied_arms = True
+                    if run in p.copy:
+                        _copy_atomic(p.src / "evals" / f"{run}.parquet", dest / "evals" / f"{run}.parquet")
+                except OSError as e:
+                    if copied_arms and run in p.copy:
+                        shutil.rmtree(arms, ignore_errors=True)  # not half a run: its arms/ goes with its evals/
+                    raise OSError(f"pooling {run} from {p.src} failed, nothing of it kept: {e}") from e
+                done.append(run)
+        finally:
+            if done:
+                rec = {"from": str(p.src.resolve()), "checked": p.checked, "copied": done, "skipped": p.skip,
+                       "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                if p.source_log:
+                    rec["source_pooled"] = p.source_log
+                log.append(rec)
+                added.append(rec)
+                write_json(log, dest / "pooled.json")
+    return added
 
 
 def pool(dest: Path, src: Path) -> dict:
-    """Copy ``src``'s arm runs into ``dest`` after :func:`check_same_setup`; return the record added to
-    ``dest/pooled.json`` (``{"from", "checked", "copied", "skipped", "at"}``).
-
-    Raises:
-        FileNotFoundError / ValueError: from :func:`check_same_setup`; ValueError also when a run is in both
-            directories with different ``evals/<run>.parquet`` (nothing is copied then), or ``src`` is ``dest``.
-    """
-    dest, src = Path(dest), Path(src)
-    if dest.resolve() == src.resolve():
-        raise ValueError(f"--pool_from {src} is the --out directory itself")
-    checked = check_same_setup(dest, src)
-    runs = sorted(p.stem for p in (src / "evals").glob("*.parquet") if p.stem not in SHARED_EVALS)
-    copied, skipped, clash = [], [], []
-    for run in runs:
-        have = dest / "evals" / f"{run}.parquet"
-        if have.exists():
-            (skipped if filecmp.cmp(have, src / "evals" / f"{run}.parquet", shallow=False) else clash).append(run)
-        else:
-            copied.append(run)
-    if clash:
-        raise ValueError(f"cannot pool {src} into {dest}: {', '.join(clash)} in both with different results; "
-                         "a run name is one run (rename or remove one side's evals/<run>.parquet and arms/<run>/)")
-    unfinished = [r for r in copied if (src / "arms" / r).is_dir() and (dest / "arms" / r).exists()]
-    if unfinished:  # never delete what a run left here, even an unfinished one
-        raise ValueError(f"cannot pool {src} into {dest}: arms/{', arms/'.join(unfinished)} already in {dest} without "
-                         "evals/ (a run that did not finish there): move it away first")
-    for run in copied:  # arms/ first: a run whose evals/ exists is a pooled run, whole
-        if (src / "arms" / run).is_dir():
-            (dest / "arms").mkdir(parents=True, exist_ok=True)
-            _copy_atomic(src / "arms" / run, dest / "arms" / run)
-        _copy_atomic(src / "evals" / f"{run}.parquet", dest / "evals" / f"{run}.parquet")
-    record = {"from": str(src.resolve()), "checked": checked, "copied": copied, "skipped": skipped,
-              "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    log = dest / "pooled.json"
-    from data_tools.runio import write_json
-
-    write_json((json.loads(log.read_text()) if log.exists() else []) + [record], log)
-    return record
+    """Pool one source: :func:`plan`, then :func:`apply`. Returns ``{"from", "checked", "copied", "skipped"}``."""
+    p = plan(dest, src)
+    apply(dest, [p])
+    return {"from": str(Path(src).resolve()), "checked": p.checked, "copied": p.copy + p.arms_only, "skipped": p.skip}

@@ -646,9 +646,14 @@ def test_pool_joins_a_later_lease_after_checking_its_setup(tmp_path):
     assert (dest / "arms" / "c-s1" / "metrics" / "train.jsonl").read_text() == '{"step": 1}\n'
     cfg = LearningConfig(out=str(dest), arms="c", seeds="0,1", marks="10", budget_s=10, n_test=2, eval_samples=2)
     assert report(cfg)["arms"]["c"]["runs"] == ["c", "c-s1"]  # the pooled seed is read with the first
-    again = pool(dest, src)  # the same runs again: skipped, nothing rewritten, both pools recorded
+    again = pool(dest, src)  # the same runs again: skipped, nothing rewritten, nothing recorded
     assert again["copied"] == [] and again["skipped"] == ["c-s1"]
-    assert [r["copied"] for r in json.loads((dest / "pooled.json").read_text())] == [["c-s1"], []]
+    import shutil
+
+    shutil.rmtree(dest / "arms" / "c-s1")  # a run here whose arms/ is missing gets it back
+    assert pool(dest, src)["copied"] == ["c-s1"] and (dest / "arms" / "c-s1" / "metrics" / "train.jsonl").exists()
+    log = json.loads((dest / "pooled.json").read_text())
+    assert [r["copied"] for r in log] == [["c-s1"], ["c-s1"]] and log[0]["from"] == str(src.resolve())
 
 
 def test_pool_refuses_another_setup_a_changed_setting_or_a_clashing_run(tmp_path):
@@ -664,12 +669,37 @@ def test_pool_refuses_another_setup_a_changed_setting_or_a_clashing_run(tmp_path
     clash = _pool_dir(tmp_path / "d", {"c": {"p1": [0, 0], "p2": [0, 0]}, "c-s1": {"p1": [1, 0], "p2": [1, 0]}})
     with pytest.raises(ValueError, match=r"c in both with different results"):
         pool(dest, clash)
+    good = _pool_dir(tmp_path / "e", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
     (dest / "arms" / "c-s1").mkdir(parents=True)  # a run that did not finish here: its folder is kept
     with pytest.raises(ValueError, match=r"arms/c-s1 already in .* without evals/"):
-        pool(dest, _pool_dir(tmp_path / "e", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}}))
+        pool(dest, good)
     (dest / "arms" / "c-s1").rmdir()
+    bad = _pool_dir(tmp_path / "f", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
+    data = (bad / "evals" / "c-s1.parquet").read_bytes()
+    (bad / "evals" / "c-s1.parquet").write_bytes(data[: len(data) // 2])  # truncated on its way back
+    with pytest.raises(ValueError, match=r"c-s1.parquet cannot be read as parquet"):
+        pool(dest, bad)
+    foreign = _pool_dir(tmp_path / "g", {"c-s1": {"p1": [1, 0], "p9": [1, 0]}})
+    with pytest.raises(ValueError, match=r"1 problem\(s\) the start was not evaluated on \(e.g. 'p9'\)"):
+        pool(dest, foreign)
+    twice = _pool_dir(tmp_path / "h", {})
+    rows = pq.read_table(twice / "evals" / "student.parquet").to_pylist()
+    write_parquet(rows + rows[:1], twice / "evals" / "student.parquet")
+    with pytest.raises(ValueError, match=r"holds problem 'p1' sample 0 twice"):
+        pool(dest, twice)
     # nothing was copied by any refused pool, and none was recorded
     assert sorted(p.name for p in (dest / "evals").iterdir()) == ["c.parquet", "student.parquet", "teacher.parquet"]
     assert not (dest / "pooled.json").exists() and not (dest / "arms" / "c-s1").exists()
-    assert subprocess.run([sys.executable, "-m", "bench.learning", "--out", str(dest), "--stage", "pool"],
-                          cwd=ROOT, capture_output=True, text=True).returncode == 2
+
+
+def test_pool_stage_checks_every_source_before_copying_any(tmp_path):
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}})
+    good = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
+    cmd = [sys.executable, "-m", "bench.learning", "--out", str(dest), "--stage", "pool", "--pool_from"]
+    none, missing, ok = (subprocess.run(cmd + [arg], cwd=ROOT, capture_output=True, text=True)
+                         for arg in (" , ", f"{good},{tmp_path / 'nope'}", f" {good} ,"))
+    assert none.returncode == 2 and "needs --pool_from" in none.stderr
+    assert missing.returncode == 2 and "nope: no such directory" in missing.stderr
+    assert ok.returncode == 0, ok.stderr  # the good source alone: copied, recorded once, reported with its seed
+    assert "copying c-s1" in ok.stdout and "runs c, c-s1" in ok.stdout
+    assert [r["copied"] for r in json.loads((dest / "pooled.json").read_text())] == [["c-s1"]]
