@@ -571,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra.stage == "pool" and not sources:
         print("bench.learning: --stage pool needs --pool_from DIR[,DIR...]", file=sys.stderr)
         return 2
+    if extra.pool_from and extra.stage != "pool":  # with the default stage it would start an experiment in --out
+        print(f"bench.learning: --pool_from is read by --stage pool only (this command's stage: {extra.stage})",
+              file=sys.stderr)
+        return 2
     if extra.stage in ("arm", "recipe", "report", "regrade", "pool"):
         saved = cfg.dir / "settings.json"
         if not saved.exists():
@@ -578,7 +582,14 @@ def main(argv: list[str] | None = None) -> int:
                   "the settings it records define every arm's recipe", file=sys.stderr)
             return 2
         names = {f.name for f in dataclasses.fields(LearningConfig)} - {"preset"}
-        kept = json.loads(saved.read_text())
+        try:
+            kept = json.loads(saved.read_text())
+        except (OSError, ValueError) as e:
+            kept = e
+        if not isinstance(kept, dict):
+            print(f"bench.learning: {saved} cannot be read as the run's settings (a JSON object): {kept}",
+                  file=sys.stderr)
+            return 2
         # runs made before these settings existed graded rewards with math-verify equivalence only
         kept.setdefault("answer_filter", "math")
         kept["fast_generation"] = kept.get("fast_generation_used", kept.get("fast_generation", True))
@@ -635,7 +646,11 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
 
     try:
         with run_lock(cfg.dir):  # not while an experiment (or another pool) writes here
-            plans = [plan(cfg.dir, Path(s)) for s in sources]  # every source checked before anything is copied
+            defaults = {f.name: f.default for f in dataclasses.fields(LearningConfig)
+                        if f.default is not dataclasses.MISSING}
+            plans = []
+            for s in sources:  # every source checked before anything is copied
+                plans.append(plan(cfg.dir, Path(s), valid_name=cfg.parse_run, defaults=defaults, earlier=plans))
             for p in plans:
                 new = p.copy + p.arms_only
                 print(f"[learning] pool {p.src}: checked {', '.join(p.checked)}; copying {', '.join(new) or 'nothing'}"
@@ -643,9 +658,15 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
             try:
                 apply(cfg.dir, plans)
             except OSError as e:
-                print(f"bench.learning: {e} (pooled.json lists what was pooled before it)", file=sys.stderr)
+                print(f"bench.learning: {e} (pooled.json lists what was pooled before it; the report was not redrawn: "
+                      "run --stage pool again, or --stage report)", file=sys.stderr)
                 return EXIT_IO
-            report(cfg)
+            try:
+                report(cfg)
+            except OSError as e:
+                print(f"bench.learning: the runs are pooled (pooled.json), but the report failed: {e}; "
+                      "run --stage report when it can be written", file=sys.stderr)
+                return EXIT_IO
     except LockHeld as e:
         print(f"bench.learning: {e}", file=sys.stderr)
         return EXIT_LOCKED

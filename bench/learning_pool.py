@@ -9,14 +9,16 @@ together, but only after checking that. :func:`plan` checks every source before 
   differ: paths, the command's arm list, its deadline);
 - the start's and the teacher's evaluations hold the same completions for the same problems and samples, each key
   once (the evidence that both are the same models; a setup rebuilt with other data or steps fails here);
-- each run to copy has a readable ``evals/<run>.parquet`` with the evaluation's columns, one name, and only the
-  start's problems;
-- no run name is in two places with different results (a run already here with equal bytes is skipped), and no run
-  to copy has an unfinished ``arms/<run>/`` here (it is never deleted).
+- each run to copy has a readable ``evals/<run>.parquet`` with the evaluation's columns, one name, each key once,
+  and only the start's problems;
+- each run name is one the report reads, and no run is in two places (here, or two sources) with different results
+  (a run already here with the same rows is skipped), and no run to copy has an unfinished ``arms/<run>/`` here
+  (it is never deleted).
 
 :func:`apply` then copies each run (``arms/<run>/``, then ``evals/<run>.parquet``, each under a temporary name and
-renamed), removes a run's copied ``arms/<run>/`` again if its ``evals/`` copy fails, and records each source that
-added something in ``pooled.json`` (with the source's own ``pooled.json`` records, so a run's origin is kept).
+renamed), removes a run's copied ``arms/<run>/`` again if its ``evals/`` copy fails or is interrupted, and
+records each source that added something in ``pooled.json`` (with the source's own ``pooled.json`` records, so a
+run's origin is kept).
 Across leases a seconds-based run differs by its machine as it does by a seed (LEARNING.md, "Fresh machines"): the
 report's paired standard errors do not include that.
 """
@@ -64,11 +66,13 @@ def _json(path: Path, what: str):
         raise ValueError(f"{path} cannot be read as JSON ({e})") from None
 
 
-def _settings(d: Path) -> dict:
+def _settings(d: Path, defaults: dict | None = None) -> dict:
+    """``d/settings.json`` with what an older file lacks filled in: ``defaults`` (the config's), then
+    :data:`SETTINGS_DEFAULTS` (what such files meant)."""
     s = _json(d / "settings.json", f"{d} is not a bench.learning run directory")
     if not isinstance(s, dict):
         raise ValueError(f"{d / 'settings.json'} is not a JSON object")
-    return {**SETTINGS_DEFAULTS, **s}
+    return {**(defaults or {}), **SETTINGS_DEFAULTS, **s}
 
 
 def _table(path: Path, columns=RUN_COLUMNS) -> list[dict]:
@@ -86,17 +90,39 @@ def _table(path: Path, columns=RUN_COLUMNS) -> list[dict]:
     return t.select(list(columns)).to_pylist()
 
 
-def _completions(path: Path) -> dict[tuple[str, int], str]:
-    out: dict[tuple[str, int], str] = {}
-    for r in _table(path):
-        key = (r["problem_id"], int(r["sample_index"]))
+def _keyed(path: Path, rows: list[dict], mark: bool = False) -> dict[tuple, dict]:
+    """``rows`` by (mark_s if ``mark``, problem_id, sample_index). Raises ValueError naming ``path`` for a null key
+    or a key twice."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = ((r["mark_s"],) if mark else ()) + (r["problem_id"], r["sample_index"])
+        if any(k is None for k in key):
+            raise ValueError(f"{path} has a row with a null mark_s, problem_id or sample_index")
         if key in out:
-            raise ValueError(f"{path} holds problem {key[0]!r} sample {key[1]} twice")
-        out[key] = r["completion"]
+            raise ValueError(f"{path} holds problem {key[-2]!r} sample {key[-1]}"
+                             + (f" at mark {key[0]:g}" if mark else "") + " twice")
+        out[key] = r
     return out
 
 
-def check_same_setup(dest: Path, src: Path) -> tuple[list[str], set[str]]:
+def _completions(path: Path) -> dict[tuple, str]:
+    return {k: r["completion"] for k, r in _keyed(path, _table(path)).items()}
+
+
+def same_results(a: Path, b: Path) -> bool:
+    """Whether two ``evals/<run>.parquet`` hold the same rows (equal bytes, or equal contents written otherwise)."""
+    if filecmp.cmp(a, b, shallow=False):
+        return True
+    import pyarrow.parquet as pq
+
+    ta, tb = pq.read_table(a), pq.read_table(b)
+    if sorted(ta.column_names) != sorted(tb.column_names):
+        return False
+    key = lambda r: tuple(str(r[c]) for c in sorted(r))  # noqa: E731 - a row's total order, any column types
+    return sorted(ta.to_pylist(), key=key) == sorted(tb.select(ta.column_names).to_pylist(), key=key)
+
+
+def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tuple[list[str], set[str]]:
     """Raise unless ``src``'s arm runs can be read beside ``dest``'s; return the setup evaluations compared and the
     start's problem ids.
 
@@ -107,7 +133,7 @@ def check_same_setup(dest: Path, src: Path) -> tuple[list[str], set[str]]:
             read; or the start's or the teacher's evaluation differs (rows on one side only, a key twice, or
             different completions: counted).
     """
-    a, b = _settings(dest), _settings(src)
+    a, b = _settings(dest, defaults), _settings(src, defaults)
     differ = {k: (a.get(k), b.get(k)) for k in sorted((set(a) | set(b)) - SETTINGS_FREE) if a.get(k) != b.get(k)}
     if differ:
         raise ValueError(f"cannot pool {src} into {dest}: settings differ: "
@@ -118,7 +144,7 @@ def check_same_setup(dest: Path, src: Path) -> tuple[list[str], set[str]]:
         if name == "student" or pa_.exists() or pb.exists():
             for p in (pa_, pb):
                 if not p.exists():
-                    raise FileNotFoundError(f"{p} not found: the {name}'s evaluation is what shows the two setups agree")
+                    raise FileNotFoundError(f"{p} not found: the {name}'s evaluation shows the two setups agree")
             ca, cb = _completions(pa_), _completions(pb)
             if ca.keys() != cb.keys():
                 raise ValueError(f"cannot pool {src} into {dest}: the {name}'s evaluations cover different problems or "
@@ -134,48 +160,63 @@ def check_same_setup(dest: Path, src: Path) -> tuple[list[str], set[str]]:
     return compared, problems
 
 
-def plan(dest: Path, src: Path) -> Plan:
+def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None, earlier: list[Plan] = ()) -> Plan:
     """Check ``src`` against ``dest`` (module docstring) and say what pooling it would copy; writes nothing.
 
+    ``valid_name(run)`` raises ValueError for a run name the report cannot read (``LearningConfig.parse_run``);
+    ``defaults`` fill settings an older ``settings.json`` lacks; ``earlier`` are the plans of sources listed before
+    this one, whose runs count as already here (equal results: skipped; different: a clash).
+
     Raises:
-        FileNotFoundError / ValueError: from :func:`check_same_setup`; ValueError also when ``src`` is ``dest``, a
-            run's ``evals/<run>.parquet`` cannot be read, lacks a column, names another run or holds a problem the
-            start was not evaluated on, a run is in both with different results, or a run to copy has an
-            ``arms/<run>/`` here without its ``evals/`` (an unfinished run, never deleted).
+        FileNotFoundError / ValueError: from :func:`check_same_setup`; ValueError also when ``src`` is ``dest`` or an
+            earlier source, a run name is not valid, a run's ``evals/<run>.parquet`` cannot be read, lacks a column,
+            names another run, holds a key twice or a problem the start was not evaluated on, a run is in two places
+            with different results, or a run to copy has an ``arms/<run>/`` here without its ``evals/`` (an
+            unfinished run, never deleted).
     """
     dest, src = Path(dest), Path(src)
     if not src.is_dir():
         raise FileNotFoundError(f"--pool_from {src}: no such directory")
     if dest.resolve() == src.resolve():
         raise ValueError(f"--pool_from {src} is the --out directory itself")
-    checked, problems = check_same_setup(dest, src)
+    if any(e.src.resolve() == src.resolve() for e in earlier):
+        raise ValueError(f"--pool_from lists {src} twice")
+    checked, problems = check_same_setup(dest, src, defaults)
     p = Plan(src=src, checked=checked, source_log=_pool_log(src))
+    planned = {run: e.src for e in earlier for run in e.copy}  # runs an earlier source will copy here
     clash = []
     for f in sorted((src / "evals").glob("*.parquet")):
         run = f.stem
         if run in SHARED_EVALS:
             continue
+        if valid_name is not None:
+            valid_name(run)
         rows = _table(f)
         names = {r["name"] for r in rows}
         if names != {run}:
-            raise ValueError(f"{f}: its rows name {sorted(names)}, not its run {run!r}")
+            raise ValueError(f"{f}: its rows name {sorted(map(str, names))}, not its run {run!r}")
+        _keyed(f, rows, mark=True)
         extra = {r["problem_id"] for r in rows} - problems
         if extra:
             raise ValueError(f"{f}: {len(extra)} problem(s) the start was not evaluated on (e.g. {sorted(extra)[0]!r})")
         have = dest / "evals" / f.name
-        if have.exists():
-            if not filecmp.cmp(have, f, shallow=False):
+        if run in planned:
+            (p.skip if same_results(planned[run] / "evals" / f.name, f) else clash).append(run)
+        elif have.exists():
+            if not same_results(have, f):
                 clash.append(run)
-            elif (src / "arms" / run).is_dir() and not (dest / "arms" / run).exists():
+            elif (src / "arms" / run).is_dir() and not (dest / "arms" / run).exists() \
+                    and not any(run in e.arms_only for e in earlier):
                 p.arms_only.append(run)
             else:
                 p.skip.append(run)
         else:
             p.copy.append(run)
     if clash:
-        raise ValueError(f"cannot pool {src} into {dest}: {', '.join(clash)} in both with different results; "
-                         "a run name is one run (rename or remove one side's evals/<run>.parquet and arms/<run>/)")
-    unfinished = [r for r in p.copy if (src / "arms" / r).is_dir() and (dest / "arms" / r).exists()]
+        raise ValueError(f"cannot pool {src} into {dest}: {', '.join(clash)} in two places with different results "
+                         "(here or an earlier --pool_from source); a run name is one run (rename or remove one side's "
+                         "evals/<run>.parquet and arms/<run>/)")
+    unfinished = [r for r in p.copy if (dest / "arms" / r).exists()]
     if unfinished:  # never delete what a run left here, even an unfinished one
         raise ValueError(f"cannot pool {src} into {dest}: arms/{', arms/'.join(unfinished)} already in {dest} without "
                          "evals/ (a run that did not finish there): move it away first")
@@ -233,10 +274,14 @@ def apply(dest: Path, plans: list[Plan]) -> list[dict]:
                         copied_arms = True
                     if run in p.copy:
                         _copy_atomic(p.src / "evals" / f"{run}.parquet", dest / "evals" / f"{run}.parquet")
-                except OSError as e:
+                except BaseException as e:  # a full disk, or an interrupt: not half a run
                     if copied_arms and run in p.copy:
-                        shutil.rmtree(arms, ignore_errors=True)  # not half a run: its arms/ goes with its evals/
-                    raise OSError(f"pooling {run} from {p.src} failed, nothing of it kept: {e}") from e
+                        shutil.rmtree(arms, ignore_errors=True)  # its arms/ goes with its evals/
+                    if not isinstance(e, OSError):
+                        raise
+                    why = (f"{len(e.args[0])} file(s) failed, first: {e.args[0][0][2]}"
+                           if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e))
+                    raise OSError(f"pooling {run} from {p.src} failed, nothing of it kept: {why}") from e
                 done.append(run)
         finally:
             if done:
@@ -250,8 +295,9 @@ def apply(dest: Path, plans: list[Plan]) -> list[dict]:
     return added
 
 
-def pool(dest: Path, src: Path) -> dict:
-    """Pool one source: :func:`plan`, then :func:`apply`. Returns ``{"from", "checked", "copied", "skipped"}``."""
-    p = plan(dest, src)
+def pool(dest: Path, src: Path, **kw) -> dict:
+    """Pool one source: :func:`plan` (``kw``: its options), then :func:`apply`. Returns ``{"from", "checked",
+    "copied", "skipped"}``."""
+    p = plan(dest, src, **kw)
     apply(dest, [p])
     return {"from": str(Path(src).resolve()), "checked": p.checked, "copied": p.copy + p.arms_only, "skipped": p.skip}

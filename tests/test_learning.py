@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -648,8 +649,6 @@ def test_pool_joins_a_later_lease_after_checking_its_setup(tmp_path):
     assert report(cfg)["arms"]["c"]["runs"] == ["c", "c-s1"]  # the pooled seed is read with the first
     again = pool(dest, src)  # the same runs again: skipped, nothing rewritten, nothing recorded
     assert again["copied"] == [] and again["skipped"] == ["c-s1"]
-    import shutil
-
     shutil.rmtree(dest / "arms" / "c-s1")  # a run here whose arms/ is missing gets it back
     assert pool(dest, src)["copied"] == ["c-s1"] and (dest / "arms" / "c-s1" / "metrics" / "train.jsonl").exists()
     log = json.loads((dest / "pooled.json").read_text())
@@ -667,7 +666,7 @@ def test_pool_refuses_another_setup_a_changed_setting_or_a_clashing_run(tmp_path
     with pytest.raises(ValueError, match=r"settings differ: budget_s 10.0 vs 20.0"):
         pool(dest, other_budget)
     clash = _pool_dir(tmp_path / "d", {"c": {"p1": [0, 0], "p2": [0, 0]}, "c-s1": {"p1": [1, 0], "p2": [1, 0]}})
-    with pytest.raises(ValueError, match=r"c in both with different results"):
+    with pytest.raises(ValueError, match=r"c in two places with different results"):
         pool(dest, clash)
     good = _pool_dir(tmp_path / "e", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
     (dest / "arms" / "c-s1").mkdir(parents=True)  # a run that did not finish here: its folder is kept
@@ -687,9 +686,66 @@ def test_pool_refuses_another_setup_a_changed_setting_or_a_clashing_run(tmp_path
     write_parquet(rows + rows[:1], twice / "evals" / "student.parquet")
     with pytest.raises(ValueError, match=r"holds problem 'p1' sample 0 twice"):
         pool(dest, twice)
+    shutil.rmtree(good / "arms")  # the unfinished run here is refused even when the source has no arms/ for it
+    (dest / "arms" / "c-s1").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"arms/c-s1 already in .* without evals/"):
+        pool(dest, good)
+    (dest / "arms" / "c-s1").rmdir()
+    odd = _pool_dir(tmp_path / "i", {"zzz": {"p1": [1, 0], "p2": [1, 0]}})
+    cfg = LearningConfig(out=str(dest))
+    with pytest.raises(ValueError, match=r"not an arm run name: 'zzz'"):  # the report could not read it
+        pool(dest, odd, valid_name=cfg.parse_run)
     # nothing was copied by any refused pool, and none was recorded
     assert sorted(p.name for p in (dest / "evals").iterdir()) == ["c.parquet", "student.parquet", "teacher.parquet"]
     assert not (dest / "pooled.json").exists() and not (dest / "arms" / "c-s1").exists()
+
+
+def test_pool_compares_sources_with_each_other_and_rows_not_bytes(tmp_path):
+    import pyarrow.parquet as pq_
+
+    from bench.learning_pool import apply, plan
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}})
+    one = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
+    same = _pool_dir(tmp_path / "c", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
+    t = pq_.read_table(same / "evals" / "c-s1.parquet")  # the same rows, reordered and compressed otherwise
+    pq_.write_table(t.take(list(reversed(range(t.num_rows)))), same / "evals" / "c-s1.parquet", compression="zstd")
+    other = _pool_dir(tmp_path / "d", {"c-s1": {"p1": [0, 0], "p2": [1, 0]}})
+    first = plan(dest, one)
+    with pytest.raises(ValueError, match=r"lists .* twice"):
+        plan(dest, one, earlier=[first])
+    with pytest.raises(ValueError, match=r"c-s1 in two places with different results"):
+        plan(dest, other, earlier=[first])
+    second = plan(dest, same, earlier=[first])
+    assert first.copy == ["c-s1"] and second.copy == [] and second.skip == ["c-s1"]
+    apply(dest, [first, second])
+    assert [r["copied"] for r in json.loads((dest / "pooled.json").read_text())] == [["c-s1"]]
+    assert plan(dest, same).skip == ["c-s1"]  # against the copy here too: equal rows, other bytes
+
+
+def test_pool_reads_older_settings_with_the_config_defaults_and_undoes_an_interrupted_copy(tmp_path, monkeypatch):
+    import dataclasses
+
+    import bench.learning_pool as lp
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}}, seq_handover_reset=0)
+    src = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})  # written before that setting existed
+    defaults = {f.name: f.default for f in dataclasses.fields(LearningConfig) if f.default is not dataclasses.MISSING}
+    with pytest.raises(ValueError, match=r"seq_handover_reset 0 vs None"):
+        lp.plan(dest, src)
+    p = lp.plan(dest, src, defaults=defaults)
+    real = lp._copy_atomic
+
+    def stop_at_evals(a, b):
+        if b.suffix == ".parquet":
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(lp, "_copy_atomic", stop_at_evals)
+    with pytest.raises(KeyboardInterrupt):
+        lp.apply(dest, [p])
+    assert not (dest / "arms" / "c-s1").exists() and not (dest / "evals" / "c-s1.parquet").exists()
+    assert not (dest / "pooled.json").exists()
 
 
 def test_pool_stage_checks_every_source_before_copying_any(tmp_path):
@@ -698,6 +754,8 @@ def test_pool_stage_checks_every_source_before_copying_any(tmp_path):
     cmd = [sys.executable, "-m", "bench.learning", "--out", str(dest), "--stage", "pool", "--pool_from"]
     none, missing, ok = (subprocess.run(cmd + [arg], cwd=ROOT, capture_output=True, text=True)
                          for arg in (" , ", f"{good},{tmp_path / 'nope'}", f" {good} ,"))
+    elsewhere = subprocess.run(cmd[:-3] + ["--pool_from", str(good)], cwd=ROOT, capture_output=True, text=True)
+    assert elsewhere.returncode == 2 and "--pool_from is read by --stage pool only" in elsewhere.stderr
     assert none.returncode == 2 and "needs --pool_from" in none.stderr
     assert missing.returncode == 2 and "nope: no such directory" in missing.stderr
     assert ok.returncode == 0, ok.stderr  # the good source alone: copied, recorded once, reported with its seed
