@@ -648,9 +648,18 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
         with run_lock(cfg.dir):  # not while an experiment (or another pool) writes here
             defaults = {f.name: f.default for f in dataclasses.fields(LearningConfig)
                         if f.default is not dataclasses.MISSING}
+
+            def canonical(run: str) -> None:  # "j@3e-6-s2" would be read as a second arm beside "j@3e-06-s2"
+                name = cfg.run_name(*cfg.parse_run(run))
+                if name != run:
+                    raise ValueError(f"run {run!r} is named {name!r} by this experiment's settings: rename its "
+                                     "evals/<run>.parquet (and the name column) and arms/<run>/ to pool it")
+
+            marks = set(cfg.mark_list) | {HANDOVER_MARK}
             plans = []
             for s in sources:  # every source checked before anything is copied
-                plans.append(plan(cfg.dir, Path(s), valid_name=cfg.parse_run, defaults=defaults, earlier=plans))
+                plans.append(plan(cfg.dir, Path(s), valid_name=canonical, defaults=defaults, earlier=plans,
+                                  marks=marks))
             for p in plans:
                 new = p.copy + p.arms_only
                 print(f"[learning] pool {p.src}: checked {', '.join(p.checked)}; copying {', '.join(new) or 'nothing'}"
@@ -663,10 +672,10 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
                 return EXIT_IO
             try:
                 report(cfg)
-            except OSError as e:
-                print(f"bench.learning: the runs are pooled (pooled.json), but the report failed: {e}; "
-                      "run --stage report when it can be written", file=sys.stderr)
-                return EXIT_IO
+            except (OSError, ValueError, KeyError) as e:
+                print(f"bench.learning: the runs are pooled (pooled.json), but the report failed: "
+                      f"{type(e).__name__}: {e}; run --stage report once that is fixed", file=sys.stderr)
+                return EXIT_IO if isinstance(e, OSError) else 2
     except LockHeld as e:
         print(f"bench.learning: {e}", file=sys.stderr)
         return EXIT_LOCKED

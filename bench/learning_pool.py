@@ -9,14 +9,15 @@ together, but only after checking that. :func:`plan` checks every source before 
   differ: paths, the command's arm list, its deadline);
 - the start's and the teacher's evaluations hold the same completions for the same problems and samples, each key
   once (the evidence that both are the same models; a setup rebuilt with other data or steps fails here);
-- each run to copy has a readable ``evals/<run>.parquet`` with the evaluation's columns, one name, each key once,
-  and only the start's problems;
+- each run to copy has a readable ``evals/<run>.parquet`` with every column the report reads, one name, each key
+  once, graded columns true or false, only the start's problems and only the experiment's marks;
 - each run name is one the report reads, and no run is in two places (here, or two sources) with different results
   (a run already here with the same rows is skipped), and no run to copy has an unfinished ``arms/<run>/`` here
   (it is never deleted).
 
-:func:`apply` then copies each run (``arms/<run>/``, then ``evals/<run>.parquet``, each under a temporary name and
-renamed), removes a run's copied ``arms/<run>/`` again if its ``evals/`` copy fails or is interrupted, and
+:func:`apply` then copies each run (``evals/<run>.parquet``, then ``arms/<run>/``, each under a temporary name and
+renamed), removes a run's copied ``evals/`` again if its ``arms/`` copy fails or is interrupted (a process killed
+between the two leaves a run without ``arms/``, which pooling the same source again completes), and
 records each source that added something in ``pooled.json`` (with the source's own ``pooled.json`` records, so a
 run's origin is kept).
 Across leases a seconds-based run differs by its machine as it does by a seed (LEARNING.md, "Fresh machines"): the
@@ -42,7 +43,9 @@ SETTINGS_FREE = frozenset({
 # Defaults of settings that older settings.json files lack (bench.learning.main reads them the same way).
 SETTINGS_DEFAULTS = {"answer_filter": "math"}
 SHARED_EVALS = ("student", "teacher")  # the setup's evaluations: compared, never copied
-RUN_COLUMNS = ("name", "mark_s", "problem_id", "sample_index", "completion")
+SETUP_COLUMNS = ("name", "mark_s", "problem_id", "sample_index", "completion")
+# what bench.learning_report reads of an arm run's rows (a table lacking one would break every later report)
+RUN_COLUMNS = SETUP_COLUMNS + ("train_s", "step", "n_tokens", "finish_reason", "correct_numeric", "correct_math")
 
 
 @dataclass
@@ -75,7 +78,7 @@ def _settings(d: Path, defaults: dict | None = None) -> dict:
     return {**(defaults or {}), **SETTINGS_DEFAULTS, **s}
 
 
-def _table(path: Path, columns=RUN_COLUMNS) -> list[dict]:
+def _table(path: Path, columns=SETUP_COLUMNS) -> list[dict]:
     import pyarrow.parquet as pq
 
     try:
@@ -86,7 +89,9 @@ def _table(path: Path, columns=RUN_COLUMNS) -> list[dict]:
         raise ValueError(f"{path} cannot be read as parquet ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     missing = [c for c in columns if c not in t.column_names]
     if missing:
-        raise ValueError(f"{path} lacks the evaluation column(s) {', '.join(missing)}")
+        raise ValueError(f"{path} lacks the evaluation column(s) {', '.join(missing)}"
+                         + (" (graded before both answer filters were stored: run --stage regrade on its directory)"
+                            if {"correct_numeric", "correct_math"} & set(missing) else ""))
     return t.select(list(columns)).to_pylist()
 
 
@@ -107,6 +112,32 @@ def _keyed(path: Path, rows: list[dict], mark: bool = False) -> dict[tuple, dict
 
 def _completions(path: Path) -> dict[tuple, str]:
     return {k: r["completion"] for k, r in _keyed(path, _table(path)).items()}
+
+
+def check_run_rows(path: Path, rows: list[dict], run: str, problems: set[str], marks: set[float] | None) -> None:
+    """Raise ValueError naming ``path`` unless its rows are one run the report reads right: every row named ``run``,
+    each (mark, problem, sample) once, only the start's ``problems``, graded columns true or false (never null or
+    text), numbers where the report adds them up, and every mark one of ``marks`` (when given)."""
+    names = {r["name"] for r in rows}
+    if names != {run}:
+        raise ValueError(f"{path}: its rows name {sorted(map(str, names))}, not its run {run!r}")
+    _keyed(path, rows, mark=True)
+    extra = {r["problem_id"] for r in rows} - problems
+    if extra:
+        raise ValueError(f"{path}: {len(extra)} problem(s) the start was not evaluated on (e.g. {sorted(extra)[0]!r})")
+    for c in ("correct_numeric", "correct_math"):
+        bad = sum(not isinstance(r[c], bool) for r in rows)
+        if bad:
+            raise ValueError(f"{path}: {bad} row(s) with {c} not true/false (null or another type)")
+    for c in ("mark_s", "train_s", "step", "n_tokens"):
+        bad = sum(isinstance(r[c], bool) or not isinstance(r[c], (int, float)) for r in rows)
+        if bad:
+            raise ValueError(f"{path}: {bad} row(s) with {c} not a number")
+    if marks is not None:
+        off = sorted({float(r["mark_s"]) for r in rows} - marks)
+        if off:
+            raise ValueError(f"{path}: mark(s) {', '.join(f'{m:g}' for m in off)} s are not the experiment's marks "
+                             f"({', '.join(f'{m:g}' for m in sorted(marks))})")
 
 
 def same_results(a: Path, b: Path) -> bool:
@@ -160,10 +191,12 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
     return compared, problems
 
 
-def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None, earlier: list[Plan] = ()) -> Plan:
+def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None, earlier: list[Plan] = (),
+         marks: set[float] | None = None) -> Plan:
     """Check ``src`` against ``dest`` (module docstring) and say what pooling it would copy; writes nothing.
 
-    ``valid_name(run)`` raises ValueError for a run name the report cannot read (``LearningConfig.parse_run``);
+    ``valid_name(run)`` raises ValueError for a run name the report cannot read or that is not the run's canonical
+    name; ``marks``: the marks a run may hold (the experiment's and the hand-over's);
     ``defaults`` fill settings an older ``settings.json`` lacks; ``earlier`` are the plans of sources listed before
     this one, whose runs count as already here (equal results: skipped; different: a clash).
 
@@ -191,17 +224,16 @@ def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None
             continue
         if valid_name is not None:
             valid_name(run)
-        rows = _table(f)
-        names = {r["name"] for r in rows}
-        if names != {run}:
-            raise ValueError(f"{f}: its rows name {sorted(map(str, names))}, not its run {run!r}")
-        _keyed(f, rows, mark=True)
-        extra = {r["problem_id"] for r in rows} - problems
-        if extra:
-            raise ValueError(f"{f}: {len(extra)} problem(s) the start was not evaluated on (e.g. {sorted(extra)[0]!r})")
+        check_run_rows(f, _table(f, RUN_COLUMNS), run, problems, marks)
         have = dest / "evals" / f.name
         if run in planned:
-            (p.skip if same_results(planned[run] / "evals" / f.name, f) else clash).append(run)
+            if not same_results(planned[run] / "evals" / f.name, f):
+                clash.append(run)
+            elif (src / "arms" / run).is_dir() and not (planned[run] / "arms" / run).is_dir() \
+                    and not (dest / "arms" / run).exists():
+                p.arms_only.append(run)  # the earlier source brings its evals/, this one its arms/
+            else:
+                p.skip.append(run)
         elif have.exists():
             if not same_results(have, f):
                 clash.append(run)
@@ -224,6 +256,8 @@ def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None
 
 
 def _copy_atomic(src: Path, dest: Path) -> None:
+    for stale in dest.parent.glob(f".{dest.name}.tmp*"):  # left by a pool killed mid-copy (pools hold the run lock)
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
     try:
         if src.is_dir():
@@ -265,18 +299,21 @@ def apply(dest: Path, plans: list[Plan]) -> list[dict]:
         done: list[str] = []
         try:
             for run in p.copy + p.arms_only:
-                arms = dest / "arms" / run
-                copied_arms = False
+                # evals/ first: a process killed before arms/ is in place leaves a run here without arms/,
+                # which the next pool of the same source completes (a run here with arms/ and no evals/ is
+                # someone's unfinished run, and is never touched)
+                arms, ev = dest / "arms" / run, dest / "evals" / f"{run}.parquet"
+                copied_ev = False
                 try:
+                    if run in p.copy:
+                        _copy_atomic(p.src / "evals" / f"{run}.parquet", ev)
+                        copied_ev = True
                     if (p.src / "arms" / run).is_dir():
                         arms.parent.mkdir(parents=True, exist_ok=True)
                         _copy_atomic(p.src / "arms" / run, arms)
-                        copied_arms = True
-                    if run in p.copy:
-                        _copy_atomic(p.src / "evals" / f"{run}.parquet", dest / "evals" / f"{run}.parquet")
                 except BaseException as e:  # a full disk, or an interrupt: not half a run
-                    if copied_arms and run in p.copy:
-                        shutil.rmtree(arms, ignore_errors=True)  # its arms/ goes with its evals/
+                    if copied_ev:
+                        ev.unlink(missing_ok=True)
                     if not isinstance(e, OSError):
                         raise
                     why = (f"{len(e.args[0])} file(s) failed, first: {e.args[0][0][2]}"

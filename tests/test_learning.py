@@ -691,6 +691,20 @@ def test_pool_refuses_another_setup_a_changed_setting_or_a_clashing_run(tmp_path
     with pytest.raises(ValueError, match=r"arms/c-s1 already in .* without evals/"):
         pool(dest, good)
     (dest / "arms" / "c-s1").rmdir()
+    ungraded = _pool_dir(tmp_path / "j", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
+    t = pq.read_table(ungraded / "evals" / "c-s1.parquet")
+    write_parquet(t.drop(["correct_math"]), ungraded / "evals" / "c-s1.parquet")
+    with pytest.raises(ValueError, match=r"lacks the evaluation column\(s\) correct_math .*run --stage regrade"):
+        pool(dest, ungraded)
+    rows = t.to_pylist()
+    rows[0]["correct_numeric"] = None
+    write_parquet(rows, ungraded / "evals" / "c-s1.parquet")
+    with pytest.raises(ValueError, match=r"1 row\(s\) with correct_numeric not true/false"):
+        pool(dest, ungraded)
+    rows[0]["correct_numeric"] = True
+    write_parquet(rows, ungraded / "evals" / "c-s1.parquet")
+    with pytest.raises(ValueError, match=r"mark\(s\) 10 s are not the experiment's marks \(-1, 20\)"):
+        pool(dest, ungraded, marks={20.0, -1.0})
     odd = _pool_dir(tmp_path / "i", {"zzz": {"p1": [1, 0], "p2": [1, 0]}})
     cfg = LearningConfig(out=str(dest))
     with pytest.raises(ValueError, match=r"not an arm run name: 'zzz'"):  # the report could not read it
@@ -721,6 +735,15 @@ def test_pool_compares_sources_with_each_other_and_rows_not_bytes(tmp_path):
     apply(dest, [first, second])
     assert [r["copied"] for r in json.loads((dest / "pooled.json").read_text())] == [["c-s1"]]
     assert plan(dest, same).skip == ["c-s1"]  # against the copy here too: equal rows, other bytes
+    # one source brings a run's evals/ without its arms/, a later one the same run with them: both land
+    bare = _pool_dir(tmp_path / "e", {"c-s2": {"p1": [1, 1], "p2": [1, 0]}})
+    shutil.rmtree(bare / "arms")
+    full = _pool_dir(tmp_path / "f", {"c-s2": {"p1": [1, 1], "p2": [1, 0]}})
+    a = plan(dest, bare)
+    b = plan(dest, full, earlier=[a])
+    assert (a.copy, a.arms_only, b.copy, b.arms_only) == (["c-s2"], [], [], ["c-s2"])
+    apply(dest, [a, b])
+    assert (dest / "evals" / "c-s2.parquet").exists() and (dest / "arms" / "c-s2" / "metrics").is_dir()
 
 
 def test_pool_reads_older_settings_with_the_config_defaults_and_undoes_an_interrupted_copy(tmp_path, monkeypatch):
@@ -736,12 +759,12 @@ def test_pool_reads_older_settings_with_the_config_defaults_and_undoes_an_interr
     p = lp.plan(dest, src, defaults=defaults)
     real = lp._copy_atomic
 
-    def stop_at_evals(a, b):
-        if b.suffix == ".parquet":
+    def stop_at_arms(a, b):  # evals/ is copied first; an interrupt while arms/ is copied takes it away again
+        if b.parent.name == "arms":
             raise KeyboardInterrupt
         real(a, b)
 
-    monkeypatch.setattr(lp, "_copy_atomic", stop_at_evals)
+    monkeypatch.setattr(lp, "_copy_atomic", stop_at_arms)
     with pytest.raises(KeyboardInterrupt):
         lp.apply(dest, [p])
     assert not (dest / "arms" / "c-s1").exists() and not (dest / "evals" / "c-s1.parquet").exists()
@@ -754,6 +777,9 @@ def test_pool_stage_checks_every_source_before_copying_any(tmp_path):
     cmd = [sys.executable, "-m", "bench.learning", "--out", str(dest), "--stage", "pool", "--pool_from"]
     none, missing, ok = (subprocess.run(cmd + [arg], cwd=ROOT, capture_output=True, text=True)
                          for arg in (" , ", f"{good},{tmp_path / 'nope'}", f" {good} ,"))
+    misnamed = _pool_dir(tmp_path / "c", {"c@1e-05-s1": {"p1": [1, 0], "p2": [1, 0]}})  # lr 1e-5 is the default
+    r = subprocess.run(cmd + [str(misnamed)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "run 'c@1e-05-s1' is named 'c-s1'" in r.stderr, r.stderr
     elsewhere = subprocess.run(cmd[:-3] + ["--pool_from", str(good)], cwd=ROOT, capture_output=True, text=True)
     assert elsewhere.returncode == 2 and "--pool_from is read by --stage pool only" in elsewhere.stderr
     assert none.returncode == 2 and "needs --pool_from" in none.stderr
