@@ -42,7 +42,8 @@ A sequential arm (j, k, l) is also evaluated at its hand-over, after its last of
 the on-policy steps did to the model they started from.
 
 Outputs under DIR: settings.json, protocol.yaml; data/{train,test,curriculum}.parquet (and
-data/teacher_curriculum.parquet under teacher_n_train), data/stage_one.parquet
+data/teacher_curriculum.parquet under teacher_n_train, data/start_curriculum.parquet under fresh_arm_problems),
+data/stage_one.parquet
 (the teacher's samples with verdicts); start/, teacher/; evals/<name>.parquet (one row per mark x problem x
 sample); arms/<run>/ (train.yaml, metrics/train.jsonl, rollouts/, eval/<run>-<mark|handover>/); results.{json,md},
 learning.png. Query with duckdb, e.g.
@@ -93,12 +94,14 @@ def build_data(cfg: LearningConfig) -> dict[str, Path]:
     from data_tools.runio import write_parquet
 
     d = cfg.dir / "data"
-    keys = ("train", "test", "curriculum") + (("teacher_curriculum",) if cfg.teacher_n_train > cfg.n_train else ())
+    keys = (("train", "test", "curriculum") + (("teacher_curriculum",) if cfg.teacher_n_train > cfg.n_train else ())
+            + (("start_curriculum",) if cfg.fresh_arm_problems else ()))
     paths = {k: d / f"{k}.parquet" for k in keys}
     if all(p.exists() for p in paths.values()):
         return paths
     n_teacher = max(cfg.n_train, cfg.teacher_n_train)
-    # both loaders are prefix-stable: the first n_train of the teacher's problems are the arms' training problems
+    # both loaders are prefix-stable: the first n_train of the teacher's problems are the start's training problems,
+    # and the arms' too unless fresh_arm_problems gives them the next n_train
     if cfg.task == "ladder":
         pool = load_problems(f"synth-hard:train:{n_teacher}", seed=cfg.seed).rows
         test = load_problems(f"synth-hard:test:{cfg.n_test}", seed=cfg.seed).rows
@@ -111,7 +114,8 @@ def build_data(cfg: LearningConfig) -> dict[str, Path]:
         if len(pool) < n_teacher:
             raise ValueError(f"{g / 'gsm8k_train.jsonl'} has {len(pool)} problems; n_train / teacher_n_train ask "
                              f"for {n_teacher}")
-    train = pool[:cfg.n_train]
+    first = 1 if cfg.fresh_arm_problems else 0
+    train = pool[first * cfg.n_train:(first + 1) * cfg.n_train]  # the arms' problems (stage one's too)
     write_parquet(train, paths["train"])
     write_parquet(test, paths["test"])
 
@@ -124,6 +128,8 @@ def build_data(cfg: LearningConfig) -> dict[str, Path]:
     write_parquet(curriculum(train), paths["curriculum"])  # shuffled by the trainer
     if "teacher_curriculum" in paths:
         write_parquet(curriculum(pool), paths["teacher_curriculum"])
+    if "start_curriculum" in paths:  # the start's SFT: problems no arm trains on
+        write_parquet(curriculum(pool[:cfg.n_train]), paths["start_curriculum"])
     return paths
 
 
@@ -273,8 +279,8 @@ def _line(cfg: LearningConfig, rows: list[dict]) -> str:
 def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name: str, eval_name: str,
               seconds: float, steps: int = 0, curriculum: str = "curriculum") -> Path:
     """SFT of ``src`` on the reference solutions of ``data[curriculum]``'s problems (the training problems; the
-    teacher's wider set under ``--teacher_n_train``) for ``seconds`` (or ``steps`` optimizer steps when > 0)
-    through ``stages.train`` (``work/<dest_name>_sft/train.yaml``) -> ``<out>/<dest_name>``; its evaluation ->
+    teacher's wider set under ``--teacher_n_train``, the start's own under ``--fresh_arm_problems``) for
+    ``seconds`` (or ``steps`` optimizer steps when > 0) through ``stages.train`` (``work/<dest_name>_sft/train.yaml``) -> ``<out>/<dest_name>``; its evaluation ->
     ``evals/<eval_name>.parquet``. The teacher and a mid-trained start."""
     import shutil
 
@@ -712,11 +718,15 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
 
         mix = Counter(r["bucket"] for r in read_rows(data["teacher_curriculum"]))
         print(f"[learning] teacher data: {sum(mix.values())} problems, by level {dict(sorted(mix.items()))}", flush=True)
+    if "start_curriculum" in data:
+        print(f"[learning] fresh arm problems: the start trains on problems 1-{cfg.n_train} of the teacher's, the "
+              f"arms on {cfg.n_train + 1}-{2 * cfg.n_train}", flush=True)
     if cfg.start_model:  # a given start (e.g. an earlier run's): its evaluation is every arm's mark 0
         adopt_model(cfg, cfg.start_model, dest_name="start", eval_name="student")
     elif start != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
         fine_tune(cfg, student_path, data, dest_name="start", eval_name="student", seconds=cfg.start_sft_s,
-                  steps=cfg.start_sft_steps)
+                  steps=cfg.start_sft_steps,
+                  curriculum="start_curriculum" if "start_curriculum" in data else "curriculum")
     else:
         eval_student(cfg, student_path)
     if cfg.teacher_model:

@@ -129,6 +129,11 @@ class LearningConfig:
         "help": "Training problems of the teacher's SFT (a built teacher): 0 = the n_train every arm trains on; more = "
                 "those and further problems of the same source no arm sees (the ladder: disjoint from the test split), "
                 "so the teacher knows more than a start saturated on the n_train (regime (ii))."})
+    fresh_arm_problems: bool = field(default=False, metadata={
+        "help": "Regime (ii) on new prompts: the start's SFT uses the first n_train problems and every arm trains on "
+                "the next n_train, which the start never saw and the teacher did (needs a built teacher with "
+                "teacher_n_train >= 2 x n_train). Without it the arms train on the start's own problems, where a "
+                "saturated start has memorised the answers (LEARNING.md, the wider teacher)."})
     start_model: str = field(default="", metadata={
         "help": "A local HF model dir to use as the start instead of building one (e.g. an earlier run's "
                 "<out>/start): copied to <out>/start and evaluated as mark 0. Excludes start_sft_s / start_sft_steps."})
@@ -218,6 +223,10 @@ class LearningConfig:
             raise ValueError(f"teacher_n_train must be 0 or >= n_train ({self.n_train}), got {self.teacher_n_train}")
         if self.teacher_n_train and self.teacher_model:
             raise ValueError("teacher_n_train shapes a built teacher's SFT data: leave it at 0 with teacher_model")
+        if self.fresh_arm_problems and (self.teacher_model or self.teacher_n_train < 2 * self.n_train):
+            raise ValueError(f"fresh_arm_problems trains the arms on problems n_train..2 x n_train, which the teacher "
+                             f"must have seen: build the teacher with teacher_n_train >= {2 * self.n_train} (got "
+                             f"{self.teacher_n_train}{', and a given teacher_model' if self.teacher_model else ''})")
         if self.teacher_n_train == self.n_train:
             self.teacher_n_train = 0  # the same teacher data as 0: recorded alike, so a resume accepts either
         if not 0 < self.seq_sft_epochs < math.inf:  # NaN fails too

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import math
 import os
 import shutil
 import time
@@ -114,25 +115,37 @@ def _completions(path: Path) -> dict[tuple, str]:
     return {k: r["completion"] for k, r in _keyed(path, _table(path)).items()}
 
 
-def check_run_rows(path: Path, rows: list[dict], run: str, problems: set[str], marks: set[float] | None) -> None:
+def check_run_rows(path: Path, rows: list[dict], run: str, keys: set[tuple], marks: set[float] | None) -> None:
     """Raise ValueError naming ``path`` unless its rows are one run the report reads right: every row named ``run``,
-    each (mark, problem, sample) once, only the start's ``problems``, graded columns true or false (never null or
-    text), numbers where the report adds them up, and every mark one of ``marks`` (when given)."""
+    each (mark, problem, sample) once, at each mark exactly the (problem, sample) ``keys`` the start was evaluated on
+    (the report pairs runs over them), graded columns true or false (never null or text), finite numbers where the
+    report adds them up, and every mark one of ``marks`` (when given)."""
     names = {r["name"] for r in rows}
     if names != {run}:
         raise ValueError(f"{path}: its rows name {sorted(map(str, names))}, not its run {run!r}")
-    _keyed(path, rows, mark=True)
+    keyed = _keyed(path, rows, mark=True)
+    problems = {k[0] for k in keys}
     extra = {r["problem_id"] for r in rows} - problems
     if extra:
         raise ValueError(f"{path}: {len(extra)} problem(s) the start was not evaluated on (e.g. {sorted(extra)[0]!r})")
+    by_mark: dict = {}
+    for m, pid, i in keyed:
+        by_mark.setdefault(m, set()).add((pid, i))
+    for m, have in sorted(by_mark.items(), key=lambda kv: str(kv[0])):
+        missing = keys - have
+        if missing:
+            pid, i = sorted(missing, key=str)[0]
+            raise ValueError(f"{path}: at mark {m:g} s it lacks {len(missing)} of the start's {len(keys)} (problem, sample) "
+                             f"evaluations (e.g. problem {pid!r} sample {i}): an unfinished or filtered evaluation")
     for c in ("correct_numeric", "correct_math"):
         bad = sum(not isinstance(r[c], bool) for r in rows)
         if bad:
             raise ValueError(f"{path}: {bad} row(s) with {c} not true/false (null or another type)")
     for c in ("mark_s", "train_s", "step", "n_tokens"):
-        bad = sum(isinstance(r[c], bool) or not isinstance(r[c], (int, float)) for r in rows)
+        bad = sum(isinstance(r[c], bool) or not isinstance(r[c], (int, float)) or not math.isfinite(r[c])
+                  for r in rows)
         if bad:
-            raise ValueError(f"{path}: {bad} row(s) with {c} not a number")
+            raise ValueError(f"{path}: {bad} row(s) with {c} not a finite number (null, NaN, infinite or text)")
     if marks is not None:
         off = sorted({float(r["mark_s"]) for r in rows} - marks)
         if off:
@@ -153,9 +166,9 @@ def same_results(a: Path, b: Path) -> bool:
     return sorted(ta.to_pylist(), key=key) == sorted(tb.select(ta.column_names).to_pylist(), key=key)
 
 
-def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tuple[list[str], set[str]]:
+def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tuple[list[str], set[tuple]]:
     """Raise unless ``src``'s arm runs can be read beside ``dest``'s; return the setup evaluations compared and the
-    start's problem ids.
+    start's (problem_id, sample_index) keys.
 
     Raises:
         FileNotFoundError: either directory lacks ``settings.json`` or ``evals/student.parquet``, or one side has the
@@ -169,7 +182,7 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
     if differ:
         raise ValueError(f"cannot pool {src} into {dest}: settings differ: "
                          + "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in differ.items()))
-    compared, problems = [], set()
+    compared, keys = [], set()
     for name in SHARED_EVALS:
         pa_, pb = dest / "evals" / f"{name}.parquet", src / "evals" / f"{name}.parquet"
         if name == "student" or pa_.exists() or pb.exists():
@@ -187,8 +200,8 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
                                  f"{len(ca)} completions, so the two setups did not build the same {name}")
             compared.append(f"{name} ({len(ca)} completions equal)")
             if name == "student":
-                problems = {k[0] for k in ca}
-    return compared, problems
+                keys = set(ca)
+    return compared, keys
 
 
 def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None, earlier: list[Plan] = (),
@@ -214,7 +227,7 @@ def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None
         raise ValueError(f"--pool_from {src} is the --out directory itself")
     if any(e.src.resolve() == src.resolve() for e in earlier):
         raise ValueError(f"--pool_from lists {src} twice")
-    checked, problems = check_same_setup(dest, src, defaults)
+    checked, keys = check_same_setup(dest, src, defaults)
     p = Plan(src=src, checked=checked, source_log=_pool_log(src))
     planned = {run: e.src for e in earlier for run in e.copy}  # runs an earlier source will copy here
     clash = []
@@ -224,13 +237,13 @@ def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None
             continue
         if valid_name is not None:
             valid_name(run)
-        check_run_rows(f, _table(f, RUN_COLUMNS), run, problems, marks)
+        check_run_rows(f, _table(f, RUN_COLUMNS), run, keys, marks)
         have = dest / "evals" / f.name
         if run in planned:
             if not same_results(planned[run] / "evals" / f.name, f):
                 clash.append(run)
             elif (src / "arms" / run).is_dir() and not (planned[run] / "arms" / run).is_dir() \
-                    and not (dest / "arms" / run).exists():
+                    and not (dest / "arms" / run).exists() and not any(run in e.arms_only for e in earlier):
                 p.arms_only.append(run)  # the earlier source brings its evals/, this one its arms/
             else:
                 p.skip.append(run)
@@ -284,51 +297,70 @@ def _pool_log(dest: Path) -> list:
 def apply(dest: Path, plans: list[Plan]) -> list[dict]:
     """Copy what ``plans`` (from :func:`plan`, all made before any copy) say; return the records added to
     ``dest/pooled.json`` (``{"from", "checked", "copied", "skipped", "at", "source_pooled"}``, one per source that
-    added a run).
+    added a run). A source's record is written as soon as its first run is in place and rewritten after each
+    further run, so a pool killed part-way still says where every run it left came from.
 
     Raises:
         OSError: a copy failed (a full disk, a file gone); the run being copied is removed again, those copied before
-            it stay (and are recorded), and the message names the run.
+            it stay (and are recorded), and the message names the run. Also when ``pooled.json`` cannot be written:
+            the message names the runs already in place without their record.
     """
     dest = Path(dest)
     from data_tools.runio import write_json
 
     log = _pool_log(dest)  # read (and checked) before anything is copied
+    for pattern in (".pooled.json.*.tmp", ".results.*.tmp"):  # temporaries of a write killed before its rename
+        for stale in dest.glob(pattern):  # (pools and reports hold the run lock, so none is being written now)
+            stale.unlink(missing_ok=True)
+
+    def record(rec: dict, done: list[str]) -> None:
+        rec["copied"] = list(done)
+        try:
+            write_json(log, dest / "pooled.json")
+        except OSError as e:
+            raise OSError(f"{', '.join(done)} pooled into {dest} from {rec['from']}, but {dest / 'pooled.json'} "
+                          f"could not be written to record it: {e}") from e
+
     added = []
     for p in plans:
         done: list[str] = []
-        try:
-            for run in p.copy + p.arms_only:
-                # evals/ first: a process killed before arms/ is in place leaves a run here without arms/,
-                # which the next pool of the same source completes (a run here with arms/ and no evals/ is
-                # someone's unfinished run, and is never touched)
-                arms, ev = dest / "arms" / run, dest / "evals" / f"{run}.parquet"
-                copied_ev = False
-                try:
-                    if run in p.copy:
-                        _copy_atomic(p.src / "evals" / f"{run}.parquet", ev)
-                        copied_ev = True
-                    if (p.src / "arms" / run).is_dir():
-                        arms.parent.mkdir(parents=True, exist_ok=True)
-                        _copy_atomic(p.src / "arms" / run, arms)
-                except BaseException as e:  # a full disk, or an interrupt: not half a run
-                    if copied_ev:
-                        ev.unlink(missing_ok=True)
-                    if not isinstance(e, OSError):
-                        raise
-                    why = (f"{len(e.args[0])} file(s) failed, first: {e.args[0][0][2]}"
-                           if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e))
-                    raise OSError(f"pooling {run} from {p.src} failed, nothing of it kept: {why}") from e
-                done.append(run)
-        finally:
-            if done:
-                rec = {"from": str(p.src.resolve()), "checked": p.checked, "copied": done, "skipped": p.skip,
-                       "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-                if p.source_log:
-                    rec["source_pooled"] = p.source_log
-                log.append(rec)
-                added.append(rec)
-                write_json(log, dest / "pooled.json")
+        rec: dict | None = None
+        for run in p.copy + p.arms_only:
+            # evals/ first: a process killed before arms/ is in place leaves a run here without arms/,
+            # which the next pool of the same source completes (a run here with arms/ and no evals/ is
+            # someone's unfinished run, and is never touched)
+            arms, ev = dest / "arms" / run, dest / "evals" / f"{run}.parquet"
+            copied_ev = placed = False
+            want_arms, arms_before = (p.src / "arms" / run).is_dir(), arms.exists()  # plan: never there for these
+            try:
+                if run in p.copy:
+                    _copy_atomic(p.src / "evals" / f"{run}.parquet", ev)
+                    copied_ev = True
+                if want_arms:
+                    arms.parent.mkdir(parents=True, exist_ok=True)
+                    _copy_atomic(p.src / "arms" / run, arms)
+                placed = True
+            except BaseException as e:  # a full disk, or an interrupt: not half a run
+                # an interrupt that came after arms/ was renamed into place leaves the run whole: keep and record it
+                placed = want_arms and not arms_before and arms.is_dir() and (copied_ev or run not in p.copy)
+                if copied_ev and not placed:
+                    ev.unlink(missing_ok=True)
+                if placed or not isinstance(e, OSError):
+                    raise
+                why = (f"{len(e.args[0])} file(s) failed, first: {e.args[0][0][2]}"
+                       if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e))
+                raise OSError(f"pooling {run} from {p.src} failed, nothing of it kept: {why}") from e
+            finally:
+                if placed:  # whole here (even if interrupted just after): recorded at once
+                    done.append(run)
+                    if rec is None:
+                        rec = {"from": str(p.src.resolve()), "checked": p.checked, "copied": [], "skipped": p.skip,
+                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                        if p.source_log:
+                            rec["source_pooled"] = p.source_log
+                        log.append(rec)
+                        added.append(rec)
+                    record(rec, done)
     return added
 
 

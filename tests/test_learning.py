@@ -103,7 +103,9 @@ def test_paired_difference_matches_plain_formula():
     (dict(seq_sft_epochs=0), "seq_sft_epochs"), (dict(seq_sft_epochs=float("nan")), "seq_sft_epochs"),
     (dict(seq_sft_epochs=float("inf")), "seq_sft_epochs"), (dict(seq_sft_lr=-1.0), "seq_sft_lr"),
     (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
-    (dict(teacher_n_train=9000, teacher_model="/m"), "teacher_n_train")])
+    (dict(teacher_n_train=9000, teacher_model="/m"), "teacher_n_train"),
+    (dict(n_train=100, teacher_n_train=199, fresh_arm_problems=True), r"teacher_n_train >= 200 \(got 199\)"),
+    (dict(n_train=100, teacher_model="/m", fresh_arm_problems=True), "given teacher_model")])
 def test_config_range_checks(tmp_path, kw, match):
     args = dict(out=str(tmp_path / "run"))
     args.update(kw)
@@ -558,6 +560,15 @@ def test_teacher_n_train_widens_only_the_teachers_problems(tmp_path):
     assert ids[:30] == [r["problem_id"] for r in read_rows(wide["curriculum"])]
     assert not set(ids) & {r["problem_id"] for r in read_rows(wide["test"])}
     assert [r["curriculum_index"] for r in teach] == list(range(90))
+    # --fresh_arm_problems: the start keeps the first 30 (the plain run's problems), the arms get the next 30
+    fresh = build_data(LearningConfig(out=str(tmp_path / "f"), n_train=30, n_test=12, teacher_n_train=90,
+                                      fresh_arm_problems=True))
+    assert set(fresh) == {"train", "test", "curriculum", "teacher_curriculum", "start_curriculum"}
+    assert read_rows(fresh["start_curriculum"]) == read_rows(plain["curriculum"])
+    arm_ids = [r["problem_id"] for r in read_rows(fresh["curriculum"])]
+    assert arm_ids == ids[30:60] == [r["problem_id"] for r in read_rows(fresh["train"])]
+    assert read_rows(fresh["test"]) == read_rows(plain["test"])
+    assert read_rows(fresh["teacher_curriculum"]) == teach
 
 
 def test_a_moved_run_directory_takes_its_start_along(tmp_path):
@@ -787,3 +798,64 @@ def test_pool_stage_checks_every_source_before_copying_any(tmp_path):
     assert ok.returncode == 0, ok.stderr  # the good source alone: copied, recorded once, reported with its seed
     assert "copying c-s1" in ok.stdout and "runs c, c-s1" in ok.stdout
     assert [r["copied"] for r in json.loads((dest / "pooled.json").read_text())] == [["c-s1"]]
+
+
+def test_pool_records_each_run_as_it_lands_and_checks_each_marks_evaluations(tmp_path, monkeypatch):
+    """A pool stopped after a run's arms/ is in place keeps that run whole and recorded; a copy failing at the second
+    run leaves the first recorded; a third source with arms/ is skipped once the second brings them; a run missing a
+    (problem, sample) at a mark, or with a NaN, is refused; temporaries of a killed write are cleared."""
+    import bench.learning_pool as lp
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}})
+    (dest / ".pooled.json.abc.tmp").write_text("[")
+    src = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}, "c-s2": {"p1": [0, 0], "p2": [1, 1]}})
+    p = lp.plan(dest, src)
+    real = lp._copy_atomic
+    calls = []
+
+    def fail_second_run(a, b):
+        calls.append(b.name)
+        if b.name == "c-s2.parquet":
+            raise OSError(28, "No space left on device")
+        real(a, b)
+
+    monkeypatch.setattr(lp, "_copy_atomic", fail_second_run)
+    with pytest.raises(OSError, match=r"pooling c-s2 from .* failed, nothing of it kept: .*No space left"):
+        lp.apply(dest, [p])
+    log = json.loads((dest / "pooled.json").read_text())
+    assert [r["copied"] for r in log] == [["c-s1"]] and not (dest / ".pooled.json.abc.tmp").exists()
+    assert (dest / "arms" / "c-s1").is_dir() and not (dest / "evals" / "c-s2.parquet").exists()
+
+    def stop_after_arms(a, b):  # an interrupt right after arms/ is renamed into place: the run is whole, kept
+        real(a, b)
+        if b.parent.name == "arms":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(lp, "_copy_atomic", stop_after_arms)
+    with pytest.raises(KeyboardInterrupt):
+        lp.apply(dest, [lp.plan(dest, src)])
+    assert (dest / "evals" / "c-s2.parquet").exists() and (dest / "arms" / "c-s2").is_dir()
+    assert [r["copied"] for r in json.loads((dest / "pooled.json").read_text())] == [["c-s1"], ["c-s2"]]
+    monkeypatch.setattr(lp, "_copy_atomic", real)
+    assert lp.plan(dest, src).skip == ["c-s1", "c-s2"]  # nothing left to do: no unfinished run refused
+    # three sources of one run: the first without arms/, the next two with them: only the second brings arms/
+    bare = _pool_dir(tmp_path / "c", {"c-s3": {"p1": [1, 1], "p2": [1, 0]}})
+    shutil.rmtree(bare / "arms")
+    full = _pool_dir(tmp_path / "d", {"c-s3": {"p1": [1, 1], "p2": [1, 0]}})
+    full2 = _pool_dir(tmp_path / "e", {"c-s3": {"p1": [1, 1], "p2": [1, 0]}})
+    a = lp.plan(dest, bare)
+    b = lp.plan(dest, full, earlier=[a])
+    c = lp.plan(dest, full2, earlier=[a, b])
+    assert (a.copy, b.arms_only, c.arms_only, c.skip) == (["c-s3"], ["c-s3"], [], ["c-s3"])
+    lp.apply(dest, [a, b, c])
+    assert (dest / "arms" / "c-s3" / "metrics" / "train.jsonl").exists()
+    # a run whose evaluation lacks a sample at a mark, or holds a NaN, would be paired wrongly: refused
+    short = _pool_dir(tmp_path / "f", {"c-s4": {"p1": [1, 0], "p2": [1]}})
+    with pytest.raises(ValueError, match=r"at mark 10 s it lacks 1 of the start's 4 .* problem 'p2' sample 1"):
+        lp.plan(dest, short)
+    nan = _pool_dir(tmp_path / "g", {"c-s4": {"p1": [1, 0], "p2": [1, 0]}})
+    rows = pq.read_table(nan / "evals" / "c-s4.parquet").to_pylist()
+    rows[1]["train_s"] = float("nan")
+    write_parquet(rows, nan / "evals" / "c-s4.parquet")
+    with pytest.raises(ValueError, match=r"1 row\(s\) with train_s not a finite number"):
+        lp.plan(dest, nan)
