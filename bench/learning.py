@@ -661,11 +661,13 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
                     raise ValueError(f"run {run!r} is named {name!r} by this experiment's settings: rename its "
                                      "evals/<run>.parquet (and the name column) and arms/<run>/ to pool it")
 
-            marks = set(cfg.mark_list) | {HANDOVER_MARK}
+            def handover(run: str) -> set[float]:  # a sequential run (j, k, l) may hold its hand-over's evaluation
+                return {HANDOVER_MARK} if ARM_SPECS[cfg.parse_run(run)[0]].off_policy == "seq" else set()
+
             plans = []
             for s in sources:  # every source checked before anything is copied
                 plans.append(plan(cfg.dir, Path(s), valid_name=canonical, defaults=defaults, earlier=plans,
-                                  marks=marks))
+                                  marks=set(cfg.mark_list), optional_marks=handover))
             for p in plans:
                 new = p.copy + p.arms_only
                 print(f"[learning] pool {p.src}: checked {', '.join(p.checked)}; copying {', '.join(new) or 'nothing'}"
@@ -676,6 +678,11 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
                 print(f"bench.learning: {e} (pooled.json lists what was pooled before it; the report was not redrawn: "
                       "run --stage pool again, or --stage report)", file=sys.stderr)
                 return EXIT_IO
+            except KeyboardInterrupt:
+                print("bench.learning: pool interrupted: the runs whole here are listed in pooled.json, the one being "
+                      "copied was taken away again; results.md was not redrawn: run the same --stage pool again",
+                      file=sys.stderr)
+                return 130
             try:
                 report(cfg)
             except (OSError, ValueError, KeyError) as e:

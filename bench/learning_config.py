@@ -223,6 +223,9 @@ class LearningConfig:
             raise ValueError(f"teacher_n_train must be 0 or >= n_train ({self.n_train}), got {self.teacher_n_train}")
         if self.teacher_n_train and self.teacher_model:
             raise ValueError("teacher_n_train shapes a built teacher's SFT data: leave it at 0 with teacher_model")
+        if self.fresh_arm_problems and (self.start_model or not (self.start_sft_steps or self.start_sft_s > 0)):
+            raise ValueError("fresh_arm_problems keeps the arms off the start's own SFT problems: it needs a start built "
+                             "here (start_sft_steps or start_sft_s), not a given start_model or the raw student")
         if self.fresh_arm_problems and (self.teacher_model or self.teacher_n_train < 2 * self.n_train):
             raise ValueError(f"fresh_arm_problems trains the arms on problems n_train..2 x n_train, which the teacher "
                              f"must have seen: build the teacher with teacher_n_train >= {2 * self.n_train} (got "

@@ -8,9 +8,11 @@ together, but only after checking that. :func:`plan` checks every source before 
 - the directories' settings agree on everything that defines an arm run (:data:`SETTINGS_FREE` lists what may
   differ: paths, the command's arm list, its deadline);
 - the start's and the teacher's evaluations hold the same completions for the same problems and samples, each key
-  once (the evidence that both are the same models; a setup rebuilt with other data or steps fails here);
+  once, graded alike where both store grades (the evidence that both are the same models under the same grader; a
+  setup rebuilt with other data or steps fails here);
 - each run to copy has a readable ``evals/<run>.parquet`` with every column the report reads, one name, each key
-  once, graded columns true or false, only the start's problems and only the experiment's marks;
+  once, graded columns true or false, finite numbers, every one of the experiment's marks and no other (a
+  sequential run's hand-over aside), and at each mark exactly the (problem, sample) pairs the start was evaluated on;
 - each run name is one the report reads, and no run is in two places (here, or two sources) with different results
   (a run already here with the same rows is skipped), and no run to copy has an unfinished ``arms/<run>/`` here
   (it is never deleted).
@@ -18,8 +20,8 @@ together, but only after checking that. :func:`plan` checks every source before 
 :func:`apply` then copies each run (``evals/<run>.parquet``, then ``arms/<run>/``, each under a temporary name and
 renamed), removes a run's copied ``evals/`` again if its ``arms/`` copy fails or is interrupted (a process killed
 between the two leaves a run without ``arms/``, which pooling the same source again completes), and
-records each source that added something in ``pooled.json`` (with the source's own ``pooled.json`` records, so a
-run's origin is kept).
+records each source that added something in ``pooled.json`` as it goes (with the source's own ``pooled.json``
+records, so a run's origin is kept; the run being copied is named there before its copy starts).
 Across leases a seconds-based run differs by its machine as it does by a seed (LEARNING.md, "Fresh machines"): the
 report's paired standard errors do not include that.
 """
@@ -111,32 +113,38 @@ def _keyed(path: Path, rows: list[dict], mark: bool = False) -> dict[tuple, dict
     return out
 
 
-def _completions(path: Path) -> dict[tuple, str]:
-    return {k: r["completion"] for k, r in _keyed(path, _table(path)).items()}
+GRADES = ("correct_numeric", "correct_math")
 
 
-def check_run_rows(path: Path, rows: list[dict], run: str, keys: set[tuple], marks: set[float] | None) -> None:
+def _setup_rows(path: Path) -> dict[tuple, dict]:
+    """A setup evaluation's rows by (problem_id, sample_index): the completion, and the grades where stored."""
+    import pyarrow.parquet as pq
+
+    cols = SETUP_COLUMNS + tuple(c for c in GRADES if c in pq.read_schema(path).names)
+    return _keyed(path, _table(path, cols))
+
+
+def _setting(key: str, value):
+    """A setting as compared: ``marks`` by value ("10" and "10.0" are one mark list)."""
+    if key == "marks" and isinstance(value, str):
+        try:
+            return tuple(float(m) for m in value.split(","))
+        except ValueError:
+            return value
+    return value
+
+
+def check_run_rows(path: Path, rows: list[dict], run: str, keys: set[tuple], marks: set[float] | None,
+                   optional: set[float] = frozenset()) -> None:
     """Raise ValueError naming ``path`` unless its rows are one run the report reads right: every row named ``run``,
-    each (mark, problem, sample) once, at each mark exactly the (problem, sample) ``keys`` the start was evaluated on
-    (the report pairs runs over them), graded columns true or false (never null or text), finite numbers where the
-    report adds them up, and every mark one of ``marks`` (when given)."""
+    each (mark, problem, sample) once, graded columns true or false (never null or text), finite numbers where the
+    report adds them up, a text ``finish_reason`` (the clip rate counts it), every one of ``marks`` present (when
+    given) and no mark outside ``marks`` and ``optional`` (a sequential run's hand-over), and at each mark exactly
+    the (problem, sample) ``keys`` the start was evaluated on: none missing, none extra (the report pairs runs over
+    them and averages every row)."""
     names = {r["name"] for r in rows}
     if names != {run}:
         raise ValueError(f"{path}: its rows name {sorted(map(str, names))}, not its run {run!r}")
-    keyed = _keyed(path, rows, mark=True)
-    problems = {k[0] for k in keys}
-    extra = {r["problem_id"] for r in rows} - problems
-    if extra:
-        raise ValueError(f"{path}: {len(extra)} problem(s) the start was not evaluated on (e.g. {sorted(extra)[0]!r})")
-    by_mark: dict = {}
-    for m, pid, i in keyed:
-        by_mark.setdefault(m, set()).add((pid, i))
-    for m, have in sorted(by_mark.items(), key=lambda kv: str(kv[0])):
-        missing = keys - have
-        if missing:
-            pid, i = sorted(missing, key=str)[0]
-            raise ValueError(f"{path}: at mark {m:g} s it lacks {len(missing)} of the start's {len(keys)} (problem, sample) "
-                             f"evaluations (e.g. problem {pid!r} sample {i}): an unfinished or filtered evaluation")
     for c in ("correct_numeric", "correct_math"):
         bad = sum(not isinstance(r[c], bool) for r in rows)
         if bad:
@@ -146,11 +154,36 @@ def check_run_rows(path: Path, rows: list[dict], run: str, keys: set[tuple], mar
                   for r in rows)
         if bad:
             raise ValueError(f"{path}: {bad} row(s) with {c} not a finite number (null, NaN, infinite or text)")
+    bad = sum(not isinstance(r["finish_reason"], str) for r in rows)
+    if bad:
+        raise ValueError(f"{path}: {bad} row(s) with finish_reason not text (null or another type)")
+    keyed = _keyed(path, rows, mark=True)
+    problems = {k[0] for k in keys}
+    extra = {r["problem_id"] for r in rows} - problems
+    if extra:
+        raise ValueError(f"{path}: {len(extra)} problem(s) the start was not evaluated on (e.g. {sorted(extra)[0]!r})")
+    by_mark: dict[float, set] = {}
+    for m, pid, i in keyed:
+        by_mark.setdefault(float(m), set()).add((pid, i))
     if marks is not None:
-        off = sorted({float(r["mark_s"]) for r in rows} - marks)
+        fmt = lambda ms: ", ".join(f"{m:g}" for m in sorted(ms))  # noqa: E731
+        off = set(by_mark) - set(marks) - set(optional)
         if off:
-            raise ValueError(f"{path}: mark(s) {', '.join(f'{m:g}' for m in off)} s are not the experiment's marks "
-                             f"({', '.join(f'{m:g}' for m in sorted(marks))})")
+            raise ValueError(f"{path}: mark(s) {fmt(off)} s are not the experiment's marks ({fmt(marks)})"
+                             + (f" or this run's hand-over ({fmt(optional)})" if optional else ""))
+        lacking = set(marks) - set(by_mark)
+        if lacking:
+            raise ValueError(f"{path}: no evaluation at mark(s) {fmt(lacking)} s of the experiment's {fmt(marks)}: "
+                             "an unfinished run, or one of another experiment")
+    for m, have in sorted(by_mark.items()):
+        missing, more = keys - have, have - keys
+        if missing or more:
+            pid, i = sorted(missing or more, key=str)[0]
+            raise ValueError(f"{path}: at mark {m:g} s it " + (
+                f"lacks {len(missing)} of the start's {len(keys)} (problem, sample) evaluations (e.g. problem {pid!r} "
+                f"sample {i}): an unfinished or filtered evaluation" if missing else
+                f"holds {len(more)} (problem, sample) evaluation(s) the start has not (e.g. problem {pid!r} sample "
+                f"{i}): another number of samples than the start's {len(keys)}"))
 
 
 def same_results(a: Path, b: Path) -> bool:
@@ -178,7 +211,8 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
             different completions: counted).
     """
     a, b = _settings(dest, defaults), _settings(src, defaults)
-    differ = {k: (a.get(k), b.get(k)) for k in sorted((set(a) | set(b)) - SETTINGS_FREE) if a.get(k) != b.get(k)}
+    differ = {k: (a.get(k), b.get(k)) for k in sorted((set(a) | set(b)) - SETTINGS_FREE)
+              if _setting(k, a.get(k)) != _setting(k, b.get(k))}
     if differ:
         raise ValueError(f"cannot pool {src} into {dest}: settings differ: "
                          + "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in differ.items()))
@@ -188,8 +222,10 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
         if name == "student" or pa_.exists() or pb.exists():
             for p in (pa_, pb):
                 if not p.exists():
-                    raise FileNotFoundError(f"{p} not found: the {name}'s evaluation shows the two setups agree")
-            ca, cb = _completions(pa_), _completions(pb)
+                    raise FileNotFoundError(f"{p} not found: pooling compares the {name}'s evaluations of both "
+                                            "directories to check that they ran the same setup")
+            ra, rb = _setup_rows(pa_), _setup_rows(pb)
+            ca, cb = ({k: r["completion"] for k, r in rows.items()} for rows in (ra, rb))
             if ca.keys() != cb.keys():
                 raise ValueError(f"cannot pool {src} into {dest}: the {name}'s evaluations cover different problems or "
                                  f"samples ({len(ca.keys() - cb.keys())} rows only in {dest}, "
@@ -198,18 +234,25 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
             if n_diff:
                 raise ValueError(f"cannot pool {src} into {dest}: the {name}'s evaluations differ in {n_diff} of "
                                  f"{len(ca)} completions, so the two setups did not build the same {name}")
-            compared.append(f"{name} ({len(ca)} completions equal)")
+            graded = [c for c in GRADES if c in next(iter(ra.values()), {}) and c in next(iter(rb.values()), {})]
+            n_grade = sum(any(ra[k][c] != rb[k][c] for c in graded) for k in ra)
+            if n_grade:
+                raise ValueError(f"cannot pool {src} into {dest}: the {name}'s completions are equal but graded "
+                                 f"differently in {n_grade} of {len(ca)} ({', '.join(graded)}): another grader "
+                                 "version on one side (run --stage regrade on both directories)")
+            compared.append(f"{name} ({len(ca)} completions equal" + (", graded alike" if graded else "") + ")")
             if name == "student":
                 keys = set(ca)
     return compared, keys
 
 
 def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None, earlier: list[Plan] = (),
-         marks: set[float] | None = None) -> Plan:
+         marks: set[float] | None = None, optional_marks=None) -> Plan:
     """Check ``src`` against ``dest`` (module docstring) and say what pooling it would copy; writes nothing.
 
     ``valid_name(run)`` raises ValueError for a run name the report cannot read or that is not the run's canonical
-    name; ``marks``: the marks a run may hold (the experiment's and the hand-over's);
+    name; ``marks``: the experiment's marks, each of which a run must hold; ``optional_marks(run)``: the marks it may
+    hold besides (a sequential run's hand-over);
     ``defaults`` fill settings an older ``settings.json`` lacks; ``earlier`` are the plans of sources listed before
     this one, whose runs count as already here (equal results: skipped; different: a clash).
 
@@ -237,7 +280,8 @@ def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None
             continue
         if valid_name is not None:
             valid_name(run)
-        check_run_rows(f, _table(f, RUN_COLUMNS), run, keys, marks)
+        check_run_rows(f, _table(f, RUN_COLUMNS), run, keys, marks,
+                       optional_marks(run) if optional_marks is not None else frozenset())
         have = dest / "evals" / f.name
         if run in planned:
             if not same_results(planned[run] / "evals" / f.name, f):
@@ -259,8 +303,10 @@ def plan(dest: Path, src: Path, *, valid_name=None, defaults: dict | None = None
             p.copy.append(run)
     if clash:
         raise ValueError(f"cannot pool {src} into {dest}: {', '.join(clash)} in two places with different results "
-                         "(here or an earlier --pool_from source); a run name is one run (rename or remove one side's "
-                         "evals/<run>.parquet and arms/<run>/)")
+                         "(here or an earlier --pool_from source), and a run name is one run; nothing was copied. "
+                         "A lease's own reference run clashes so when it reused the name: run it under another seed "
+                         "(--seeds N), or rename one side's run (its evals/<run>.parquet, the table's name column and "
+                         "arms/<run>/) or move it away")
     unfinished = [r for r in p.copy if (dest / "arms" / r).exists()]
     if unfinished:  # never delete what a run left here, even an unfinished one
         raise ValueError(f"cannot pool {src} into {dest}: arms/{', arms/'.join(unfinished)} already in {dest} without "
@@ -297,41 +343,56 @@ def _pool_log(dest: Path) -> list:
 def apply(dest: Path, plans: list[Plan]) -> list[dict]:
     """Copy what ``plans`` (from :func:`plan`, all made before any copy) say; return the records added to
     ``dest/pooled.json`` (``{"from", "checked", "copied", "skipped", "at", "source_pooled"}``, one per source that
-    added a run). A source's record is written as soon as its first run is in place and rewritten after each
-    further run, so a pool killed part-way still says where every run it left came from.
+    added a run). A source's record is written before its first run is copied and rewritten around each run: while
+    a run is copied it is named under ``"copying"``, so even a pool killed outright (SIGKILL) leaves a record of where
+    the run it was copying came from (its ``evals/`` may then be here without ``arms/``; pooling the same source
+    again completes it).
 
     Raises:
         OSError: a copy failed (a full disk, a file gone); the run being copied is removed again, those copied before
             it stay (and are recorded), and the message names the run. Also when ``pooled.json`` cannot be written:
-            the message names the runs already in place without their record.
+            the message names the runs already in place.
     """
     dest = Path(dest)
     from data_tools.runio import write_json
 
     log = _pool_log(dest)  # read (and checked) before anything is copied
-    for pattern in (".pooled.json.*.tmp", ".results.*.tmp"):  # temporaries of a write killed before its rename
-        for stale in dest.glob(pattern):  # (pools and reports hold the run lock, so none is being written now)
-            stale.unlink(missing_ok=True)
+    for stale in dest.glob(".pooled.json.*.tmp"):  # a pooled.json write killed before its rename (pools hold the
+        stale.unlink(missing_ok=True)             # run lock, and only pools write pooled.json)
 
-    def record(rec: dict, done: list[str]) -> None:
-        rec["copied"] = list(done)
+    existed = (dest / "pooled.json").exists()
+
+    def record(rec: dict) -> None:
+        if not rec["copied"] and "copying" not in rec:
+            log[:] = [r for r in log if r is not rec]  # nothing of this source landed: no record
         try:
+            if not log and not existed:
+                (dest / "pooled.json").unlink(missing_ok=True)
+                return
             write_json(log, dest / "pooled.json")
         except OSError as e:
-            raise OSError(f"{', '.join(done)} pooled into {dest} from {rec['from']}, but {dest / 'pooled.json'} "
-                          f"could not be written to record it: {e}") from e
+            raise OSError(f"{', '.join(rec['copied']) or 'no run'} pooled into {dest} from {rec['from']}, but "
+                          f"{dest / 'pooled.json'} could not be written to record it: {e}") from e
 
     added = []
     for p in plans:
-        done: list[str] = []
-        rec: dict | None = None
-        for run in p.copy + p.arms_only:
+        runs = p.copy + p.arms_only
+        if not runs:
+            continue
+        rec = {"from": str(p.src.resolve()), "checked": p.checked, "copied": [], "skipped": p.skip,
+               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if p.source_log:
+            rec["source_pooled"] = p.source_log
+        log.append(rec)
+        for run in runs:
             # evals/ first: a process killed before arms/ is in place leaves a run here without arms/,
             # which the next pool of the same source completes (a run here with arms/ and no evals/ is
             # someone's unfinished run, and is never touched)
             arms, ev = dest / "arms" / run, dest / "evals" / f"{run}.parquet"
             copied_ev = placed = False
             want_arms, arms_before = (p.src / "arms" / run).is_dir(), arms.exists()  # plan: never there for these
+            rec["copying"] = run
+            record(rec)
             try:
                 if run in p.copy:
                     _copy_atomic(p.src / "evals" / f"{run}.parquet", ev)
@@ -351,16 +412,12 @@ def apply(dest: Path, plans: list[Plan]) -> list[dict]:
                        if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e))
                 raise OSError(f"pooling {run} from {p.src} failed, nothing of it kept: {why}") from e
             finally:
+                del rec["copying"]
                 if placed:  # whole here (even if interrupted just after): recorded at once
-                    done.append(run)
-                    if rec is None:
-                        rec = {"from": str(p.src.resolve()), "checked": p.checked, "copied": [], "skipped": p.skip,
-                               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-                        if p.source_log:
-                            rec["source_pooled"] = p.source_log
-                        log.append(rec)
-                        added.append(rec)
-                    record(rec, done)
+                    rec["copied"].append(run)
+                record(rec)
+        if rec["copied"]:
+            added.append(rec)
     return added
 
 

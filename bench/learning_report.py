@@ -333,7 +333,10 @@ def results_markdown(res: dict, cfg: LearningConfig) -> str:
     lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
              f"{cfg.max_new_tokens}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
              f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`. A mark is evaluated "
-             f"at the first optimizer step that ends past it (\"last mark at s\"; 0 steps: no update in time).", "",
+             f"at the first optimizer step that ends past it (\"last mark at s\"; 0 steps: no update in time)."
+             + (f" The arms trained on problems {cfg.n_train + 1}-{2 * cfg.n_train} of the teacher's, which the start "
+                f"never saw (its SFT: problems 1-{cfg.n_train}; --fresh_arm_problems)."
+                if getattr(cfg, "fresh_arm_problems", False) else ""), "",
              f"### avg@{k}, answer filter `{res['answer_filter']}`", ""]
     lines += _table(res, cfg)
     o = res["other_filter"]

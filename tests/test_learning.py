@@ -104,8 +104,11 @@ def test_paired_difference_matches_plain_formula():
     (dict(seq_sft_epochs=float("inf")), "seq_sft_epochs"), (dict(seq_sft_lr=-1.0), "seq_sft_lr"),
     (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
     (dict(teacher_n_train=9000, teacher_model="/m"), "teacher_n_train"),
-    (dict(n_train=100, teacher_n_train=199, fresh_arm_problems=True), r"teacher_n_train >= 200 \(got 199\)"),
-    (dict(n_train=100, teacher_model="/m", fresh_arm_problems=True), "given teacher_model")])
+    (dict(n_train=100, teacher_n_train=199, start_sft_steps=1, fresh_arm_problems=True),
+     r"teacher_n_train >= 200 \(got 199\)"),
+    (dict(n_train=100, teacher_model="/m", start_sft_steps=1, fresh_arm_problems=True), "given teacher_model"),
+    (dict(n_train=100, teacher_n_train=200, fresh_arm_problems=True), "a start built here"),
+    (dict(n_train=100, teacher_n_train=200, start_model="/s", fresh_arm_problems=True), "not a given start_model")])
 def test_config_range_checks(tmp_path, kw, match):
     args = dict(out=str(tmp_path / "run"))
     args.update(kw)
@@ -562,7 +565,7 @@ def test_teacher_n_train_widens_only_the_teachers_problems(tmp_path):
     assert [r["curriculum_index"] for r in teach] == list(range(90))
     # --fresh_arm_problems: the start keeps the first 30 (the plain run's problems), the arms get the next 30
     fresh = build_data(LearningConfig(out=str(tmp_path / "f"), n_train=30, n_test=12, teacher_n_train=90,
-                                      fresh_arm_problems=True))
+                                      start_sft_steps=2, fresh_arm_problems=True))
     assert set(fresh) == {"train", "test", "curriculum", "teacher_curriculum", "start_curriculum"}
     assert read_rows(fresh["start_curriculum"]) == read_rows(plain["curriculum"])
     arm_ids = [r["problem_id"] for r in read_rows(fresh["curriculum"])]
@@ -653,7 +656,7 @@ def test_pool_joins_a_later_lease_after_checking_its_setup(tmp_path):
     src = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}}, deadline_s=300.0, arms="c", seeds="1")
     rec = pool(dest, src)
     assert rec["copied"] == ["c-s1"] and rec["skipped"] == []
-    assert rec["checked"] == ["student (4 completions equal)", "teacher (4 completions equal)"]
+    assert rec["checked"] == ["student (4 completions equal, graded alike)", "teacher (4 completions equal, graded alike)"]
     assert pq.read_table(dest / "evals" / "c-s1.parquet").num_rows == 4
     assert (dest / "arms" / "c-s1" / "metrics" / "train.jsonl").read_text() == '{"step": 1}\n'
     cfg = LearningConfig(out=str(dest), arms="c", seeds="0,1", marks="10", budget_s=10, n_test=2, eval_samples=2)
@@ -859,3 +862,57 @@ def test_pool_records_each_run_as_it_lands_and_checks_each_marks_evaluations(tmp
     write_parquet(rows, nan / "evals" / "c-s4.parquet")
     with pytest.raises(ValueError, match=r"1 row\(s\) with train_s not a finite number"):
         lp.plan(dest, nan)
+
+
+def test_pool_refuses_a_table_the_report_would_misread(tmp_path, monkeypatch):
+    """Extra samples at a mark, a missing mark, a hand-over on a run that has none, a null finish_reason and setup
+    evaluations graded otherwise are refused; marks written "10" and "10.0" are one setting; while a run is copied
+    pooled.json already names it and its source."""
+    import bench.learning_pool as lp
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}}, marks="10,20")
+    seq = lambda run: {-1.0} if run.startswith("j") else set()  # noqa: E731 - as bench.learning's pool stage
+
+    def lease(name, runs, edit=None, **settings):
+        src = _pool_dir(tmp_path / name, {}, **{"marks": "10,20", **settings})
+        for run, (m10, m20) in runs.items():
+            rows = _rows(run, m10, 10, 1) + _rows(run, m20, 20, 2)
+            write_parquet(edit(rows) if edit else rows, src / "evals" / f"{run}.parquet")
+        return src
+
+    ok = {"c-s1": ({"p1": [1, 0], "p2": [0, 0]}, {"p1": [1, 1], "p2": [0, 0]})}
+    more = lease("b", ok, lambda rows: rows + [{**rows[0], "sample_index": 2}])
+    with pytest.raises(ValueError, match=r"at mark 10 s it holds 1 \(problem, sample\) evaluation\(s\) the start has "
+                                         r"not \(e.g. problem 'p1' sample 2\)"):
+        lp.plan(dest, more, marks={10.0, 20.0}, optional_marks=seq)
+    one_mark = lease("c", ok, lambda rows: [r for r in rows if r["mark_s"] == 10])
+    with pytest.raises(ValueError, match=r"no evaluation at mark\(s\) 20 s of the experiment's 10, 20"):
+        lp.plan(dest, one_mark, marks={10.0, 20.0}, optional_marks=seq)
+    handover = lambda rows: rows + [{**r, "mark_s": -1} for r in rows if r["mark_s"] == 10]  # noqa: E731
+    with pytest.raises(ValueError, match=r"mark\(s\) -1 s are not the experiment's marks \(10, 20\)"):
+        lp.plan(dest, lease("d", ok, handover), marks={10.0, 20.0}, optional_marks=seq)
+    j = {"j-s1": ok["c-s1"]}
+    assert lp.plan(dest, lease("e", j, handover), marks={10.0, 20.0}, optional_marks=seq).copy == ["j-s1"]
+    null_finish = lease("f", ok, lambda rows: [{**r, "finish_reason": None} for r in rows])
+    with pytest.raises(ValueError, match=r"8 row\(s\) with finish_reason not text"):
+        lp.plan(dest, null_finish, marks={10.0, 20.0})
+    regraded = lease("g", ok)
+    rows = pq.read_table(regraded / "evals" / "student.parquet").to_pylist()
+    write_parquet([{**r, "correct_math": not r["correct_math"]} for r in rows], regraded / "evals" / "student.parquet")
+    with pytest.raises(ValueError, match=r"student's completions are equal but graded differently in 4 of 4 "
+                                         r"\(correct_numeric, correct_math\).*--stage regrade"):
+        lp.plan(dest, regraded)
+    spelled = lease("h", ok, marks="10.0,20")
+    p = lp.plan(dest, spelled, marks={10.0, 20.0})
+    seen = []
+    real = lp._copy_atomic
+
+    def look(a, b):  # what a SIGKILL during this copy would leave in pooled.json
+        seen.append([(r["from"], r.get("copying"), r["copied"]) for r in json.loads((dest / "pooled.json").read_text())])
+        real(a, b)
+
+    monkeypatch.setattr(lp, "_copy_atomic", look)
+    lp.apply(dest, [p])
+    assert seen[0] == [(str(spelled.resolve()), "c-s1", [])]
+    final = json.loads((dest / "pooled.json").read_text())
+    assert [(r["copied"], "copying" in r) for r in final] == [(["c-s1"], False)]
