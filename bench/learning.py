@@ -280,7 +280,8 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
               seconds: float, steps: int = 0, curriculum: str = "curriculum") -> Path:
     """SFT of ``src`` on the reference solutions of ``data[curriculum]``'s problems (the training problems; the
     teacher's wider set under ``--teacher_n_train``, the start's own under ``--fresh_arm_problems``) for
-    ``seconds`` (or ``steps`` optimizer steps when > 0) through ``stages.train`` (``work/<dest_name>_sft/train.yaml``) -> ``<out>/<dest_name>``; its evaluation ->
+    ``seconds`` (or ``steps`` optimizer steps when > 0) through ``stages.train``
+    (``work/<dest_name>_sft/train.yaml``) -> ``<out>/<dest_name>``; its evaluation ->
     ``evals/<eval_name>.parquet``. The teacher and a mid-trained start."""
     import shutil
 
