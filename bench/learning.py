@@ -651,6 +651,7 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
     from bench.learning_pool import apply, plan
     from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, run_lock
 
+    phase = "checking the sources: nothing was copied"
     try:
         with run_lock(cfg.dir):  # not while an experiment (or another pool) writes here
             defaults = {f.name: f.default for f in dataclasses.fields(LearningConfig)
@@ -673,17 +674,15 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
                 new = p.copy + p.arms_only
                 print(f"[learning] pool {p.src}: checked {', '.join(p.checked)}; copying {', '.join(new) or 'nothing'}"
                       + (f"; already here: {', '.join(p.skip)}" if p.skip else ""), flush=True)
+            phase = ("copying: pooled.json lists the runs now whole here, and a run whose copy was cut short was "
+                     "taken away again; results.md was not redrawn")
             try:
                 apply(cfg.dir, plans)
             except OSError as e:
                 print(f"bench.learning: {e} (pooled.json lists what was pooled before it; the report was not redrawn: "
                       "run --stage pool again, or --stage report)", file=sys.stderr)
                 return EXIT_IO
-            except KeyboardInterrupt:
-                print("bench.learning: pool interrupted: the runs whole here are listed in pooled.json, the one being "
-                      "copied was taken away again; results.md was not redrawn: run the same --stage pool again",
-                      file=sys.stderr)
-                return 130
+            phase = "drawing the report: every run is pooled (pooled.json); run --stage report"
             try:
                 report(cfg)
             except (OSError, ValueError, KeyError) as e:
@@ -693,6 +692,10 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
     except LockHeld as e:
         print(f"bench.learning: {e}", file=sys.stderr)
         return EXIT_LOCKED
+    except KeyboardInterrupt:
+        print(f"bench.learning: pool interrupted while {phase}. The same --stage pool again completes it",
+              file=sys.stderr)
+        return 130
     print((cfg.dir / "results.md").read_text(), end="")
     return 0
 

@@ -127,8 +127,8 @@ def _setup_rows(path: Path) -> dict[tuple, dict]:
 def _setting(key: str, value):
     """A setting as compared: ``marks`` by value ("10" and "10.0" are one mark list)."""
     if key == "marks" and isinstance(value, str):
-        try:
-            return tuple(float(m) for m in value.split(","))
+        try:  # as LearningConfig.mark_list reads them
+            return tuple(float(m) for m in value.split(",") if m.strip())
         except ValueError:
             return value
     return value
@@ -237,8 +237,9 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
             graded = [c for c in GRADES if c in next(iter(ra.values()), {}) and c in next(iter(rb.values()), {})]
             n_grade = sum(any(ra[k][c] != rb[k][c] for c in graded) for k in ra)
             if n_grade:
+                cols = [c for c in graded if any(ra[k][c] != rb[k][c] for k in ra)]
                 raise ValueError(f"cannot pool {src} into {dest}: the {name}'s completions are equal but graded "
-                                 f"differently in {n_grade} of {len(ca)} ({', '.join(graded)}): another grader "
+                                 f"differently in {n_grade} of {len(ca)} ({', '.join(cols)}): another grader "
                                  "version on one side (run --stage regrade on both directories)")
             compared.append(f"{name} ({len(ca)} completions equal" + (", graded alike" if graded else "") + ")")
             if name == "student":
@@ -357,6 +358,14 @@ def apply(dest: Path, plans: list[Plan]) -> list[dict]:
     from data_tools.runio import write_json
 
     log = _pool_log(dest)  # read (and checked) before anything is copied
+    settle = [r for r in log if isinstance(r, dict) and "copying" in r]  # left by a pool killed mid-copy
+    for r in settle:  # its run is here (then it came from that source) or was taken away: the record says which
+        run = r.pop("copying")
+        if (dest / "evals" / f"{run}.parquet").exists() and run not in r.setdefault("copied", []):
+            r["copied"].append(run)
+    if settle:
+        log[:] = [r for r in log if r.get("copied") or not any(r is x for x in settle)]  # nothing of it landed
+        write_json(log, dest / "pooled.json")
     for stale in dest.glob(".pooled.json.*.tmp"):  # a pooled.json write killed before its rename (pools hold the
         stale.unlink(missing_ok=True)             # run lock, and only pools write pooled.json)
 

@@ -900,7 +900,7 @@ def test_pool_refuses_a_table_the_report_would_misread(tmp_path, monkeypatch):
     rows = pq.read_table(regraded / "evals" / "student.parquet").to_pylist()
     write_parquet([{**r, "correct_math": not r["correct_math"]} for r in rows], regraded / "evals" / "student.parquet")
     with pytest.raises(ValueError, match=r"student's completions are equal but graded differently in 4 of 4 "
-                                         r"\(correct_numeric, correct_math\).*--stage regrade"):
+                                         r"\(correct_math\).*--stage regrade"):
         lp.plan(dest, regraded)
     spelled = lease("h", ok, marks="10.0,20")
     p = lp.plan(dest, spelled, marks={10.0, 20.0})
@@ -916,3 +916,26 @@ def test_pool_refuses_a_table_the_report_would_misread(tmp_path, monkeypatch):
     assert seen[0] == [(str(spelled.resolve()), "c-s1", [])]
     final = json.loads((dest / "pooled.json").read_text())
     assert [(r["copied"], "copying" in r) for r in final] == [(["c-s1"], False)]
+
+
+def test_pool_settles_the_record_a_killed_pool_left(tmp_path):
+    """A pool killed mid-copy leaves its record naming the run it was copying: the next pool books the run to that
+    record when the run is here, drops the record when nothing of it landed, and leaves no "copying" key."""
+    import bench.learning_pool as lp
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}})
+    src = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})
+    shutil.copy2(src / "evals" / "c-s1.parquet", dest / "evals" / "c-s1.parquet")  # killed while arms/ was copied
+    killed = [{"from": "/x", "checked": [], "copied": [], "skipped": [], "copying": "c-s1"},
+              {"from": "/y", "checked": [], "copied": ["c"], "skipped": [], "copying": "c-s9"},
+              {"from": "/z", "checked": [], "copied": [], "skipped": [], "copying": "c-s8"}]
+    (dest / "pooled.json").write_text(json.dumps(killed))
+    p = lp.plan(dest, src)
+    assert (p.copy, p.arms_only) == ([], ["c-s1"])
+    lp.apply(dest, [p])
+    log = json.loads((dest / "pooled.json").read_text())
+    assert [(r["from"], r["copied"], "copying" in r) for r in log] == [
+        ("/x", ["c-s1"], False), ("/y", ["c"], False), (str(src.resolve()), ["c-s1"], False)]
+    assert (dest / "arms" / "c-s1" / "metrics" / "train.jsonl").exists()
+    # marks the config reads alike are one setting ("10,20," is LearningConfig's [10, 20] too)
+    assert lp._setting("marks", "10,20,") == lp._setting("marks", " 10.0, 20") == (10.0, 20.0)
