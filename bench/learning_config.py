@@ -44,6 +44,14 @@ class Arm:
         return self.teacher == "trained" or bool(self.off_policy)
 
 
+def parse_marks(marks: str) -> list[float]:
+    """``--marks`` as seconds: "15,30,60" -> [15.0, 30.0, 60.0] (empty pieces skipped). Raises ValueError."""
+    try:
+        return [float(x) for x in marks.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"marks must be comma-separated seconds, got {marks!r}") from None
+
+
 ARM_SPECS: dict[str, Arm] = {
     "a": Arm("reward only (w_kl=0)", 0.0, 1.0, None),
     "b": Arm("OPD only (w_reward=0)", 1.0, 0.0, "trained"),
@@ -316,10 +324,7 @@ class LearningConfig:
 
     @property
     def mark_list(self) -> list[float]:
-        try:
-            return [float(x) for x in self.marks.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"marks must be comma-separated seconds, got {self.marks!r}") from None
+        return parse_marks(self.marks)
 
     @property
     def dir(self) -> Path:

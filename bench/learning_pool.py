@@ -127,8 +127,10 @@ def _setup_rows(path: Path) -> dict[tuple, dict]:
 def _setting(key: str, value):
     """A setting as compared: ``marks`` by value ("10" and "10.0" are one mark list)."""
     if key == "marks" and isinstance(value, str):
-        try:  # as LearningConfig.mark_list reads them
-            return tuple(float(m) for m in value.split(",") if m.strip())
+        from bench.learning_config import parse_marks
+
+        try:
+            return tuple(parse_marks(value))
         except ValueError:
             return value
     return value
@@ -235,9 +237,9 @@ def check_same_setup(dest: Path, src: Path, defaults: dict | None = None) -> tup
                 raise ValueError(f"cannot pool {src} into {dest}: the {name}'s evaluations differ in {n_diff} of "
                                  f"{len(ca)} completions, so the two setups did not build the same {name}")
             graded = [c for c in GRADES if c in next(iter(ra.values()), {}) and c in next(iter(rb.values()), {})]
-            n_grade = sum(any(ra[k][c] != rb[k][c] for c in graded) for k in ra)
-            if n_grade:
-                cols = [c for c in graded if any(ra[k][c] != rb[k][c] for k in ra)]
+            cols = [c for c in graded if any(ra[k][c] != rb[k][c] for k in ra)]
+            if cols:
+                n_grade = sum(any(ra[k][c] != rb[k][c] for c in cols) for k in ra)
                 raise ValueError(f"cannot pool {src} into {dest}: the {name}'s completions are equal but graded "
                                  f"differently in {n_grade} of {len(ca)} ({', '.join(cols)}): another grader "
                                  "version on one side (run --stage regrade on both directories)")
