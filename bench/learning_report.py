@@ -141,7 +141,65 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
                                   last_minus_handover=d, last_minus_handover_stderr=se)
     if handover:
         out["handover"] = handover
+    shared = shared_handovers(evals, handover, f, cfg.mark_list[-1], late_m)
+    if shared:
+        out["shared_handovers"] = shared
     return out
+
+
+def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f: str, last_mark: float,
+                     late_m: list[float]) -> dict:
+    """Sequential runs that handed over one model, and their on-policy phases compared from it.
+
+    Two runs share a hand-over when their evaluations at it (``mark_s = HANDOVER_MARK``) have the same step and
+    the same completion for every (problem, sample): one seed's SFT passes are deterministic, so ``l-s1`` and
+    ``j-s1`` differ only in what follows (LEARNING.md command 17b). For each such pair ``a, b`` (their arms in
+    sorted order): ``a - b`` at ``last_mark`` and on the late mean (``late_m``'s marks pooled per problem), paired
+    over problems (``paired_difference``). For each two arms with >= 2 pairs, the same pooled over the pairs (every
+    seed's samples per problem) and ``between_pairs_stderr``, the standard deviation of the pairs' own late-mean
+    differences / sqrt(pairs), which measures the runs' variation that the paired error over problems leaves out.
+    Differences are fractions of problems solved (pass rate), standard errors likewise; None where a run lacks
+    the mark. Returns ``{"pairs": [...], "arms": [...]}``, or {} when no two runs share a hand-over.
+    """
+    def rows(n, marks):
+        return [{**r, "correct": r[f"correct_{f}"]} for r in evals[n] if r["mark_s"] in marks]
+
+    def diff(a_rows, b_rows, marks):  # (None, None) unless both runs were evaluated at every mark of ``marks``
+        if not marks or {r["mark_s"] for r in a_rows} != set(marks) or {r["mark_s"] for r in b_rows} != set(marks):
+            return None, None
+        d, se, _ = paired_difference(a_rows, b_rows)
+        return d, se
+
+    reached = sorted(n for n, h in handover.items() if h["reached"])
+    ho = {n: {(r["problem_id"], r["sample_index"]): r["completion"] for r in evals[n] if r["mark_s"] == HANDOVER_MARK}
+          for n in reached}
+    pairs = []
+    for i, a in enumerate(reached):
+        for b in reached[i + 1:]:
+            if handover[a]["step"] != handover[b]["step"] or ho[a] != ho[b]:
+                continue
+            x, y = (b, a) if arm_group(b) < arm_group(a) else (a, b)  # one orientation per two arms, any seeds
+            last = diff(rows(x, [last_mark]), rows(y, [last_mark]), [last_mark])
+            late = diff(rows(x, late_m), rows(y, late_m), late_m)
+            pairs.append({"runs": [x, y], "step": handover[a]["step"], "completions": len(ho[a]),
+                          "last_minus": last[0], "last_stderr": last[1], "late_minus": late[0], "late_stderr": late[1]})
+    by_arms: dict[tuple[str, str], list[dict]] = {}
+    for pr in pairs:
+        by_arms.setdefault(tuple(arm_group(n) for n in pr["runs"]), []).append(pr)
+    arms = []
+    for (ga, gb), prs in by_arms.items():
+        if len(prs) < 2 or ga == gb:
+            continue
+        ra = [n for pr in prs for n in pr["runs"][:1]]
+        rb = [n for pr in prs for n in pr["runs"][1:]]
+        last = diff([r for n in ra for r in rows(n, [last_mark])], [r for n in rb for r in rows(n, [last_mark])],
+                    [last_mark])
+        late = diff([r for n in ra for r in rows(n, late_m)], [r for n in rb for r in rows(n, late_m)], late_m)
+        own = [pr["late_minus"] for pr in prs if pr["late_minus"] is not None]
+        arms.append({"arms": [ga, gb], "pairs": len(prs), "last_minus": last[0], "last_stderr": last[1],
+                     "late_minus": late[0], "late_stderr": late[1],
+                     "between_pairs_stderr": statistics.stdev(own) / len(own) ** 0.5 if len(own) >= 2 else None})
+    return {"pairs": pairs, "arms": arms} if pairs else {}
 
 
 def rate_sweep(col: dict, cfg: LearningConfig) -> dict[str, dict]:
@@ -307,6 +365,34 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
                      if "last_minus_handover" in h else f"; no evaluation at {last}")
             lines.append(f"- {n}: hand-over at {h['train_s']:.0f} s (step {h['step']}) {h['avg_at_k']:.3f} ± "
                          f"{_fmt(h['stderr'])}{after}")
+    lines += _shared_handover_lines(col, cfg)
+    return lines
+
+
+def _shared_handover_lines(col: dict, cfg: LearningConfig) -> list[str]:
+    """The markdown of ``shared_handovers``: one line per pair of runs, one per two arms over their pairs."""
+    sh = col.get("shared_handovers")
+    if not sh:
+        return []
+    last = f"{cfg.mark_list[-1]:g} s"
+    late = ", ".join(f"{m:g}" for m in (col.get("late_mean") or {}).get("marks", []))
+
+    def cells(x):
+        out = f"at {last} {x['last_minus']:+.3f} ± {_fmt(x['last_stderr'])}" if x["last_minus"] is not None \
+            else f"no evaluation at {last}"
+        if x["late_minus"] is not None:
+            out += f"; late mean ({late} s) {x['late_minus']:+.3f} ± {_fmt(x['late_stderr'])}"
+        return out
+
+    lines = ["", "Runs that handed over one model (the same step, every completion at the hand-over equal): their "
+                 "on-policy phases compared from it, paired over the same problems:", ""]
+    for pr in sh["pairs"]:
+        a, b = pr["runs"]
+        lines.append(f"- {a} − {b} (step {pr['step']}, {pr['completions']} completions equal): {cells(pr)}")
+    for x in sh["arms"]:
+        a, b = x["arms"]
+        between = f" (between pairs ± {_fmt(x['between_pairs_stderr'])})" if x["between_pairs_stderr"] is not None else ""
+        lines.append(f"- {a} − {b} over {x['pairs']} shared hand-overs (seeds pooled per problem): {cells(x)}{between}")
     return lines
 
 

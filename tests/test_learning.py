@@ -430,6 +430,77 @@ def test_report_measures_the_on_policy_phase_from_the_hand_over(tmp_path):
     assert "- j-s1: hand-over not reached: every step to 20 s (step 12) was off-policy" in (cfg.dir / "results.md").read_text()
 
 
+def _plain_rate_difference(x_rows, y_rows):
+    """Reference for the shared hand-over test: per problem, the pass rate over every row of x minus that of y;
+    mean over problems and its standard error (sample sd / sqrt(n)), written out without the bench's helpers."""
+    probs = sorted({r["problem_id"] for r in x_rows})
+    diffs = []
+    for p in probs:
+        xs = [r["correct_numeric"] for r in x_rows if r["problem_id"] == p]
+        ys = [r["correct_numeric"] for r in y_rows if r["problem_id"] == p]
+        diffs.append(sum(xs) / len(xs) - sum(ys) / len(ys))
+    m = sum(diffs) / len(diffs)
+    return m, math.sqrt(sum((d - m) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+
+
+def test_report_compares_runs_that_handed_over_one_model(tmp_path):
+    """Runs whose hand-over evaluations are the same step and the same completions (one seed's SFT passes) are
+    compared from it, per pair and pooled over the pairs of the same two arms (LEARNING.md command 17b); a run whose
+    hand-over differs in one completion, or in its step, is paired with none."""
+    from bench.learning_config import HANDOVER_MARK
+
+    cfg = LearningConfig(out=str(tmp_path / "run"), arms="j,l", marks="10,20", budget_s=20, n_test=4, eval_samples=4)
+    ev = cfg.dir / "evals"
+    probs = ["p1", "p2", "p3", "p4"]
+    write_parquet(_rows("student", {p: [0, 0, 0, 0] for p in probs}), ev / "student.parquet")
+
+    def run(name, m10, m20, handover_text, step=7):
+        ho = [{**r, "completion": f"{handover_text} {r['problem_id']} {r['sample_index']}"}
+              for r in _rows(name, {p: [1, 0, 0, 0] for p in probs}, HANDOVER_MARK, step)]
+        rows = _rows(name, dict(zip(probs, m10)), 10, 9) + ho + _rows(name, dict(zip(probs, m20)), 20, 12)
+        write_parquet(rows, ev / f"{name}.parquet")
+        return rows
+
+    r = {
+        "j": run("j", [[1, 0, 0, 0], [1, 1, 0, 0], [0] * 4, [1] * 4], [[1, 1, 0, 0], [1, 1, 0, 0], [0] * 4, [1, 1, 1, 0]], "A"),
+        "l": run("l", [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1] * 4], [[1, 1, 1, 0], [1] * 4, [1, 0, 0, 0], [1] * 4], "A"),
+        "j-s1": run("j-s1", [[0] * 4, [1, 0, 0, 0], [1] * 4, [1, 1, 0, 0]], [[1, 0, 0, 0], [1, 0, 0, 0], [1] * 4, [0] * 4], "B"),
+        "l-s1": run("l-s1", [[1, 0, 0, 0], [1] * 4, [1, 1, 1, 0], [0] * 4], [[0] * 4, [1, 1, 0, 0], [1] * 4, [1, 1, 1, 0]], "B"),
+        "j-s2": run("j-s2", [[1] * 4] * 4, [[1] * 4] * 4, "C"),
+        "l-s2": run("l-s2", [[0] * 4] * 4, [[0] * 4] * 4, "C"),
+        "j@3e-06-s1": run("j@3e-06-s1", [[0] * 4] * 4, [[1] * 4] * 4, "B", step=8),  # l-s1's texts, another step
+    }
+    # l-s2 differs from j-s2 in one completion at its hand-over
+    rows = r["l-s2"]
+    rows[[i for i, x in enumerate(rows) if x["mark_s"] == HANDOVER_MARK][0]]["completion"] = "other"
+    write_parquet(rows, ev / "l-s2.parquet")
+    res = report(cfg)
+    sh = res["shared_handovers"]
+    assert [p["runs"] for p in sh["pairs"]] == [["j", "l"], ["j-s1", "l-s1"]]
+
+    def at(name, marks):
+        return [x for x in r[name] if x["mark_s"] in marks]
+
+    for pr in sh["pairs"]:
+        a, b = pr["runs"]
+        assert (pr["step"], pr["completions"]) == (7, 16)
+        assert (pr["last_minus"], pr["last_stderr"]) == pytest.approx(_plain_rate_difference(at(a, [20]), at(b, [20])))
+        assert (pr["late_minus"], pr["late_stderr"]) == pytest.approx(
+            _plain_rate_difference(at(a, [10, 20]), at(b, [10, 20])))
+    assert sh["pairs"][0]["last_minus"] == pytest.approx(-0.3125) and sh["pairs"][0]["last_stderr"] == pytest.approx(0.0625)
+    [pooled] = sh["arms"]
+    assert pooled["arms"] == ["j", "l"] and pooled["pairs"] == 2
+    assert (pooled["last_minus"], pooled["last_stderr"]) == pytest.approx(
+        _plain_rate_difference(at("j", [20]) + at("j-s1", [20]), at("l", [20]) + at("l-s1", [20])))
+    assert (pooled["late_minus"], pooled["late_stderr"]) == pytest.approx(
+        _plain_rate_difference(at("j", [10, 20]) + at("j-s1", [10, 20]), at("l", [10, 20]) + at("l-s1", [10, 20])))
+    own = [p["late_minus"] for p in sh["pairs"]]
+    assert pooled["between_pairs_stderr"] == pytest.approx(abs(own[0] - own[1]) / 2)  # sd of two values / sqrt(2)
+    md = (cfg.dir / "results.md").read_text()
+    assert "- j − l (step 7, 16 completions equal): at 20 s -0.312 ± 0.062; late mean (10, 20 s)" in md
+    assert "- j − l over 2 shared hand-overs (seeds pooled per problem): at 20 s" in md
+
+
 def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):
     from bench.learning_report import seed_stderr
 
