@@ -141,23 +141,26 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
                                   last_minus_handover=d, last_minus_handover_stderr=se)
     if handover:
         out["handover"] = handover
-    shared = shared_handovers(evals, handover, f, cfg.mark_list[-1], late_m)
+    shared = shared_handovers(evals, handover, f, cfg, late_m)
     if shared:
         out["shared_handovers"] = shared
     return out
 
 
-def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f: str, last_mark: float,
+def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f: str, cfg: LearningConfig,
                      late_m: list[float]) -> dict:
     """Sequential runs that handed over one model, and their on-policy phases compared from it.
 
-    Two runs share a hand-over when their evaluations at it (``mark_s = HANDOVER_MARK``) have the same step and
-    the same completion for every (problem, sample): one seed's SFT passes are deterministic, so ``l-s1`` and
-    ``j-s1`` differ only in what follows (LEARNING.md command 17b). For each such pair ``a, b`` (their arms in
+    Two runs of different arms share a hand-over when they have the same seed and their evaluations at it
+    (``mark_s = HANDOVER_MARK``) the same step and the same completion for every (problem, sample): one seed's SFT
+    passes are deterministic, so ``l-s1`` and ``j-s1`` differ only in what follows (LEARNING.md command 17b). The
+    seed is required because equal completions alone do not prove one model where they are few or degenerate (a
+    toy run's all-clipped samples matched across seeds). For each such pair ``a, b`` (their arms in
     sorted order): ``a - b`` at ``last_mark`` and on the late mean (``late_m``'s marks pooled per problem), paired
     over problems (``paired_difference``). For each two arms with >= 2 pairs, the same pooled over the pairs (every
     seed's samples per problem) and ``between_pairs_stderr``, the standard deviation of the pairs' own late-mean
     differences / sqrt(pairs), which measures the runs' variation that the paired error over problems leaves out.
+    The last mark is ``cfg.mark_list[-1]``.
     Differences are fractions of problems solved (pass rate), standard errors likewise; None where a run lacks
     the mark. Returns ``{"pairs": [...], "arms": [...]}``, or {} when no two runs share a hand-over.
     """
@@ -170,13 +173,15 @@ def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f:
         d, se, _ = paired_difference(a_rows, b_rows)
         return d, se
 
+    last_mark = cfg.mark_list[-1]
     reached = sorted(n for n, h in handover.items() if h["reached"])
     ho = {n: {(r["problem_id"], r["sample_index"]): r["completion"] for r in evals[n] if r["mark_s"] == HANDOVER_MARK}
           for n in reached}
     pairs = []
     for i, a in enumerate(reached):
         for b in reached[i + 1:]:
-            if handover[a]["step"] != handover[b]["step"] or ho[a] != ho[b]:
+            if (arm_group(a) == arm_group(b) or cfg.parse_run(a)[2] != cfg.parse_run(b)[2]
+                    or handover[a]["step"] != handover[b]["step"] or ho[a] != ho[b]):
                 continue
             x, y = (b, a) if arm_group(b) < arm_group(a) else (a, b)  # one orientation per two arms, any seeds
             last = diff(rows(x, [last_mark]), rows(y, [last_mark]), [last_mark])
@@ -188,7 +193,7 @@ def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f:
         by_arms.setdefault(tuple(arm_group(n) for n in pr["runs"]), []).append(pr)
     arms = []
     for (ga, gb), prs in by_arms.items():
-        if len(prs) < 2 or ga == gb:
+        if len(prs) < 2:
             continue
         ra = [n for pr in prs for n in pr["runs"][:1]]
         rb = [n for pr in prs for n in pr["runs"][1:]]
@@ -384,8 +389,8 @@ def _shared_handover_lines(col: dict, cfg: LearningConfig) -> list[str]:
             out += f"; late mean ({late} s) {x['late_minus']:+.3f} ± {_fmt(x['late_stderr'])}"
         return out
 
-    lines = ["", "Runs that handed over one model (the same step, every completion at the hand-over equal): their "
-                 "on-policy phases compared from it, paired over the same problems:", ""]
+    lines = ["", "Runs of one seed that handed over one model (the same step, every completion at the hand-over equal): "
+                 "their on-policy phases compared from it, paired over the same problems:", ""]
     for pr in sh["pairs"]:
         a, b = pr["runs"]
         lines.append(f"- {a} − {b} (step {pr['step']}, {pr['completions']} completions equal): {cells(pr)}")

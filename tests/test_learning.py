@@ -446,7 +446,7 @@ def _plain_rate_difference(x_rows, y_rows):
 def test_report_compares_runs_that_handed_over_one_model(tmp_path):
     """Runs whose hand-over evaluations are the same step and the same completions (one seed's SFT passes) are
     compared from it, per pair and pooled over the pairs of the same two arms (LEARNING.md command 17b); a run whose
-    hand-over differs in one completion, or in its step, is paired with none."""
+    hand-over differs in one completion, in its step or in its seed, is paired with none."""
     from bench.learning_config import HANDOVER_MARK
 
     cfg = LearningConfig(out=str(tmp_path / "run"), arms="j,l", marks="10,20", budget_s=20, n_test=4, eval_samples=4)
@@ -469,6 +469,7 @@ def test_report_compares_runs_that_handed_over_one_model(tmp_path):
         "j-s2": run("j-s2", [[1] * 4] * 4, [[1] * 4] * 4, "C"),
         "l-s2": run("l-s2", [[0] * 4] * 4, [[0] * 4] * 4, "C"),
         "j@3e-06-s1": run("j@3e-06-s1", [[0] * 4] * 4, [[1] * 4] * 4, "B", step=8),  # l-s1's texts, another step
+        "l-s3": run("l-s3", [[0] * 4] * 4, [[1] * 4] * 4, "A"),  # seed 0's texts and step, another seed
     }
     # l-s2 differs from j-s2 in one completion at its hand-over
     rows = r["l-s2"]
