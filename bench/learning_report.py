@@ -151,27 +151,25 @@ def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f:
                      late_m: list[float]) -> dict:
     """Sequential runs that handed over one model, and their on-policy phases compared from it.
 
-    Two runs of different arms share a hand-over when they have the same seed and their evaluations at it
-    (``mark_s = HANDOVER_MARK``) the same step and the same completion for every (problem, sample): one seed's SFT
-    passes are deterministic, so ``l-s1`` and ``j-s1`` differ only in what follows (LEARNING.md command 17b). The
-    seed is required because equal completions alone do not prove one model where they are few or degenerate (a
-    toy run's all-clipped samples matched across seeds). For each such pair ``a, b`` (their arms in
-    sorted order): ``a - b`` at ``last_mark`` and on the late mean (``late_m``'s marks pooled per problem), paired
-    over problems (``paired_difference``). For each two arms with >= 2 pairs, the same pooled over the pairs (every
-    seed's samples per problem) and ``between_pairs_stderr``, the standard deviation of the pairs' own late-mean
-    differences / sqrt(pairs), which measures the runs' variation that the paired error over problems leaves out.
-    The last mark is ``cfg.mark_list[-1]``.
-    Differences are fractions of problems solved (pass rate), standard errors likewise; None where a run lacks
-    the mark. Returns ``{"pairs": [...], "arms": [...]}``, or {} when no two runs share a hand-over.
+    Two runs share a hand-over when they have the same seed and their evaluations at it (``mark_s =
+    HANDOVER_MARK``) the same step and the same completion for every (problem, sample): one seed's SFT passes are
+    deterministic, so ``j-s1`` and ``l-s1`` differ only in what follows (LEARNING.md command 17b). The seed is
+    required because equal completions alone do not prove one model where they are few or degenerate (a toy run's
+    all-clipped samples matched across seeds). For each pair ``a, b`` (in run-name order, so arm ``j`` before
+    ``l``): ``a - b`` at the last mark (``cfg.mark_list[-1]``) and on the late mean (``late_m``'s marks pooled per
+    problem), paired over problems (``paired_difference``), each only over marks where *both* runs had stepped past
+    the hand-over (a mark at or before it is an SFT checkpoint, not the phase being compared; a slow machine hands
+    over after the first late mark). For each two arms, the same pooled over their pairs that have the measure
+    (every seed's samples per problem; >= 2 pairs), and ``between_pairs_stderr``, the standard deviation of those
+    pairs' own late-mean differences / sqrt(pairs), the runs' variation that the paired error over problems leaves
+    out. Differences are fractions of problems solved (pass rate), standard errors likewise; None where a pair has
+    no such mark. Returns ``{"pairs": [...], "arms": [...]}``, or {} when no two runs share a hand-over.
     """
     def rows(n, marks):
         return [{**r, "correct": r[f"correct_{f}"]} for r in evals[n] if r["mark_s"] in marks]
 
-    def diff(a_rows, b_rows, marks):  # (None, None) unless both runs were evaluated at every mark of ``marks``
-        if not marks or {r["mark_s"] for r in a_rows} != set(marks) or {r["mark_s"] for r in b_rows} != set(marks):
-            return None, None
-        d, se, _ = paired_difference(a_rows, b_rows)
-        return d, se
+    def stepped_past(n, step):  # the marks at which run n had made at least one on-policy step
+        return {r["mark_s"] for r in evals[n] if r["mark_s"] != HANDOVER_MARK and r["step"] > step}
 
     last_mark = cfg.mark_list[-1]
     reached = sorted(n for n, h in handover.items() if h["reached"])
@@ -180,30 +178,41 @@ def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f:
     pairs = []
     for i, a in enumerate(reached):
         for b in reached[i + 1:]:
-            if (arm_group(a) == arm_group(b) or cfg.parse_run(a)[2] != cfg.parse_run(b)[2]
-                    or handover[a]["step"] != handover[b]["step"] or ho[a] != ho[b]):
+            step = handover[a]["step"]
+            if cfg.parse_run(a)[2] != cfg.parse_run(b)[2] or handover[b]["step"] != step or ho[a] != ho[b]:
                 continue
-            x, y = (b, a) if arm_group(b) < arm_group(a) else (a, b)  # one orientation per two arms, any seeds
-            last = diff(rows(x, [last_mark]), rows(y, [last_mark]), [last_mark])
-            late = diff(rows(x, late_m), rows(y, late_m), late_m)
-            pairs.append({"runs": [x, y], "step": handover[a]["step"], "completions": len(ho[a]),
-                          "last_minus": last[0], "last_stderr": last[1], "late_minus": late[0], "late_stderr": late[1]})
+            after = stepped_past(a, step) & stepped_past(b, step)
+            pr = {"runs": [a, b], "step": step, "completions": len(ho[a]), "late_marks": [m for m in late_m if m in after],
+                  "last_minus": None, "last_stderr": None, "late_minus": None, "late_stderr": None}
+            if last_mark in after:
+                pr["last_minus"], pr["last_stderr"], _ = paired_difference(rows(a, [last_mark]), rows(b, [last_mark]))
+            if pr["late_marks"]:
+                pr["late_minus"], pr["late_stderr"], _ = paired_difference(rows(a, pr["late_marks"]),
+                                                                            rows(b, pr["late_marks"]))
+            pairs.append(pr)
     by_arms: dict[tuple[str, str], list[dict]] = {}
     for pr in pairs:
         by_arms.setdefault(tuple(arm_group(n) for n in pr["runs"]), []).append(pr)
     arms = []
     for (ga, gb), prs in by_arms.items():
-        if len(prs) < 2:
-            continue
-        ra = [n for pr in prs for n in pr["runs"][:1]]
-        rb = [n for pr in prs for n in pr["runs"][1:]]
-        last = diff([r for n in ra for r in rows(n, [last_mark])], [r for n in rb for r in rows(n, [last_mark])],
-                    [last_mark])
-        late = diff([r for n in ra for r in rows(n, late_m)], [r for n in rb for r in rows(n, late_m)], late_m)
-        own = [pr["late_minus"] for pr in prs if pr["late_minus"] is not None]
-        arms.append({"arms": [ga, gb], "pairs": len(prs), "last_minus": last[0], "last_stderr": last[1],
-                     "late_minus": late[0], "late_stderr": late[1],
-                     "between_pairs_stderr": statistics.stdev(own) / len(own) ** 0.5 if len(own) >= 2 else None})
+        x = {"arms": [ga, gb], "last_pairs": 0, "last_minus": None, "last_stderr": None, "late_pairs": 0,
+             "late_minus": None, "late_stderr": None, "between_pairs_stderr": None}
+        with_last = [pr for pr in prs if pr["last_minus"] is not None]
+        if len(with_last) >= 2:
+            x["last_pairs"] = len(with_last)
+            x["last_minus"], x["last_stderr"], _ = paired_difference(
+                [r for pr in with_last for r in rows(pr["runs"][0], [last_mark])],
+                [r for pr in with_last for r in rows(pr["runs"][1], [last_mark])])
+        with_late = [pr for pr in prs if pr["late_minus"] is not None]
+        if len(with_late) >= 2:
+            x["late_pairs"] = len(with_late)
+            x["late_minus"], x["late_stderr"], _ = paired_difference(
+                [r for pr in with_late for r in rows(pr["runs"][0], pr["late_marks"])],
+                [r for pr in with_late for r in rows(pr["runs"][1], pr["late_marks"])])
+            own = [pr["late_minus"] for pr in with_late]
+            x["between_pairs_stderr"] = statistics.stdev(own) / len(own) ** 0.5
+        if x["last_pairs"] or x["late_pairs"]:
+            arms.append(x)
     return {"pairs": pairs, "arms": arms} if pairs else {}
 
 
@@ -380,24 +389,29 @@ def _shared_handover_lines(col: dict, cfg: LearningConfig) -> list[str]:
     if not sh:
         return []
     last = f"{cfg.mark_list[-1]:g} s"
-    late = ", ".join(f"{m:g}" for m in (col.get("late_mean") or {}).get("marks", []))
 
-    def cells(x):
-        out = f"at {last} {x['last_minus']:+.3f} ± {_fmt(x['last_stderr'])}" if x["last_minus"] is not None \
-            else f"no evaluation at {last}"
-        if x["late_minus"] is not None:
-            out += f"; late mean ({late} s) {x['late_minus']:+.3f} ± {_fmt(x['late_stderr'])}"
-        return out
+    def marks(ms):
+        return ", ".join(f"{m:g}" for m in ms) + " s"
 
     lines = ["", "Runs of one seed that handed over one model (the same step, every completion at the hand-over equal): "
-                 "their on-policy phases compared from it, paired over the same problems:", ""]
+                 "their on-policy phases compared from it, paired over the same problems, at marks where both had "
+                 "stepped past it:", ""]
     for pr in sh["pairs"]:
         a, b = pr["runs"]
-        lines.append(f"- {a} − {b} (step {pr['step']}, {pr['completions']} completions equal): {cells(pr)}")
+        at = (f"at {last} {pr['last_minus']:+.3f} ± {_fmt(pr['last_stderr'])}" if pr["last_minus"] is not None
+              else f"no mark at {last} past the hand-over in both")
+        late = (f"; late mean ({marks(pr['late_marks'])}) {pr['late_minus']:+.3f} ± {_fmt(pr['late_stderr'])}"
+                if pr["late_minus"] is not None else "; no late mark past the hand-over in both")
+        lines.append(f"- {a} − {b} (step {pr['step']}, {pr['completions']} completions equal): {at}{late}")
     for x in sh["arms"]:
         a, b = x["arms"]
-        between = f" (between pairs ± {_fmt(x['between_pairs_stderr'])})" if x["between_pairs_stderr"] is not None else ""
-        lines.append(f"- {a} − {b} over {x['pairs']} shared hand-overs (seeds pooled per problem): {cells(x)}{between}")
+        parts = []
+        if x["last_pairs"]:
+            parts.append(f"at {last} {x['last_minus']:+.3f} ± {_fmt(x['last_stderr'])} ({x['last_pairs']} pairs)")
+        if x["late_pairs"]:
+            parts.append(f"late mean {x['late_minus']:+.3f} ± {_fmt(x['late_stderr'])} ({x['late_pairs']} pairs; "
+                         f"between pairs ± {_fmt(x['between_pairs_stderr'])})")
+        lines.append(f"- {a} − {b}, seeds pooled per problem: " + "; ".join(parts))
     return lines
 
 

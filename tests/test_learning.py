@@ -445,8 +445,9 @@ def _plain_rate_difference(x_rows, y_rows):
 
 def test_report_compares_runs_that_handed_over_one_model(tmp_path):
     """Runs whose hand-over evaluations are the same step and the same completions (one seed's SFT passes) are
-    compared from it, per pair and pooled over the pairs of the same two arms (LEARNING.md command 17b); a run whose
-    hand-over differs in one completion, in its step or in its seed, is paired with none."""
+    compared from it, per pair and pooled over the pairs of the same two arms (LEARNING.md command 17b), only at
+    marks where both had stepped past the hand-over; a run whose hand-over differs in one completion, in its step or
+    in its seed is paired with none."""
     from bench.learning_config import HANDOVER_MARK
 
     cfg = LearningConfig(out=str(tmp_path / "run"), arms="j,l", marks="10,20", budget_s=20, n_test=4, eval_samples=4)
@@ -454,53 +455,67 @@ def test_report_compares_runs_that_handed_over_one_model(tmp_path):
     probs = ["p1", "p2", "p3", "p4"]
     write_parquet(_rows("student", {p: [0, 0, 0, 0] for p in probs}), ev / "student.parquet")
 
-    def run(name, m10, m20, handover_text, step=7):
+    def run(name, m10, m20, handover_text, step=7):  # mark 10 at step 9, mark 20 at step 12; m20=None: no mark 20
         ho = [{**r, "completion": f"{handover_text} {r['problem_id']} {r['sample_index']}"}
               for r in _rows(name, {p: [1, 0, 0, 0] for p in probs}, HANDOVER_MARK, step)]
-        rows = _rows(name, dict(zip(probs, m10)), 10, 9) + ho + _rows(name, dict(zip(probs, m20)), 20, 12)
+        rows = _rows(name, dict(zip(probs, m10)), 10, 9) + ho
+        rows += _rows(name, dict(zip(probs, m20)), 20, 12) if m20 else []
         write_parquet(rows, ev / f"{name}.parquet")
         return rows
 
+    one, none_, half = [1] * 4, [0] * 4, [1, 1, 0, 0]
     r = {
-        "j": run("j", [[1, 0, 0, 0], [1, 1, 0, 0], [0] * 4, [1] * 4], [[1, 1, 0, 0], [1, 1, 0, 0], [0] * 4, [1, 1, 1, 0]], "A"),
-        "l": run("l", [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1] * 4], [[1, 1, 1, 0], [1] * 4, [1, 0, 0, 0], [1] * 4], "A"),
-        "j-s1": run("j-s1", [[0] * 4, [1, 0, 0, 0], [1] * 4, [1, 1, 0, 0]], [[1, 0, 0, 0], [1, 0, 0, 0], [1] * 4, [0] * 4], "B"),
-        "l-s1": run("l-s1", [[1, 0, 0, 0], [1] * 4, [1, 1, 1, 0], [0] * 4], [[0] * 4, [1, 1, 0, 0], [1] * 4, [1, 1, 1, 0]], "B"),
-        "j-s2": run("j-s2", [[1] * 4] * 4, [[1] * 4] * 4, "C"),
-        "l-s2": run("l-s2", [[0] * 4] * 4, [[0] * 4] * 4, "C"),
-        "j@3e-06-s1": run("j@3e-06-s1", [[0] * 4] * 4, [[1] * 4] * 4, "B", step=8),  # l-s1's texts, another step
-        "l-s3": run("l-s3", [[0] * 4] * 4, [[1] * 4] * 4, "A"),  # seed 0's texts and step, another seed
+        "j": run("j", [[1, 0, 0, 0], half, none_, one], [half, half, none_, [1, 1, 1, 0]], "A"),
+        "l": run("l", [half, [1, 1, 1, 0], [1, 0, 0, 0], one], [[1, 1, 1, 0], one, [1, 0, 0, 0], one], "A"),
+        "j-s1": run("j-s1", [none_, [1, 0, 0, 0], one, half], [[1, 0, 0, 0], [1, 0, 0, 0], one, none_], "B"),
+        "l-s1": run("l-s1", [[1, 0, 0, 0], one, [1, 1, 1, 0], none_], [none_, half, one, [1, 1, 1, 0]], "B"),
+        "j-s2": run("j-s2", [one] * 4, [one] * 4, "C"),
+        "l-s2": run("l-s2", [none_] * 4, [none_] * 4, "C"),  # one completion changed below
+        "j@3e-06-s1": run("j@3e-06-s1", [none_] * 4, [one] * 4, "B", step=8),  # l-s1's texts, another step
+        "l-s3": run("l-s3", [none_] * 4, [one] * 4, "A"),  # seed 0's texts and step, another seed
+        "j-s4": run("j-s4", [half, one, none_, one], [one, one, half, none_], "D"),
+        "l-s4": run("l-s4", [none_, half, half, one], None, "D"),  # never evaluated at 20 s
+        "j-s5": run("j-s5", [one] * 4, [half, none_, one, half], "E", step=10),  # mark 10 (step 9) before it
+        "l-s5": run("l-s5", [none_] * 4, [one, one, half, none_], "E", step=10),
     }
-    # l-s2 differs from j-s2 in one completion at its hand-over
     rows = r["l-s2"]
     rows[[i for i, x in enumerate(rows) if x["mark_s"] == HANDOVER_MARK][0]]["completion"] = "other"
     write_parquet(rows, ev / "l-s2.parquet")
     res = report(cfg)
     sh = res["shared_handovers"]
-    assert [p["runs"] for p in sh["pairs"]] == [["j", "l"], ["j-s1", "l-s1"]]
+    assert [p["runs"] for p in sh["pairs"]] == [["j", "l"], ["j-s1", "l-s1"], ["j-s4", "l-s4"], ["j-s5", "l-s5"]]
+    assert [p["late_marks"] for p in sh["pairs"]] == [[10, 20], [10, 20], [10], [20]]
 
     def at(name, marks):
         return [x for x in r[name] if x["mark_s"] in marks]
 
     for pr in sh["pairs"]:
         a, b = pr["runs"]
-        assert (pr["step"], pr["completions"]) == (7, 16)
-        assert (pr["last_minus"], pr["last_stderr"]) == pytest.approx(_plain_rate_difference(at(a, [20]), at(b, [20])))
-        assert (pr["late_minus"], pr["late_stderr"]) == pytest.approx(
-            _plain_rate_difference(at(a, [10, 20]), at(b, [10, 20])))
+        assert (pr["step"], pr["completions"]) == (10 if a == "j-s5" else 7, 16)
+        if a == "j-s4":
+            assert pr["last_minus"] is None and pr["last_stderr"] is None
+        else:
+            assert (pr["last_minus"], pr["last_stderr"]) == pytest.approx(
+                _plain_rate_difference(at(a, [20]), at(b, [20])))
+        ms = pr["late_marks"]
+        assert (pr["late_minus"], pr["late_stderr"]) == pytest.approx(_plain_rate_difference(at(a, ms), at(b, ms)))
     assert sh["pairs"][0]["last_minus"] == pytest.approx(-0.3125) and sh["pairs"][0]["last_stderr"] == pytest.approx(0.0625)
     [pooled] = sh["arms"]
-    assert pooled["arms"] == ["j", "l"] and pooled["pairs"] == 2
-    assert (pooled["last_minus"], pooled["last_stderr"]) == pytest.approx(
-        _plain_rate_difference(at("j", [20]) + at("j-s1", [20]), at("l", [20]) + at("l-s1", [20])))
-    assert (pooled["late_minus"], pooled["late_stderr"]) == pytest.approx(
-        _plain_rate_difference(at("j", [10, 20]) + at("j-s1", [10, 20]), at("l", [10, 20]) + at("l-s1", [10, 20])))
+    assert pooled["arms"] == ["j", "l"] and (pooled["last_pairs"], pooled["late_pairs"]) == (3, 4)
+    assert (pooled["last_minus"], pooled["last_stderr"]) == pytest.approx(_plain_rate_difference(
+        at("j", [20]) + at("j-s1", [20]) + at("j-s5", [20]), at("l", [20]) + at("l-s1", [20]) + at("l-s5", [20])))
+    assert (pooled["late_minus"], pooled["late_stderr"]) == pytest.approx(_plain_rate_difference(
+        at("j", [10, 20]) + at("j-s1", [10, 20]) + at("j-s4", [10]) + at("j-s5", [20]),
+        at("l", [10, 20]) + at("l-s1", [10, 20]) + at("l-s4", [10]) + at("l-s5", [20])))
     own = [p["late_minus"] for p in sh["pairs"]]
-    assert pooled["between_pairs_stderr"] == pytest.approx(abs(own[0] - own[1]) / 2)  # sd of two values / sqrt(2)
+    m = sum(own) / 4
+    assert pooled["between_pairs_stderr"] == pytest.approx(math.sqrt(sum((v - m) ** 2 for v in own) / 3) / 2)
     md = (cfg.dir / "results.md").read_text()
     assert "- j − l (step 7, 16 completions equal): at 20 s -0.312 ± 0.062; late mean (10, 20 s)" in md
-    assert "- j − l over 2 shared hand-overs (seeds pooled per problem): at 20 s" in md
-
+    assert "- j-s4 − l-s4 (step 7, 16 completions equal): no mark at 20 s past the hand-over in both; late mean (10 s)" in md
+    assert (f"- j − l, seeds pooled per problem: at 20 s {pooled['last_minus']:+.3f} ± {pooled['last_stderr']:.3f} "
+            f"(3 pairs); late mean {pooled['late_minus']:+.3f} ± {pooled['late_stderr']:.3f} (4 pairs; between pairs ± "
+            f"{pooled['between_pairs_stderr']:.3f})") in md
 
 def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):
     from bench.learning_report import seed_stderr
