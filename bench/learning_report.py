@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -451,6 +452,22 @@ def results_markdown(res: dict, cfg: LearningConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def y_floor(lows: list[float], highs: list[float]) -> float:
+    """The plot's lowest avg@k shown: 0, unless every error bar lies in the top half of the plotted range.
+
+    ``lows`` / ``highs`` are the plotted points' avg@k minus / plus their standard error (fractions in [0, 1]).
+    Regime (ii)'s arms all sat within 0.72-0.82 (LEARNING.md command 19): from 0 their 0.02 differences were one
+    line. Then the axis starts at the lowest error bar less 0.02, rounded down to a multiple of 0.05, and the axis
+    label says so. Raises ValueError on no points.
+    """
+    if not lows or not highs:
+        raise ValueError("y_floor: no points to plot")
+    lo, hi = min(lows), max(highs)
+    if lo <= 0.5 * hi:
+        return 0.0
+    return max(0.0, math.floor((lo - 0.02) * 20 + 1e-9) / 20)
+
+
 def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, float, float]]:
     """avg@k against training minutes, one line per arm (error bars: standard error), one panel per answer
     filter, and an open diamond per sequential run at its hand-over; skipped without matplotlib.
@@ -468,7 +485,7 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
 
     panels = [res, res["other_filter"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), sharey=True)
-    drawn = []
+    drawn, lows, highs = [], [], []
     for ax, col in zip(axes, panels):
         s = col["student"]
         colors: dict[str, str] = {}
@@ -480,6 +497,8 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
             # past the colour cycle's 10 colours a line style tells two arms of one colour apart
             style = ("-", "--", ":", "-.")[(len(colors) // 10) % 4]
             line = ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, ls=style, label=f"{arm}: {a['label']}")
+            lows += [y - e for y, e in zip(ys, es)]
+            highs += [y + e for y, e in zip(ys, es)]
             colors[arm] = line.lines[0].get_color()
         reached = {run: h for run, h in (col.get("handover") or {}).items() if h["reached"]}
         for run, h in reached.items():  # a sequential run's model after its last SFT step, in its arm's colour
@@ -490,12 +509,19 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
             ax.plot([], [], marker="D", ms=7, mfc="none", ls="none", color="k", label="hand-over (SFT passes end)")
         if col.get("teacher"):
             ax.axhline(col["teacher"]["avg_at_k"], color="grey", ls="--", lw=1, label="teacher")
+            lows.append(col["teacher"]["avg_at_k"])
+            highs.append(col["teacher"]["avg_at_k"])
+        lows += [h["avg_at_k"] for h in reached.values()]
+        highs += [h["avg_at_k"] for h in reached.values()]
         ax.set_xlabel("training minutes on the arm's own clock (evaluation excluded)")
-        ax.set_ylim(bottom=0)
         ax.set_title(f"answer filter: {col['answer_filter']}" +
                      (" (reported)" if col is res else " (equal expressions accepted)"))
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})")
+    bottom = y_floor(lows, highs) if lows else 0.0
+    for ax in axes:  # sharey: one range for both panels
+        ax.set_ylim(bottom=bottom)
+    axes[0].set_ylabel(f"avg@{cfg.eval_samples} on {cfg.n_test} held-out problems ({cfg.task})"
+                       + (f"\naxis from {bottom:.2f}, not 0" if bottom > 0 else ""))
     # The legend goes under the panels: inside them it hid lines (a sweep of 10 arms covered d's, 2026-12-03).
     handles, labels = axes[0].get_legend_handles_labels()
     ncol = 2 if len(labels) > 4 else 1

@@ -1026,3 +1026,17 @@ def test_pool_settles_the_record_a_killed_pool_left(tmp_path):
     assert (dest / "arms" / "c-s1" / "metrics" / "train.jsonl").exists()
     # marks the config reads alike are one setting ("10,20," is LearningConfig's [10, 20] too)
     assert lp._setting("marks", "10,20,") == lp._setting("marks", " 10.0, 20") == (10.0, 20.0)
+
+
+def test_plot_axis_starts_at_zero_unless_every_point_is_high():
+    """The plot's y-axis floor: 0 for curves that span the range (regime (i): 0.32 -> 0.65), else the lowest error
+    bar less 0.02 rounded down to 0.05 (regime (ii): 0.72-0.82, LEARNING.md command 19)."""
+    from bench.learning_report import y_floor
+
+    assert y_floor([0.30, 0.60], [0.35, 0.66]) == 0.0  # 0.30 <= half of 0.66
+    assert y_floor([0.720, 0.771], [0.766, 0.815]) == pytest.approx(0.70)  # 0.700 -> 0.70 exactly
+    assert y_floor([0.7433 - 0.0232, 0.794 - 0.021], [0.794 + 0.021]) == pytest.approx(0.70)  # command 19's f: 0.7001
+    assert y_floor([0.69, 0.75], [0.85]) == pytest.approx(0.65)  # 0.67 -> 0.65
+    assert y_floor([0.41], [0.80]) == pytest.approx(0.35)  # just above half: 0.39 -> 0.35
+    with pytest.raises(ValueError, match="no points"):
+        y_floor([], [])
