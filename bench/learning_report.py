@@ -198,19 +198,16 @@ def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f:
     for (ga, gb), prs in by_arms.items():
         x = {"arms": [ga, gb], "last_pairs": 0, "last_minus": None, "last_stderr": None, "late_pairs": 0,
              "late_minus": None, "late_stderr": None, "between_pairs_stderr": None}
-        with_last = [pr for pr in prs if pr["last_minus"] is not None]
-        if len(with_last) >= 2:
-            x["last_pairs"] = len(with_last)
-            x["last_minus"], x["last_stderr"], _ = paired_difference(
-                [r for pr in with_last for r in rows(pr["runs"][0], [last_mark])],
-                [r for pr in with_last for r in rows(pr["runs"][1], [last_mark])])
-        with_late = [pr for pr in prs if pr["late_minus"] is not None]
-        if len(with_late) >= 2:
-            x["late_pairs"] = len(with_late)
-            x["late_minus"], x["late_stderr"], _ = paired_difference(
-                [r for pr in with_late for r in rows(pr["runs"][0], pr["late_marks"])],
-                [r for pr in with_late for r in rows(pr["runs"][1], pr["late_marks"])])
-            own = [pr["late_minus"] for pr in with_late]
+        for key in ("last", "late"):  # each measure pooled over the pairs that have it, at their own marks
+            have = [pr for pr in prs if pr[f"{key}_minus"] is not None]
+            if len(have) < 2:
+                continue
+            x[f"{key}_pairs"] = len(have)
+            x[f"{key}_minus"], x[f"{key}_stderr"], _ = paired_difference(
+                *([r for pr in have for r in rows(pr["runs"][side], [last_mark] if key == "last" else pr["late_marks"])]
+                  for side in (0, 1)))
+        own = [pr["late_minus"] for pr in prs if pr["late_minus"] is not None]
+        if len(own) >= 2:
             x["between_pairs_stderr"] = statistics.stdev(own) / len(own) ** 0.5
         if x["last_pairs"] or x["late_pairs"]:
             arms.append(x)
