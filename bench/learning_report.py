@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 def summarize_mark(rows: list[dict], answer_filter: str | None = None) -> dict:
     """avg@k, its standard error over problems, clip rate and mean completion tokens of one mark's rows.
 
-    ``answer_filter``: read ``correct_<filter>`` instead of ``correct``.
+    ``answer_filter``: read ``correct_<filter>`` instead of ``correct``. ``step`` and ``train_s`` are the largest
+    over the rows; ``step_min`` the smallest, which differs from ``step`` when the rows pool several seeds of one arm.
     """
     from data_tools.evalstats import summarize
 
@@ -32,7 +33,8 @@ def summarize_mark(rows: list[dict], answer_filter: str | None = None) -> dict:
     s = summarize(rows)
     return dict(avg_at_k=s["pass_at_1"], stderr=s["pass_at_1_stderr"], clip_rate=s["clip_rate"],
                 mean_tokens=sum(r["n_tokens"] for r in rows) / len(rows), n_problems=s["n_problems"],
-                train_s=max(r["train_s"] for r in rows), step=max(r["step"] for r in rows))
+                train_s=max(r["train_s"] for r in rows), step=max(r["step"] for r in rows),
+                step_min=min(r["step"] for r in rows))
 
 
 def paired_difference(rows_x: list[dict], rows_y: list[dict]) -> tuple[float, float | None, int]:
@@ -318,8 +320,11 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         cells = [f"{_fmt(a['marks'][str(m)]['avg_at_k'])} ± {_fmt(a['marks'][str(m)]['stderr'])}"
                  if str(m) in a["marks"] else "—" for m in cfg.mark_list]
         last = a["marks"].get(str(cfg.mark_list[-1]), {})
+        steps = last.get("step", "—")  # seeds pooled: the range of their step counts, not the largest alone
+        if last.get("step_min", steps) != steps:
+            steps = f"{last['step_min']}–{steps}"
         lines.append(f"| {arm}: {a['label']} | " + " | ".join(cells) + f" | {_fmt(last.get('train_s'), 1)}"
-                     f" | {last.get('step', '—')} | {_fmt(last.get('clip_rate'), 2)} | {_fmt(last.get('mean_tokens'), 1)} |")
+                     f" | {steps} | {_fmt(last.get('clip_rate'), 2)} | {_fmt(last.get('mean_tokens'), 1)} |")
     if col.get("comparisons_at_last_mark"):
         b = col["best_arm"]
         finals = [a["marks"][str(cfg.mark_list[-1])]["avg_at_k"] for a in col["arms"].values()
@@ -465,6 +470,12 @@ def y_floor(lows: list[float], highs: list[float]) -> float:
     return max(0.0, math.floor((lo - 0.02) * 20 + 1e-9) / 20)
 
 
+def legend_label(arm: str, a: dict) -> str:
+    """An arm's line in the plot's legend: its name and label, and how many seeds its points pool."""
+    seeds = f" ({len(a['runs'])} seeds pooled)" if len(a.get("runs", [])) > 1 else ""
+    return f"{arm}: {a['label']}{seeds}"
+
+
 def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, float, float]]:
     """avg@k against training minutes, one line per arm (error bars: standard error), one panel per answer
     filter, and an open diamond per sequential run at its hand-over; skipped without matplotlib.
@@ -493,7 +504,7 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
             es = [s["stderr"] or 0] + [a["marks"][str(m)]["stderr"] or 0 for m in ms]
             # past the colour cycle's 10 colours a line style tells two arms of one colour apart
             style = ("-", "--", ":", "-.")[(len(colors) // 10) % 4]
-            line = ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, ls=style, label=f"{arm}: {a['label']}")
+            line = ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, ls=style, label=legend_label(arm, a))
             lows += [y - e for y, e in zip(ys, es)]
             highs += [y + e for y, e in zip(ys, es)]
             colors[arm] = line.lines[0].get_color()

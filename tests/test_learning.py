@@ -16,7 +16,7 @@ import yaml
 
 from bench.learning import ARMS, LearningConfig, merge_settings
 from bench.learning_clock import MarkClock, clock_fraction
-from bench.learning_report import paired_difference, report
+from bench.learning_report import legend_label, paired_difference, report
 from data_tools.runio import write_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -377,9 +377,12 @@ def test_report_pools_seeds_of_one_arm(tmp_path):
     ev = cfg.dir / "evals"
     write_parquet(_rows("student", {"p1": [0, 0], "p2": [0, 0]}), ev / "student.parquet")
     write_parquet(_rows("c", {"p1": [1, 1], "p2": [0, 0]}, 10, 3), ev / "c.parquet")
-    write_parquet(_rows("c-s1", {"p1": [1, 0], "p2": [1, 0]}, 10, 3), ev / "c-s1.parquet")
+    write_parquet(_rows("c-s1", {"p1": [1, 0], "p2": [1, 0]}, 10, 4), ev / "c-s1.parquet")
     res = report(cfg)
     assert set(res["arms"]) == {"c"} and res["arms"]["c"]["runs"] == ["c", "c-s1"]
+    assert (res["arms"]["c"]["marks"]["10.0"]["step_min"], res["arms"]["c"]["marks"]["10.0"]["step"]) == (3, 4)
+    assert "| 3–4 |" in (cfg.dir / "results.md").read_text()  # the seeds' step counts as a range
+    assert legend_label("c", res["arms"]["c"]) == "c: OPD + reward (2 seeds pooled)"
     assert res["arms"]["c"]["marks"]["10.0"]["avg_at_k"] == pytest.approx(0.5)
     assert res["arms"]["c"]["last_mark_by_run"] == {"c": 0.5, "c-s1": 0.5}
     assert res["comparisons_at_last_mark"]["c"]["gain_over_start"] == pytest.approx(0.5)
