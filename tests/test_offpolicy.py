@@ -123,8 +123,23 @@ def test_off_policy_steps_train_on_solutions_only(tmp_path, tokenizer):  # noqa:
 
 
 def test_no_verified_solution_is_an_error(tmp_path, tokenizer):  # noqa: F811
+    unsolved = solved_curriculum(tmp_path, solved=lambda i: False)
     with pytest.raises(ValueError, match="'teacher_solution' column is empty in all 8 rows"):
-        make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path, solved=lambda i: False), w_sft=1.0)
+        make_trainer(tmp_path / "a", tokenizer, unsolved, w_sft=1.0)
+    with pytest.raises(ValueError, match="'teacher_solution' column is empty in all 8 rows"):  # a share for the whole clock
+        make_trainer(tmp_path / "b", tokenizer, unsolved, sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4)
+
+
+def test_no_verified_solution_before_a_hand_over_means_on_policy_from_the_first_step(tmp_path, tokenizer):  # noqa: F811
+    """The formal recipe's order (SFT for sft_max_epochs passes, then on-policy) over a curriculum with no verified
+    solution (a short first demo's stage one can leave one): zero passes, so every step is on-policy."""
+    tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path, solved=lambda i: False), sft_share_start=1.0,
+                      sft_share_end=1.0, sft_max_epochs=2, sft_batch_size=4)
+    assert tr.sft_phase_done()
+    tr.train()
+    recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert len(recs) == tr.state.global_step >= 1 and all(not r.get("sft/off_policy_step") for r in recs)
+    assert list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))
 
 
 def test_sft_batch_size_error_names_a_valid_size(tmp_path, tokenizer):  # noqa: F811

@@ -53,6 +53,8 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
         assert no_sft.sft_share_start == no_sft.sft_share_end == no_sft.sft_max_epochs == 0 and no_sft.w_kl > 0
     if name == "demo_cpu.yaml":
         assert not args.bf16 and args.model_dtype == "float32" and args.teacher_context == "privileged"
+    if name.startswith("demo_"):  # the formal recipe's order, one pass of SFT so the on-policy steps show too
+        assert args.sft_share_start == args.sft_share_end == 1.0 and args.sft_max_epochs == 1 and args.w_kl > 0
 
 
 def _env(tmp_path, model_dir, data, **extra):
@@ -123,8 +125,11 @@ def test_killed_run_resumes_from_last_state(tmp_path, tiny_model_dir, curriculum
 
     for k in ("OUTPUT_DIR", "STUDENT_MODEL", "TRAIN_DATA"):
         monkeypatch.setenv(k, env[k])
-    # in-process restart (saves the interpreter start-up); the deadline is far away here
-    rc = main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, "--debug_max_steps", str(saved + 2),
+    # in-process restart (saves the interpreter start-up); the deadline is far away here. The fixture's curriculum
+    # has no teacher solutions: the demo's SFT pass is turned off, as the first run had it
+    no_sft = ["--sft_share_start", "0", "--sft_share_end", "0", "--sft_learning_rate", "0", "--sft_max_epochs", "0"]
+    rc = main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, *no_sft,
+               "--debug_max_steps", str(saved + 2),
                "--ckpt_every_steps", "0", "--ckpt_every_minutes", "0", "--max_wall_time_seconds", "100000",
                "--deadline_reserve_seconds", "10"])
     assert rc == 0

@@ -123,7 +123,9 @@ class OffPolicyTerm:
             raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the train "
                              "dataset has no 'teacher_solution' column (build it with build_train_dataset)")
         self._sft_pool = [i for i, s in enumerate(ds["teacher_solution"]) if s]
-        if not self._sft_pool:
+        # "sft_max_epochs passes, then on-policy" over no solution is an empty first phase (warned below); every
+        # other use of the solutions (a share for the whole clock, the w_sft term) has nothing to train on
+        if not self._sft_pool and not (a.sft_max_epochs and not a.w_sft):
             raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum's "
                              f"'teacher_solution' column is empty in all {len(ds)} rows (no teacher sample verified: "
                              "run stage one with teacher_samples >= 1, or turn the SFT terms off)")
@@ -136,7 +138,7 @@ class OffPolicyTerm:
                              f"e.g. {lo} or {hi}")
         if a.sft_max_epochs and a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool):
             log.warning("sft_max_epochs=%g over %d verified solutions is less than one batch of %d: no off-policy "
-                        "step will run", a.sft_max_epochs, len(self._sft_pool), a.sft_batch_size)
+                        "step will run, every step is on-policy", a.sft_max_epochs, len(self._sft_pool), a.sft_batch_size)
 
     def _choose_off_policy(self) -> bool:
         """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``;
@@ -294,7 +296,7 @@ class OffPolicyTerm:
         m["sft/tokens"].append(tokens)
         m["sft/share"].append(self._share_now)
         m["sft/off_policy_step"].append(float(self._off_policy_step))
-        m["sft/epoch"].append(self._sft_pos / len(self._sft_pool))  # passes over the pool (never empty here)
+        m["sft/epoch"].append(self._sft_pos / max(1, len(self._sft_pool)))  # passes over the pool (0 when it is empty)
         m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
         m["sft/lr_scale"].append(self._sft_lr_applied)  # set by the rate hook of this step, if any
         self._sft_lr_applied = 1.0
