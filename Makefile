@@ -18,7 +18,7 @@ help:
 	@echo "make gpu-lock                    re-resolve requirements/gpu.lock after editing requirements/{gpu,common}.txt (needs uv)"
 	@echo "make plan    [RECIPE=...]         bash run.sh --plan: the recipe run.sh would pick, its configs, each stage's time budget"
 	@echo "make curate  [CURATE_CONFIG=...]  stage one: teacher/student sampling, grading, curriculum"
-	@echo "make train   [TRAIN_CONFIG=...]   stage two: on-policy distillation + verifier reward (wall-clock bound)"
+	@echo "make train   [TRAIN_CONFIG=...]   stage two: SFT on verified teacher solutions, then on-policy distillation + reward (wall-clock bound)"
 	@echo "make eval    [PROTOCOL=... MODEL=... EVAL_DATA=... LIMIT=N]"
 	@echo "make query   SQL=\"...\"            duckdb over the run's tables (OUTPUT_DIR picks the run)"
 	@echo "make test                        fast CPU tests;  make test-all: also the slow ones"

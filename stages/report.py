@@ -156,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
               f"- checkpoints: {', '.join(c.name for c in ckpts) or 'none'} in {ckpt_root}",
               f"- plots: {png or 'none (no metrics)'}",
               "", "try:",
-              f'  OUTPUT_DIR={run} make query SQL="SELECT level, role, round(avg(correct::INT),3) AS acc, count(*) AS n FROM rollouts JOIN problems USING (problem_id) GROUP BY ALL ORDER BY ALL"',
-              f'  OUTPUT_DIR={run} make query SQL="SELECT step, round(\\"kl/sampled_mean\\",4) AS kl, \\"reward/mean\\" AS reward, \\"completions/clip_rate\\" AS clip FROM metrics ORDER BY step"',
-              f'  OUTPUT_DIR={run} make query SQL="SELECT c.bucket, round(avg(c.pass_rate),3) AS curate_p, round(avg(t.reward),3) AS train_reward FROM curriculum c JOIN train_rollouts t USING (problem_id) GROUP BY ALL ORDER BY 1"']
+              f'  OUTPUT_DIR={run} make query SQL="SELECT level, role, round(avg(correct::INT),3) AS acc, count(*) AS n FROM rollouts JOIN problems USING (problem_id) GROUP BY ALL ORDER BY ALL"']
+    if any((run / "rollouts").glob("step-*.parquet")):  # on-policy steps ran: their metrics and rollout table exist
+        lines += [f'  OUTPUT_DIR={run} make query SQL="SELECT step, round(\\"kl/sampled_mean\\",4) AS kl, \\"reward/mean\\" AS reward, \\"completions/clip_rate\\" AS clip FROM metrics ORDER BY step"',
+                  f'  OUTPUT_DIR={run} make query SQL="SELECT c.bucket, round(avg(c.pass_rate),3) AS curate_p, round(avg(t.reward),3) AS train_reward FROM curriculum c JOIN train_rollouts t USING (problem_id) GROUP BY ALL ORDER BY 1"']
+    elif metrics and "loss/sft" in metrics[-1]:  # every step so far was off-policy SFT (the recipe's first phase): no rollouts, no reward
+        lines += [f'  OUTPUT_DIR={run} make query SQL="SELECT step, round(\\"loss/sft\\",4) AS sft_loss, round(\\"sft/epoch\\",2) AS passes FROM metrics ORDER BY step"']
     write_json(report, out / "report.json")
     text = "\n".join(lines) + "\n"
     tmp = out / ".report.md.tmp"

@@ -58,8 +58,9 @@ def run(args, on_trainer=None) -> dict:
     if args.trains_on_teacher_solutions and "teacher_solution" not in table.column_names:
         # before the models load (minutes at 1.5B): the off-policy terms need stage one's verified solutions
         raise ValueError(f"{args.curriculum_path}: no 'teacher_solution' column (columns: {sorted(table.column_names)}), "
-                         "but w_sft / sft_share_* train on it: run make curate (it writes the column), or set w_sft, "
-                         "sft_share_start and sft_share_end to 0")
+                         "but w_sft / sft_share_* train on it: run make curate (it writes the column), or turn the "
+                         "off-policy terms off: --w_sft 0 --sft_share_start 0 --sft_share_end 0 --sft_learning_rate 0 "
+                         "--sft_max_epochs 0")
     student, teacher, tok, t_tok = load_models(args)
     dataset = build_train_dataset(table, tok, prompt_style=args.prompt_style)
     trainer = OPDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,

@@ -142,6 +142,23 @@ def test_no_verified_solution_before_a_hand_over_means_on_policy_from_the_first_
     assert list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))
 
 
+def test_resume_under_other_objective_settings_says_which(tmp_path, tokenizer, caplog):  # noqa: F811
+    """A run begun on-policy and resumed under a config with SFT first: the saved objective is compared with the
+    new one, and each changed setting is named (the run goes on under the new settings)."""
+    tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
+                      sft_max_epochs=1, sft_batch_size=4)
+    same = tr._offpolicy_state()
+    assert same["objective"]["sft_max_epochs"] == 1.0 and same["objective"]["w_kl"] == tr.args.w_kl
+    with caplog.at_level("WARNING", logger="trainers.offpolicy"):
+        tr._load_offpolicy_state(same)
+        assert not caplog.records
+        before = {**same["objective"], "sft_share_start": 0.0, "sft_share_end": 0.0, "sft_max_epochs": 0.0}
+        tr._load_offpolicy_state({**same, "sft_pos": 4, "objective": before})
+    [rec] = caplog.records
+    assert ("sft_share_start 0.0 -> 1.0, sft_share_end 0.0 -> 1.0, sft_max_epochs 0.0 -> 1.0" in rec.getMessage()
+            and tr._sft_pos == 4)
+
+
 def test_sft_batch_size_error_names_a_valid_size(tmp_path, tokenizer):  # noqa: F811
     with pytest.raises(ValueError, match=r"\(4\): e\.g\. 8"):
         make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
@@ -256,7 +273,8 @@ def test_resumed_run_continues_the_solution_stream(tmp_path, tokenizer):  # noqa
         a._offpolicy_batch()
     a._time_share.record(0.5, True, 4.0)
     state = json.loads(json.dumps(a._offpolicy_state()))  # as written to opd_clock.json
-    assert state == {"sft_pos": 6, "sft_credit": -2.0, "handover_step": None}
+    assert {k: v for k, v in state.items() if k != "objective"} == {"sft_pos": 6, "sft_credit": -2.0, "handover_step": None}
+    assert (state["objective"]["sft_share_start"], state["objective"]["sft_batch_size"]) == (0.5, 2.0)
     b = make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), **kw)
     b._load_offpolicy_state(state)
     nxt_a, nxt_b = a._offpolicy_batch(), b._offpolicy_batch()

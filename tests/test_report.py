@@ -27,10 +27,27 @@ def test_report_from_metrics_and_evals(tmp_path, capsys, monkeypatch):
     assert "stage one: 3 curriculum rows from 10 problems measured of 120" in out
     assert "change in pass@1: +0.0600 (+1.2 combined standard errors)" in out
     assert "checkpoint-2, checkpoint-10" in out
+    assert "train_rollouts" not in out and "reward/mean" not in out  # no rollout table written: no query that needs it
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "step-000001.parquet").write_bytes(b"")
+    assert main(["--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "FROM curriculum c JOIN train_rollouts t" in out and '\\"reward/mean\\" AS reward' in out
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["steps"] == 3 and report["final_metrics"]["loss"] == 1.0 / 3 and report["curriculum_rows"] == 3
     png = tmp_path / "report" / "training.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_run_still_in_its_sft_phase_offers_its_sft_query(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CKPT_DIR", raising=False)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "train.jsonl").write_text(
+        "".join(json.dumps({"step": s, "wall_s": 2.0 * s, "loss": 0.5, "loss/sft": 0.5, "sft/epoch": 0.25 * s}) + "\n"
+                for s in (1, 2)))
+    assert main(["--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert '\\"loss/sft\\",4) AS sft_loss' in out and "train_rollouts" not in out and "reward/mean" not in out
 
 
 def test_training_seconds_counts_steps_not_stage_one():

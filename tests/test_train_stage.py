@@ -202,4 +202,14 @@ def test_sft_recipe_without_teacher_solution_column_fails_before_loading_models(
                   "--bf16", "false"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "curriculum.parquet: no 'teacher_solution' column" in err and "sft_share_end to 0" in err
+    assert "curriculum.parquet: no 'teacher_solution' column" in err
+    # the flags it names turn the off-policy terms off and pass the config's checks
+    flags = err.split("off-policy terms off: ")[1].split()[:10]
+    assert flags == ["--w_sft", "0", "--sft_share_start", "0", "--sft_share_end", "0", "--sft_learning_rate", "0",
+                     "--sft_max_epochs", "0"]
+    from trainers.opd_config import OPDConfig
+    from data_tools.config import parse_config
+
+    (off,) = parse_config([OPDConfig], ["--config", str(REPO / "configs" / "opd_r1_distill_1p5b.yaml"), "--bf16",
+                                        "false", "--use_vllm", "false", *flags], env={"OUTPUT_DIR": str(tmp_path / "o")})
+    assert not off.trains_on_teacher_solutions

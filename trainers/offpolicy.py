@@ -31,6 +31,10 @@ from trainers import losses
 
 log = logging.getLogger(__name__)
 
+# OPDConfig fields that decide each step's kind (off-policy or on-policy) and its loss; a resume compares them
+OBJECTIVE_SETTINGS = ("w_kl", "w_reward", "w_sft", "sft_share_start", "sft_share_end", "sft_max_epochs",
+                      "sft_learning_rate", "sft_batch_size")
+
 
 def sft_share(fraction: float, start: float, end: float) -> float:
     """Share of training time given to off-policy steps at time fraction ``fraction`` (clamped to [0, 1]).
@@ -128,7 +132,8 @@ class OffPolicyTerm:
         if not self._sft_pool and not (a.sft_max_epochs and not a.w_sft):
             raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum's "
                              f"'teacher_solution' column is empty in all {len(ds)} rows (no teacher sample verified: "
-                             "run stage one with teacher_samples >= 1, or turn the SFT terms off)")
+                             "run stage one with teacher_samples >= 1, or turn the off-policy terms off: --w_sft 0 "
+                             "--sft_share_start 0 --sft_share_end 0 --sft_learning_rate 0 --sft_max_epochs 0)")
         world = self.accelerator.num_processes
         unit = world * a.gradient_accumulation_steps
         if a.sft_batch_size % unit:
@@ -219,10 +224,16 @@ class OffPolicyTerm:
         self._acc_sft["tokens"] += float(valid.sum())
         return weight * ce, entropy.detach().sum(), valid.sum()
 
-    def _offpolicy_state(self) -> dict[str, int | float]:
+    def _objective(self) -> dict[str, float]:
+        """The settings that decide each step's kind and loss, saved so that a resume can say when they changed."""
+        return {k: float(getattr(self.args, k)) for k in OBJECTIVE_SETTINGS}
+
+    def _offpolicy_state(self) -> dict:
         """What a resumed run needs to continue the mix where it stopped (saved beside the clock's fraction):
-        the position in the solution stream (its epochs, hence ``sft_max_epochs``) and the time-share credit."""
-        return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit, "handover_step": self._handover_step}
+        the position in the solution stream (its epochs, hence ``sft_max_epochs``), the time-share credit, and
+        the objective's settings."""
+        return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit, "handover_step": self._handover_step,
+                "objective": self._objective()}
 
     def _reset_optimizer_moments(self) -> None:
         """``sft_handover_reset``: forget every parameter's optimizer state (Adam's step count and moments), so the
@@ -275,7 +286,16 @@ class OffPolicyTerm:
         optimizer.register_step_post_hook(post)
 
     def _load_offpolicy_state(self, state: dict) -> None:
-        """Restore ``_offpolicy_state()`` (a checkpoint written before it existed restarts the stream at 0)."""
+        """Restore ``_offpolicy_state()`` (a checkpoint written before it existed restarts the stream at 0). A resume
+        under other objective settings than the save's goes on under the new ones, with a warning naming them (a
+        run begun on-policy and resumed under a config with SFT first runs SFT steps from here)."""
+        saved = state.get("objective")
+        if saved is not None:
+            now = self._objective()
+            changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+            if changed:
+                log.warning("resuming under other objective settings than the checkpoint's (saved -> now): %s",
+                            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
         self._sft_pos = int(state.get("sft_pos", 0))
         self._time_share.credit = float(state.get("sft_credit", 0.0))
         h = state.get("handover_step")
