@@ -162,7 +162,7 @@ class _Console(TrainerCallback):
         g = lambda k: logs.get(k) if logs.get(k) is not None else float("nan")  # noqa: E731
         if logs.get("sft/off_policy_step") == 1.0:  # an off-policy SFT step: no rollouts, no KL, no reward
             self._sft_steps = getattr(self, "_sft_steps", 0) + 1
-            print(f"[step {state.global_step}] sft loss={g('loss'):.4f} pass={g('sft/epoch'):.0f} "
+            print(f"[step {state.global_step}] sft loss={g('loss'):.4f} pass={g('sft/epoch'):.2f} "
                   f"lr_scale={g('sft/lr_scale'):g} step={g('time/step'):.1f}s", flush=True)
             return
         if getattr(self, "_sft_steps", 0) and not getattr(self, "_handed_over", False):

@@ -119,6 +119,8 @@ def test_off_policy_steps_train_on_solutions_only(tmp_path, tokenizer):  # noqa:
     assert tr.state.global_step == 2 and calls == [] and not tr.sft_phase_done()  # no cap: never past a hand-over
     recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
     assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0] and recs[-1]["loss/sft"] > 0
+    # nothing was sampled: the on-policy terms are absent (null), not a KL of 0
+    assert all(r["kl/sampled_mean"] is None and r["loss/kl"] is None and r["ppo/clip_frac"] is None for r in recs)
     assert not list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))
 
 
@@ -139,6 +141,7 @@ def test_no_verified_solution_before_a_hand_over_means_on_policy_from_the_first_
     tr.train()
     recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
     assert len(recs) == tr.state.global_step >= 1 and all(not r.get("sft/off_policy_step") for r in recs)
+    assert all(isinstance(r["kl/sampled_mean"], float) for r in recs)  # on-policy steps: a KL is measured
     assert list((Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))
 
 
@@ -157,6 +160,18 @@ def test_resume_under_other_objective_settings_says_which(tmp_path, tokenizer, c
     [rec] = caplog.records
     assert ("sft_share_start 0.0 -> 1.0, sft_share_end 0.0 -> 1.0, sft_max_epochs 0.0 -> 1.0" in rec.getMessage()
             and tr._sft_pos == 4)
+    # past the hand-over (one pass over the 4 solutions done): the saved hand-over step stands
+    tr._load_offpolicy_state({**same, "sft_pos": 4, "handover_step": 1})
+    assert tr.sft_phase_done() and tr._handover_step == 1
+    # settings that reopen the SFT phase (the stream short of the new cap): the hand-over is to come again
+    tr._load_offpolicy_state({**same, "sft_pos": 0, "handover_step": 1})
+    assert not tr.sft_phase_done() and tr._handover_step is None
+    # a checkpoint saved before the settings were recorded: said too, since this run trains on the solutions
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainers.offpolicy"):
+        tr._load_offpolicy_state({"sft_pos": 0, "sft_credit": 0.0, "handover_step": None})
+    [rec] = caplog.records
+    assert "does not record its objective settings" in rec.getMessage() and "sft_max_epochs 1" in rec.getMessage()
 
 
 def test_sft_batch_size_error_names_a_valid_size(tmp_path, tokenizer):  # noqa: F811

@@ -183,7 +183,7 @@ def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny
     assert len(list((run / "rollouts").glob("*.parquet"))) == 2  # the two on-policy steps
     lines = [x for x in capsys.readouterr().out.splitlines()
              if x.startswith(("[step", "[train] on-policy")) and "running:" not in x]  # not the heartbeat
-    assert all(x.startswith(f"[step {i + 1}] sft loss=") and f" pass={i + 1} lr_scale=0.01 " in x
+    assert all(x.startswith(f"[step {i + 1}] sft loss=") and f" pass={i + 1}.00 lr_scale=0.01 " in x
                for i, x in enumerate(lines[:8])), lines[:8]
     assert lines[8] == "[train] on-policy from step 9 (after 8 off-policy SFT steps, 8 passes over the curriculum's teacher solutions)"
     assert all(" sft " not in x and "reward=" in x for x in lines[9:]) and len(lines) == 11

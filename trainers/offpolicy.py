@@ -117,7 +117,8 @@ class OffPolicyTerm:
         self._sft_pool: list[int] = []
         self._sft_pos = 0
         self._sft_lr_applied = 1.0  # the rate scale the step hook applied this step (sft/lr_scale)
-        self._handover_step: int | None = None  # global step of the first on-policy step after sft_max_epochs
+        # global_step when the hand-over was decided: the last off-policy step (the first on-policy step is the next)
+        self._handover_step: int | None = None
         self._sft_epoch: tuple[int, list[int]] = (-1, [])
         self._acc_sft: dict[str, float] = defaultdict(float)
         if not a.trains_on_teacher_solutions:
@@ -296,10 +297,15 @@ class OffPolicyTerm:
             if changed:
                 log.warning("resuming under other objective settings than the checkpoint's (saved -> now): %s",
                             ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+        elif self.args.trains_on_teacher_solutions:  # saved before the settings were recorded (2026-12-04)
+            log.warning("resuming from a checkpoint that does not record its objective settings: this run's "
+                        "off-policy settings (%s) apply from here, whatever the checkpoint's steps were",
+                        ", ".join(f"{k} {v:g}" for k, v in self._objective().items() if k.startswith(("w_sft", "sft_"))))
         self._sft_pos = int(state.get("sft_pos", 0))
         self._time_share.credit = float(state.get("sft_credit", 0.0))
         h = state.get("handover_step")
-        self._handover_step = None if h is None else int(h)
+        # a hand-over the new settings undo (more passes than the save's) happens again, at its new step
+        self._handover_step = None if h is None or not self.sft_phase_done() else int(h)
 
     def _finish_offpolicy(self, step_s: float) -> None:
         """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""

@@ -657,15 +657,18 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         # TRL divides num_items_in_batch by the process count (DDP averages gradients), so each process's
         # terms are P times its share of the global loss: the sum over processes is P x the loss.
         world = self.accelerator.num_processes
-        m["loss/kl"].append(tot["loss_kl"] / world)
-        m["loss/reward"].append(tot["loss_reward"] / world)
-        m["kl/sampled_mean"].append(tot["k1_sum"] / n)
+        # An off-policy SFT step samples nothing: its on-policy terms are not 0 but absent (NaN, which TRL's log
+        # turns into null), so queries and plots do not read a KL of 0 for the SFT phase
+        na = float("nan") if getattr(self, "_off_policy_step", False) else None
+        m["loss/kl"].append(na if na is not None else tot["loss_kl"] / world)
+        m["loss/reward"].append(na if na is not None else tot["loss_reward"] / world)
+        m["kl/sampled_mean"].append(na if na is not None else tot["k1_sum"] / n)
         if self.args.kl_mode == "full":
-            m["kl/full_mean"].append(tot["kl_full_sum"] / n)
+            m["kl/full_mean"].append(na if na is not None else tot["kl_full_sum"] / n)
         else:
-            m["ppo/clip_frac"].append(tot["clipped"] / n)
-            m["ppo/ratio_mean"].append(tot["ratio_sum"] / n)
-            m["kl/clamped_frac"].append(tot["k1_clamped"] / n)
+            m["ppo/clip_frac"].append(na if na is not None else tot["clipped"] / n)
+            m["ppo/ratio_mean"].append(na if na is not None else tot["ratio_sum"] / n)
+            m["kl/clamped_frac"].append(na if na is not None else tot["k1_clamped"] / n)
         if tot["upd_count"] > 0:  # RMS of Adam's per-element step over the learning rate (0 on a skipped step)
             m["optim/update_rms"].append(math.sqrt(tot["upd_sumsq"] / tot["upd_count"]))
         if self._rollout_is or self._async_is:
