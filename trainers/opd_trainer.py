@@ -659,16 +659,17 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         world = self.accelerator.num_processes
         # An off-policy SFT step samples nothing: its on-policy terms are not 0 but absent (NaN, which TRL's log
         # turns into null), so queries and plots do not read a KL of 0 for the SFT phase
-        na = float("nan") if getattr(self, "_off_policy_step", False) else None
-        m["loss/kl"].append(na if na is not None else tot["loss_kl"] / world)
-        m["loss/reward"].append(na if na is not None else tot["loss_reward"] / world)
-        m["kl/sampled_mean"].append(na if na is not None else tot["k1_sum"] / n)
+        off = getattr(self, "_off_policy_step", False)
+        put = lambda key, value: m[key].append(float("nan") if off else value)  # noqa: E731
+        put("loss/kl", tot["loss_kl"] / world)
+        put("loss/reward", tot["loss_reward"] / world)
+        put("kl/sampled_mean", tot["k1_sum"] / n)
         if self.args.kl_mode == "full":
-            m["kl/full_mean"].append(na if na is not None else tot["kl_full_sum"] / n)
+            put("kl/full_mean", tot["kl_full_sum"] / n)
         else:
-            m["ppo/clip_frac"].append(na if na is not None else tot["clipped"] / n)
-            m["ppo/ratio_mean"].append(na if na is not None else tot["ratio_sum"] / n)
-            m["kl/clamped_frac"].append(na if na is not None else tot["k1_clamped"] / n)
+            put("ppo/clip_frac", tot["clipped"] / n)
+            put("ppo/ratio_mean", tot["ratio_sum"] / n)
+            put("kl/clamped_frac", tot["k1_clamped"] / n)
         if tot["upd_count"] > 0:  # RMS of Adam's per-element step over the learning rate (0 on a skipped step)
             m["optim/update_rms"].append(math.sqrt(tot["upd_sumsq"] / tot["upd_count"]))
         if self._rollout_is or self._async_is:
