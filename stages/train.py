@@ -55,8 +55,9 @@ def run(args, on_trainer=None) -> dict:
     start = process_start_time()
     remove_partial_state(args.resume_dir, args.ckpt_dir)
     table = load_curriculum(args.curriculum_path)
-    if args.trains_on_teacher_solutions and "teacher_solution" not in table.column_names:
-        # before the models load (minutes at 1.5B): the off-policy terms need stage one's verified solutions
+    if args.needs_teacher_solutions and "teacher_solution" not in table.column_names:
+        # before the models load (minutes at 1.5B): the off-policy terms need stage one's verified solutions (a
+        # recipe that only starts with them, sft_max_epochs > 0, goes on-policy from step 1 over none: warned then)
         raise ValueError(f"{args.curriculum_path}: no 'teacher_solution' column (columns: {sorted(table.column_names)}), "
                          "but w_sft / sft_share_* train on it: run make curate (it writes the column), or turn the "
                          "off-policy terms off: --w_sft 0 --sft_share_start 0 --sft_share_end 0 --sft_learning_rate 0 "

@@ -191,15 +191,18 @@ def test_formal_recipe_at_toy_size_fine_tunes_then_goes_on_policy(tmp_path, tiny
 
 def test_sft_recipe_without_teacher_solution_column_fails_before_loading_models(tmp_path, tiny_model_dir,  # noqa: F811
                                                                                 curriculum_path, monkeypatch, capsys):
+    """SFT for the whole clock on a curriculum without stage one's solutions fails before the models load; a recipe
+    that only starts with them (sft_max_epochs > 0: the demo's, the formal one's) goes on-policy from step 1."""
     import stages.train as st
     import trainers.opd_trainer as ot
 
     env = _env(tmp_path, tiny_model_dir, curriculum_path)  # the plain curriculum: no teacher_solution column
     for k in ("OUTPUT_DIR", "STUDENT_MODEL", "TRAIN_DATA"):
         monkeypatch.setenv(k, env[k])
+    load_models = ot.load_models
     monkeypatch.setattr(ot, "load_models", lambda args: pytest.fail("models loaded before the curriculum was checked"))
     rc = st.main(["--config", str(REPO / "configs" / "opd_r1_distill_1p5b.yaml"), *TINY_FLAGS, "--use_vllm", "false",
-                  "--bf16", "false"])
+                  "--bf16", "false", "--sft_max_epochs", "0"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "curriculum.parquet: no 'teacher_solution' column" in err
@@ -213,3 +216,9 @@ def test_sft_recipe_without_teacher_solution_column_fails_before_loading_models(
     (off,) = parse_config([OPDConfig], ["--config", str(REPO / "configs" / "opd_r1_distill_1p5b.yaml"), "--bf16",
                                         "false", "--use_vllm", "false", *flags], env={"OUTPUT_DIR": str(tmp_path / "o")})
     assert not off.trains_on_teacher_solutions
+
+    monkeypatch.setattr(ot, "load_models", load_models)
+    assert st.main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, "--debug_max_steps", "1",
+                    "--ckpt_every_minutes", "0"]) == 0
+    [rec] = [json.loads(x) for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert rec["sft/off_policy_step"] == 0.0 and isinstance(rec["kl/sampled_mean"], float)

@@ -130,7 +130,7 @@ class OffPolicyTerm:
         self._sft_pool = [i for i, s in enumerate(ds["teacher_solution"]) if s]
         # "sft_max_epochs passes, then on-policy" over no solution is an empty first phase (warned below); every
         # other use of the solutions (a share for the whole clock, the w_sft term) has nothing to train on
-        if not self._sft_pool and not (a.sft_max_epochs and not a.w_sft):
+        if not self._sft_pool and a.needs_teacher_solutions:
             raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum's "
                              f"'teacher_solution' column is empty in all {len(ds)} rows (no teacher sample verified: "
                              "run stage one with teacher_samples >= 1, or turn the off-policy terms off: --w_sft 0 "

@@ -389,6 +389,13 @@ class OPDConfig(DistillationConfig):
         return self.w_sft > 0 or self.sft_share_start > 0 or self.sft_share_end > 0
 
     @property
+    def needs_teacher_solutions(self) -> bool:
+        """An off-policy term that has nothing to train on without verified solutions: ``w_sft``, or an SFT share
+        for the whole clock. An SFT share capped at ``sft_max_epochs`` passes (SFT first, then on-policy) over no
+        solution is an empty first phase: every step is on-policy."""
+        return self.w_sft > 0 or (self.trains_on_teacher_solutions and not self.sft_max_epochs)
+
+    @property
     def lr_warmup_fraction(self) -> float:
         """``lr_warmup_time`` as a share of the training window (the unit of ``OPDTrainer.time_fraction``)."""
         w = self.lr_warmup_time
