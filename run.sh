@@ -3,7 +3,12 @@
 #
 #   bash run.sh                    # the formal recipe when STUDENT_MODEL is set and CUDA is visible, else the CPU demo
 #   bash run.sh RECIPE             # demo_cpu | demo_gpu | r1_distill_1p5b
-#   bash run.sh --plan [RECIPE]    # print the recipe, its config files and each stage's time budget; run nothing
+#   bash run.sh --plan [RECIPE]    # print the recipe, its config files, the GPU layout and each stage's budget; run nothing
+#
+# One node, N GPUs, no flags: stage one and evaluation start one engine worker a GPU, training one process a GPU
+# (accelerate launch, DDP; a step keeps the recipe's batch). CUDA_VISIBLE_DEVICES narrows the GPUs;
+# OPD_NUM_PROCESSES sets the training processes (e.g. 2 on a CPU machine, gloo). Several nodes: the same command
+# on each, with NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT set (torchrun's names) and a shared OUTPUT_DIR.
 #
 # Environment (the run contract; values here win over the recipe's config defaults):
 #   STUDENT_MODEL TEACHER_MODEL TRAIN_DATA EVAL_DATA MAX_WALL_TIME_SECONDS DEADLINE_RESERVE_SECONDS
@@ -43,9 +48,11 @@ set_recipe() {
   esac
 }
 
-cuda_visible() {  # cheap: nvidia-smi lists a GPU (and CUDA_VISIBLE_DEVICES hides none), else the venv's torch says so
+cuda_visible() {  # cheap: nvidia-smi lists a GPU that CUDA_VISIBLE_DEVICES leaves visible, else the venv's torch says so
   case "${CUDA_VISIBLE_DEVICES-unset}" in ""|-1) return 1 ;; esac
-  if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -q '^GPU'; return; fi
+  if command -v nvidia-smi >/dev/null 2>&1; then  # data_tools/layout.py reads nvidia-smi -L (standard library only)
+    [ "$(python3 -m data_tools.layout --count-gpus 2>/dev/null || echo 0)" -gt 0 ]; return
+  fi
   [ -x "$PY" ] && "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
 }
 
@@ -81,6 +88,11 @@ elif [ $plan = 0 ] || [ ! -x $PY ]; then
   fi
   rm -f /tmp/opd-setup.$$.log
 fi
+# The node's layout: GPUs usable here, training processes, engine workers, each process's share of a step
+: "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
+layout=$($PY -m data_tools.layout --train "$TRAIN_CONFIG" --nodes "$NNODES" --shell) || exit 2
+eval "$layout"  # NGPUS NPROC WORKERS GPU_LIST LAYOUT_LINES
+case "$NODE_RANK" in ''|*[!0-9]*) echo "run.sh: NODE_RANK must be a number, got '$NODE_RANK'" >&2; exit 2 ;; esac
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
 # The training config is parsed now, not after stage one: a typo in it must not cost stage one's hours.
 check_train_config() {  # quiet when it parses; on an error, its lines without the import-time log noise
@@ -91,9 +103,12 @@ check_train_config() {  # quiet when it parses; on an error, its lines without t
 }
 if [ $plan = 1 ]; then
   echo "run.sh: recipe $name ($why); OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
-  $PY -m data_tools.clock shell "${clock_args[@]}" >/dev/null || exit 2  # a bad clock: its own one-line error
+  printf '%s\n' "${LAYOUT_LINES[@]}"
+  $PY -m data_tools.clock plan "${clock_args[@]}" || exit 2  # a bad clock: its own one-line error
+  # parsing the training config as the trainer does imports torch and TRL (~10 s): after the plan, not before it
   check_train_config
-  exec $PY -m data_tools.clock plan "${clock_args[@]}"
+  echo "training config: $TRAIN_CONFIG parses"
+  exit 0
 fi
 clock=$($PY -m data_tools.clock shell "${clock_args[@]}") || exit 2
 eval "$clock"  # CLOCK_S RESERVE_S EVAL_RESERVE_S CURATE_BUDGET_S TRAIN_END_S CURATE_SHARE
@@ -101,18 +116,32 @@ export MAX_WALL_TIME_SECONDS=$CLOCK_S DEADLINE_RESERVE_SECONDS=$RESERVE_S  # one
 check_train_config
 
 # One run per OUTPUT_DIR / CKPT_DIR: the lock records this shell's pid; the stages see
-# OPD_LOCK_OWNER and run under it. A lock left by a dead process is taken over.
-$PY -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
-export OPD_LOCK_OWNER=$$
-trap '$PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
+# OPD_LOCK_OWNER and run under it. A lock left by a dead process is taken over. Several nodes share the
+# directories: node 0's run.sh holds the lock for the run, the others run under it (data_tools.runio.run_lock).
+export NNODES NODE_RANK MASTER_ADDR MASTER_PORT
+if [ "$NODE_RANK" = 0 ]; then
+  $PY -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
+  export OPD_LOCK_OWNER=$$
+  trap '$PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
+fi
 # Stages run in the background of this non-interactive shell, so they start with SIGINT ignored
 # (POSIX: asynchronous commands without job control). SIGTERM is what every stage handles (training
 # saves a checkpoint and stops after its current step), so SIGINT (Ctrl-C) and SIGTERM are both passed
 # on as SIGTERM, and the lock is released only once nothing writes to the run any more.
-child=""
+# Under accelerate's launcher the training processes are the launcher's children: they get the SIGTERM (each
+# finishes its step; together they save once), and the launcher, seeing them end, ends too. Signalling the
+# launcher instead would make it kill them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later, which a step and a save
+# can outlast; it handles SIGTERM only (a terminal's Ctrl-C reaches the processes themselves).
+child="" launcher=0
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-1800} TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGHUP,SIGQUIT
 on_signal() {
   echo "run.sh: got SIG$1; stopping the current stage (pid ${child:-none}) with SIGTERM and waiting for it" >&2
-  if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; wait "$child"; fi
+  if [ -n "$child" ]; then
+    local procs=""
+    [ $launcher = 1 ] && procs=$(pgrep -P "$child" 2>/dev/null | xargs)
+    kill -TERM ${procs:-$child} 2>/dev/null
+    wait "$child"
+  fi
   exit $(( 128 + $2 ))
 }
 trap 'on_signal TERM 15' TERM
@@ -136,13 +165,18 @@ eval_estimate() {  # eval_estimate PROTOCOL N_MODELS: seconds, from stage one's 
 }
 
 say "recipe $name ($why) -> OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
+printf '%s\n' "${LAYOUT_LINES[@]}"
+[ "$NNODES" = 1 ] || echo "node $NODE_RANK of $NNODES (rendezvous $MASTER_ADDR:$MASTER_PORT)"
+engine_args=()
+[ "$WORKERS" -gt 1 ] && engine_args=(--workers "$WORKERS")
 say "clock: ${CLOCK_S}s from this script's start, reserve ${RESERVE_S}s; stage one until ${CURATE_BUDGET_S}s (share $CURATE_SHARE), training until ${TRAIN_END_S}s, evaluation ${eval_policy}"
 if ls "$OUTPUT_DIR"/resume/checkpoint-*/trainer_state.json >/dev/null 2>&1 && [ -f "$OUTPUT_DIR/curate/curriculum.parquet" ]; then
   # training has begun on this curriculum: a resumed run keeps it (stage one would measure more problems
   # on the new clock and change the rows under the resumed trainer); a fresh OUTPUT_DIR curates again
   say "curate: skipped, training has state in $OUTPUT_DIR/resume: it resumes on the curriculum it began with"
 else
-  stage curate $PY -m stages.curate --config "$CURATE_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + EVAL_RESERVE_S ))
+  stage curate $PY -m stages.curate --config "$CURATE_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + EVAL_RESERVE_S )) \
+    "${engine_args[@]}"
 fi
 
 eval_s=0
@@ -162,7 +196,19 @@ if [ "${eval_policy%%:*}" = reserve ]; then
   [ $eval_s -gt $most ] && eval_s=$most
   say "evaluation reserve ${eval_s}s (from stage one's measured rates: ~${one}s for the final export alone; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
 fi
-stage train $PY -m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s ))
+train=(-m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s )))
+if [ $(( NPROC * NNODES )) -gt 1 ]; then  # accelerate's launcher (torchrun underneath): one process a GPU
+  launcher=1
+  train=(-m accelerate.commands.launch --config_file configs/accelerate/ddp.yaml --num_processes $(( NPROC * NNODES ))
+         --num_machines "$NNODES" --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR"
+         --main_process_port "$MASTER_PORT" "${train[@]}")
+fi
+stage train $PY "${train[@]}"
+launcher=0
+if [ "$NODE_RANK" != 0 ]; then
+  say "done at $(elapsed)s: node $NODE_RANK trained; node 0 evaluates and reports"
+  exit 0
+fi
 
 last_ckpt=$(ls "$CKPT_DIR" 2>/dev/null | grep -E '^checkpoint-[0-9]+$' | sort -t- -k2 -n | tail -1)
 [ -n "$last_ckpt" ] || { echo "run.sh: training left no checkpoint in $CKPT_DIR" >&2; exit 1; }
@@ -175,7 +221,8 @@ run_eval() {  # run_eval PROTOCOL MODEL LABEL: only if the clock's time left cov
     say "eval $3 skipped: it needs ~${need}s and ${left}s of the clock are left"
     return 0
   fi
-  stage "eval $3 (~${need}s estimated, ${left}s left)" $PY -m stages.evaluate --protocol "$1" --model "$2" --label "$3"
+  stage "eval $3 (~${need}s estimated, ${left}s left)" $PY -m stages.evaluate --protocol "$1" --model "$2" --label "$3" \
+    "${engine_args[@]}"
 }
 for proto in $EVAL_PROTOCOLS; do  # the final export first: when time runs short it is the one that matters
   run_eval "$proto" "$last_ckpt" "final__$proto"

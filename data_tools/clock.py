@@ -132,8 +132,11 @@ def split(t: float, r: float, e: float, share: float) -> dict[str, float]:
         raise ValueError(f"time_share must lie in (0, 1], got {share}")
     train_end = t - r - e
     if train_end <= 0:
+        hint = (f"; set MAX_WALL_TIME_SECONDS above {r + e:g}, or keep no evaluation time with EVAL_PROTOCOLS= "
+                f"(empty: no evaluation)" if e else f"; set MAX_WALL_TIME_SECONDS above {r:g} or lower "
+                f"DEADLINE_RESERVE_SECONDS")
         raise ValueError(f"MAX_WALL_TIME_SECONDS={t:g} leaves nothing after the reserve {r:g}s and "
-                         f"the evaluation reserve {e:g}s")
+                         f"the evaluation reserve {e:g}s{hint}")
     curate_end = share * train_end
     return {"clock_s": t, "reserve_s": r, "eval_reserve_s": e, "curate_end_s": curate_end,
             "train_end_s": train_end, "export_end_s": t - e, "curate_budget_s": curate_end,

@@ -92,6 +92,16 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
             raise ValueError(f"unknown key(s) {keys} in config file {config_path}")
     fields = {a.dest for a in parser._actions}
     from_env = {field: env[var] for var, field in ENV_CONTRACT.items() if field in fields and env.get(var)}
+    if "teacher_model" in from_env and "teacher_context" in fields:
+        # The contract's TEACHER_MODEL is the teacher: a recipe whose teacher is the student given the answer
+        # (privileged context) gets that model instead, with one line; never a TEACHER_MODEL read and left unused
+        if "--teacher_context" in args and args[args.index("--teacher_context") + 1:][:1] == ["privileged"]:
+            raise ValueError(f"TEACHER_MODEL={from_env['teacher_model']} is set, but --teacher_context privileged "
+                             "makes the student its own teacher: unset TEACHER_MODEL, or drop --teacher_context")
+        if parser.get_default("teacher_context") == "privileged":
+            print(f"[config] TEACHER_MODEL is set: the teacher is {from_env['teacher_model']} (teacher_context "
+                  f"teacher), not {config_path or 'the default'}'s privileged self-teacher", file=sys.stderr, flush=True)
+            from_env["teacher_context"] = "teacher"
     if from_env:
         parser.set_defaults_with_config(**{k: _coerce(parser, k, v) for k, v in from_env.items()})
     try:

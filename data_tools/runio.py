@@ -226,7 +226,12 @@ def run_lock(*directories: Path) -> Iterator[None]:
 
     If ``OPD_LOCK_OWNER`` is set (``run.sh`` exports its own pid) the stage runs under its parent's
     lock: the lock is taken with that pid, which is re-entrant, and left for the parent to release.
+    On a node of rank > 0 of a run over several nodes (``NODE_RANK``, shared directories) node 0 holds
+    the lock for the whole run and nothing is taken here.
     """
+    if int(os.environ.get("NODE_RANK") or 0) > 0:
+        yield
+        return
     owner = int(os.environ["OPD_LOCK_OWNER"]) if os.environ.get("OPD_LOCK_OWNER") else None
     taken: list[Path] = []
     try:

@@ -53,7 +53,10 @@ def run(args, on_trainer=None) -> dict:
     from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
 
     start = process_start_time()
-    remove_partial_state(args.resume_dir, args.ckpt_dir)
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under a launcher every rank runs this; rank 0 speaks
+    say = (lambda *a: print(*a, flush=True)) if main_process else (lambda *a: None)  # noqa: E731
+    if main_process:
+        remove_partial_state(args.resume_dir, args.ckpt_dir)
     table = load_curriculum(args.curriculum_path)
     if args.needs_teacher_solutions and "teacher_solution" not in table.column_names:
         # before the models load (minutes at 1.5B): the off-policy terms need stage one's verified solutions (a
@@ -68,6 +71,8 @@ def run(args, on_trainer=None) -> dict:
                          processing_class=tok, teacher_processing_class=t_tok, start_time=start)
     deadline = trainer.deadline
     trainer.add_callback(_Console())
+    # One process only: a step cut short on one rank would leave the others waiting in a collective. Several
+    # processes stop between steps, all at once (DeadlineCallback's any-reduce), on the step-time estimate.
     hard_stop = HardStopCallback(deadline) if trainer.accelerator.num_processes == 1 else None
     if hard_stop is not None:
         trainer.add_callback(hard_stop)  # last: it must see the other callbacks' should_save
@@ -76,27 +81,31 @@ def run(args, on_trainer=None) -> dict:
     if on_trainer is not None:
         on_trainer(trainer)
 
+    trainer.accelerator.wait_for_everyone()  # rank 0 has cleared partial states before any rank looks for one
     resume = find_resume_checkpoint(args.resume_dir) if args.resume else None
     began = time.time() - start
-    print(f"[train] engine={trainer.engine} rows={len(dataset)} G={args.num_generations} "
-          f"completions/step={trainer.generation_batch_size} kl_mode={args.kl_mode} "
-          f"teacher={'self(frozen initial student)' if teacher is None else args.teacher_model} "
-          f"context={args.teacher_context} resume={resume}", flush=True)
-    print(f"[train] clock: training from {began:.0f}s to the horizon at {args.horizon_seconds:.0f}s on the run's clock "
-          f"(max_wall_time_seconds {args.max_wall_time_seconds:.0f} - reserve {args.deadline_reserve_seconds:.0f}), "
-          f"{max(args.horizon_seconds - began, 0):.0f}s of training; exports at {args.ckpt_hedge_fractions} of that window "
-          f"and at its end", flush=True)
+    world = trainer.accelerator.num_processes
+    procs = (f" processes={world} (a step = {world} x {args.per_device_train_batch_size} x "
+             f"{args.gradient_accumulation_steps} accumulated)" if world > 1 else "")
+    say(f"[train] engine={trainer.engine} rows={len(dataset)} G={args.num_generations} "
+        f"completions/step={trainer.generation_batch_size}{procs} kl_mode={args.kl_mode} "
+        f"teacher={'self(frozen initial student)' if teacher is None else args.teacher_model} "
+        f"context={args.teacher_context} resume={resume}")
+    say(f"[train] clock: training from {began:.0f}s to the horizon at {args.horizon_seconds:.0f}s on the run's clock "
+        f"(max_wall_time_seconds {args.max_wall_time_seconds:.0f} - reserve {args.deadline_reserve_seconds:.0f}), "
+        f"{max(args.horizon_seconds - began, 0):.0f}s of training; exports at {args.ckpt_hedge_fractions} of that window "
+        f"and at its end")
     if resume is None and deadline.remaining() <= 0:
         # one step would end past the horizon: the start model is the only export that fits
         deadline.stop_reason = f"no training time left at start ({began:.0f}s > horizon {args.horizon_seconds:.0f}s)"
-        print(f"[train] {deadline.stop_reason}: exporting the start model as checkpoint-0", flush=True)
+        say(f"[train] {deadline.stop_reason}: exporting the start model as checkpoint-0")
         trainer.export_checkpoint()
     else:
         try:
             trainer.train(resume_from_checkpoint=resume)
         except HorizonReached as e:
             deadline.stop_reason = str(e)
-            print(f"[train] {e}: exporting step {trainer.state.global_step}", flush=True)
+            say(f"[train] {e}: exporting step {trainer.state.global_step}")
             if not (Path(args.ckpt_dir) / f"checkpoint-{trainer.state.global_step}").is_dir():
                 trainer.export_checkpoint()  # the weights of the last finished optimizer step
     summary = {
@@ -112,7 +121,7 @@ def run(args, on_trainer=None) -> dict:
     }
     if trainer.accelerator.is_main_process:
         write_json(summary, os.path.join(args.output_dir, "train_summary.json"))
-    print(f"[train] done: {summary}", flush=True)
+    say(f"[train] done: {summary}")
     return summary
 
 

@@ -185,8 +185,9 @@ class DeadlineCallback(TrainerCallback):
             if signum == signal.SIGINT and time.monotonic() - self._signal_at > 5.0:
                 raise KeyboardInterrupt
             return
-        print(f"[train] {name}: saving a checkpoint and stopping after the current step"
-              + (" (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""), flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # under a launcher every rank gets it: one line for the run
+            print(f"[train] {name}: saving a checkpoint and stopping after the current step"
+                  + (" (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""), flush=True)
         self._sigterm, self._signal_at = name.lower(), time.monotonic()
 
     def elapsed(self) -> float:

@@ -3,6 +3,8 @@ logit transform TRL applies, and whether vLLM colocate can run here."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from trainers.opd_config import DTYPES
@@ -66,7 +68,11 @@ def load_models(args):
     if args.teacher_model:
         t_path = resolve_model(args.teacher_model)
         t_tok = AutoTokenizer.from_pretrained(t_path)
-        teacher = AutoModelForCausalLM.from_pretrained(t_path, dtype=DTYPES[args.teacher_dtype or args.model_dtype])
+        # the frozen teacher straight onto this process's GPU (LOCAL_RANK under a launcher): N processes of a node
+        # would otherwise each hold a 7B copy in host memory on the way (OPDTrainer moves it on a CPU)
+        place = {"device_map": {"": f"cuda:{int(os.environ.get('LOCAL_RANK') or 0)}"}} if torch.cuda.is_available() else {}
+        teacher = AutoModelForCausalLM.from_pretrained(t_path, dtype=DTYPES[args.teacher_dtype or args.model_dtype],
+                                                       **place)
     return student, teacher, tok, t_tok
 
 

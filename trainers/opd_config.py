@@ -7,6 +7,7 @@ and is checked in ``_validate``. Re-exported by ``trainers.opd_trainer``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,6 +210,12 @@ class OPDConfig(DistillationConfig):
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
                 "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
+    split_batch_over_processes: bool = field(default=True, metadata={
+        "help": "Keep the recipe's step under a launcher: per_device_train_batch_size x gradient_accumulation_steps "
+                "as written is the completions of one optimizer step for the whole run, and on P processes the "
+                "accumulation is divided by P (or, where it does not divide, the micro-batch shrinks: "
+                "data_tools.layout.split_batch); a batch that does not divide is an error naming the numbers. False = "
+                "TRL's per-device meaning (a step trains on P times the completions)."})
     debug_max_steps: int = field(default=0, metadata={
         "help": "Tests/debugging only: stop (with a final checkpoint) after this many optimizer steps; 0 = never. "
                 "Formal runs are bounded by the wall clock alone."})
@@ -250,6 +257,22 @@ class OPDConfig(DistillationConfig):
 
         if not torch.cuda.is_available():
             self.dataloader_pin_memory = False  # nothing to pin for; torch warns at every epoch otherwise
+        # Under a launcher (accelerate / torchrun set WORLD_SIZE) a step keeps the recipe's batch: see
+        # split_batch_over_processes. The recipe's own numbers stay readable as ``recipe_batch``.
+        self.processes = int(os.environ.get("WORLD_SIZE") or 1)
+        self.recipe_batch = (self.per_device_train_batch_size, self.gradient_accumulation_steps)
+        if self.processes > 1 and self.split_batch_over_processes:
+            from data_tools.layout import split_batch
+
+            self.per_device_train_batch_size, self.gradient_accumulation_steps = split_batch(
+                *self.recipe_batch, self.processes, num_generations=self.num_generations,
+                sft_batch_size=self.sft_batch_size if self.trains_on_teacher_solutions else None)
+        if self.processes > 1 and not torch.cuda.is_available():
+            self.use_cpu = True  # several CPU processes: gloo DDP (without it transformers trains each one alone)
+        if self.ddp_find_unused_parameters is None:
+            # every parameter of a causal LM gets a gradient each step; True costs a graph walk a step (and is
+            # refused with gradient checkpointing's re-entrant backward)
+            self.ddp_find_unused_parameters = False
         for name in ("student_model", "teacher_model", "teacher_dtype", "prompt_style", "teacher_logprob_min",
                      "k1_clamp"):
             if getattr(self, name) in ("", "none", "None", "null"):

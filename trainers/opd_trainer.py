@@ -166,7 +166,10 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
 
             self.teacher_model = prepare_deepspeed(teacher_model, self.accelerator)
         else:
+            # accelerate leaves an evaluation-mode model where it is under FSDP (TRL issue #2580), and the models are
+            # loaded on the CPU: the frozen teacher goes whole onto this process's device (a 7B in bf16: 15 GB a GPU)
             self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
+            self.teacher_model.to(self.accelerator.device)
 
         # Rollout importance sampling needs the engine's log-prob of each sampled token (TRL asks for none).
         self._rollout_is = bool(self.use_vllm and args.vllm_importance_sampling_correction)
@@ -299,6 +302,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             state = json.loads((Path(checkpoint) / CLOCK_STATE).read_text())
             self._fraction0 = float(state["time_fraction"])
             self._load_offpolicy_state(state)
+            self._check_resumed_processes(state, checkpoint)
         # The optimizer state brings back the learning rate of the save; the schedule is the clock's now.
         if checkpoint is not None and self.lr_scheduler is not None and self.args.lr_scheduler_type in TIME_SCHEDULES:
             sched = self.lr_scheduler
@@ -306,6 +310,23 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             for group, lr in zip(sched.optimizer.param_groups, lrs):
                 group["lr"] = lr
             sched._last_lr = lrs
+
+    def _check_resumed_processes(self, state: dict, checkpoint) -> None:
+        """A state saved by another number of processes resumes: every rank reads the full weights and optimizer
+        state (DDP keeps them whole on each) and a missing per-rank RNG file only changes the sampling seed. What
+        changes is said in one line: the data order from here, and the step's batch unless it is split over the
+        processes (``split_batch_over_processes``)."""
+        saved, now = int(state.get("processes", 1)), self.accelerator.num_processes
+        if saved == now:
+            return
+        a = self.args
+        same = a.split_batch_over_processes and list(state.get("recipe_batch") or []) in ([], list(a.recipe_batch))
+        batch = ("each step keeps the recipe's batch of "
+                 f"{a.recipe_batch[0] * a.recipe_batch[1]} completions" if same else
+                 f"a step now trains on {a.per_device_train_batch_size * a.gradient_accumulation_steps * now} completions")
+        if self.accelerator.is_main_process:
+            log.warning("resuming %s, saved by %d process(es), on %d: %s; the data order and sampling seeds from here "
+                        "differ from an uninterrupted run's", checkpoint, saved, now, batch)
 
     def _any_process(self, flag: bool) -> bool:
         """True on every process if ``flag`` is True on any (a max-reduce)."""
@@ -728,7 +749,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
     def _save_checkpoint(self, model, trial):
         # The clock's fraction first: trainer_state.json, written last by transformers, marks the state complete.
         if self.args.should_save:
-            write_json({"time_fraction": self.time_fraction(), **self._offpolicy_state()},
+            write_json({"time_fraction": self.time_fraction(), "processes": self.accelerator.num_processes,
+                        "recipe_batch": list(getattr(self.args, "recipe_batch", ())), **self._offpolicy_state()},
                        Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}" / CLOCK_STATE)
         # Resume state via transformers' own machinery (skipping TRL's model card, which would land in output_dir).
         Trainer._save_checkpoint(self, model, trial)
