@@ -199,9 +199,8 @@ fi
 train=(-m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s )))
 if [ $(( NPROC * NNODES )) -gt 1 ]; then  # accelerate's launcher (torchrun underneath): one process a GPU
   launcher=1
-  train=(-m accelerate.commands.launch --config_file configs/accelerate/ddp.yaml --num_processes $(( NPROC * NNODES ))
-         --num_machines "$NNODES" --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR"
-         --main_process_port "$MASTER_PORT" "${train[@]}")
+  train=(-m stages.launch --num_processes $(( NPROC * NNODES )) --num_machines "$NNODES" --machine_rank "$NODE_RANK"
+         --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" -- "${train[@]:2}")
 fi
 stage train $PY "${train[@]}"
 launcher=0

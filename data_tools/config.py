@@ -98,9 +98,10 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
         if "--teacher_context" in args and args[args.index("--teacher_context") + 1:][:1] == ["privileged"]:
             raise ValueError(f"TEACHER_MODEL={from_env['teacher_model']} is set, but --teacher_context privileged "
                              "makes the student its own teacher: unset TEACHER_MODEL, or drop --teacher_context")
-        if parser.get_default("teacher_context") == "privileged":
+        if parser.get_default("teacher_context") == "privileged" and int(env.get("RANK") or 0) == 0:
             print(f"[config] TEACHER_MODEL is set: the teacher is {from_env['teacher_model']} (teacher_context "
                   f"teacher), not {config_path or 'the default'}'s privileged self-teacher", file=sys.stderr, flush=True)
+        if parser.get_default("teacher_context") == "privileged":
             from_env["teacher_context"] = "teacher"
     if from_env:
         parser.set_defaults_with_config(**{k: _coerce(parser, k, v) for k, v in from_env.items()})

@@ -188,8 +188,9 @@ class _Console(TrainerCallback):
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (see the module docstring)."""
-    logging.basicConfig(level=os.environ.get("OPD_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # under a launcher the other ranks log errors only: their info and warnings repeat rank 0's
+    level = os.environ.get("OPD_LOG_LEVEL", "INFO") if int(os.environ.get("RANK") or 0) == 0 else "ERROR"
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from data_tools.config import parse_config
     from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
     from trainers.opd_trainer import NonFiniteError, OPDConfig
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Under torchrun / accelerate every rank runs this; rank 0 holds the directories' lock for all.
     rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    who = f" (rank {rank} of {world})" if world > 1 else ""
     lock = run_lock(args.output_dir, args.ckpt_dir) if rank == 0 else contextlib.nullcontext()
     try:
         with lock:
@@ -224,23 +227,39 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:  # still under the lock; after the diagnosis, which reads the free space
                     remove_partial_state(args.resume_dir, args.ckpt_dir)
                 if why:
-                    print(f"opd train: error: {why}; partial checkpoints removed, the last complete one is kept",
+                    print(f"opd train{who}: error: {why}; partial checkpoints removed, the last complete one is kept",
                           file=sys.stderr)
                     return EXIT_IO
+                if world > 1 and collective_failure(e):  # a peer is gone: the launcher's line names it
+                    print(f"opd train{who}: stopped: a collective failed ({str(e).splitlines()[0][:200]})",
+                          file=sys.stderr)
+                    return 1
                 raise
     except LockHeld as e:
         print(f"opd train: {e}", file=sys.stderr)
         return EXIT_LOCKED
     except NonFiniteError as e:
-        print(f"opd train: {e}", file=sys.stderr)
+        print(f"opd train{who}: {e}", file=sys.stderr)
         return EXIT_NONFINITE
     except (FileNotFoundError, ValueError) as e:
-        print(f"opd train: {e}", file=sys.stderr)
+        if rank == 0:  # the same configuration or data error on every process: said once
+            print(f"opd train: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except KeyboardInterrupt:  # the second Ctrl-C: no save
         print("opd train: interrupted; the last complete checkpoint is kept", file=sys.stderr)
         return 130
     return 0
+
+
+def collective_failure(e: BaseException) -> bool:
+    """True for the error a process gets when a collective's peer is gone (gloo: the connection closed; NCCL: a
+    ``DistError``, or the watchdog's timeout once ``ddp_timeout`` passes)."""
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return any(k in text for k in ("Connection closed by peer", "Connection reset by peer", "NCCL", "ProcessGroup"))
 
 
 def io_failure(e: BaseException, dirs) -> str | None:
