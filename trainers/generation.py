@@ -757,7 +757,9 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
             checkpoint recompute); ``False`` for the frozen teacher, which only ever scores.
 
     Returns:
-        True if the layers were wrapped, False if the model has no ``model.layers`` to compile.
+        True if the layers were wrapped, False if the model has no ``model.layers`` to compile. A compile error
+        (``torch.compile`` or the first call of a shape) is not raised: one line, then the eager forward
+        (``trainers.guards.guarded_compile``).
     """
     import torch._dynamo
 
@@ -767,7 +769,9 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
     # one guard set per layer instance (distinct `self`): raise the cache so 28+ layers all fit
     torch._dynamo.config.cache_size_limit = max(64, 2 * len(layers), torch._dynamo.config.cache_size_limit)
     fn = type(layers[0]).forward
-    comp = torch.compile(fn, dynamic=False)
+    from trainers.guards import guarded_compile
+
+    comp = guarded_compile(fn, "compile_layers", dynamic=False)  # a compile error: one line, then eager
     for layer in layers:
         def fwd(*a, _layer=layer, **k):
             if only_with_grad and not torch.is_grad_enabled():
