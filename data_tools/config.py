@@ -17,6 +17,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from data_tools import rehearsal
+
 # TRL 1.16 warns five times on import that it was tested up to vLLM 0.31 (we pin 0.32, design.md
 # section 8): known and harmless, so only that message is silenced.
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
@@ -49,6 +51,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"config file {path} must contain a YAML mapping, got {type(cfg).__name__}")
+    rehearsal.refuse_in_config(cfg, path)  # the rehearsal's verified share is an environment variable only
     return cfg
 
 

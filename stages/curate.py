@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_tools import prompts as P
+from data_tools import rehearsal
 from data_tools.clock import DEFAULT_CURATE_SHARE, run_start_time
 from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
@@ -178,7 +179,9 @@ def _fingerprint(cfg: CurateConfig, models: dict) -> str:
     keys = ("train_data", "limit", "teacher_context", "privileged_reference", "prompt_style", "teacher_samples", "student_samples",
             "max_tokens", "temperature", "top_p", "seed", "chunk_size", "max_model_len", "dtype")
     # chunk i holds the i-th slice of the seeded visiting order (curate()), not of the input file
-    blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models, "visit_order": "seeded_shuffle"}, sort_keys=True)
+    extra = {"rehearsal": r} if (r := rehearsal.manifest_record()) else {}  # chunks of a rehearsal never serve a real run
+    blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models, "visit_order": "seeded_shuffle"} | extra,
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -229,6 +232,9 @@ def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: 
                for s in batch]
     verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
                            truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter)
+    # rehearsal only (env OPD_REHEARSAL_VERIFIED, set by run.sh --rehearse): a stated share counted as verified
+    verdicts = rehearsal.count_verified(verdicts, [(sub_rows[s.prompt_index]["problem_id"], role, s.sample_index)
+                                                   for s in samples])
     finished = time.strftime("%Y-%m-%dT%H:%M:%S")
     out = [{"problem_id": sub_rows[s.prompt_index]["problem_id"], "role": role, "sample_index": s.sample_index,
             "prompt": sub_prompts[s.prompt_index], "completion": s.completion,
@@ -523,7 +529,7 @@ def curate(cfg: CurateConfig) -> dict:
                                 problems=(len(measured_rows), len(rows)))
     manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": models,
                 "fingerprint": fp, "engine": engine_used or None, "versions": _versions(), "counts": counts,
-                "timings": timings, "budget": budget_rec,
+                "timings": timings, "budget": budget_rec, "rehearsal": rehearsal.manifest_record(),
                 "tables": {k: str(out / f"{k}.parquet") for k in ("rollouts", "problems", "curriculum", "rejects")},
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(manifest, out / "manifest.json")

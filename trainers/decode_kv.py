@@ -326,7 +326,10 @@ def decode_layers_compiled(model, b: int):
         raise ValueError("decode_compile: the model has no model.layers to compile")
     comp = getattr(model, "_opd_decode_compiled", None)
     if comp is None:
-        comp = torch.compile(type(layers[0]).forward, dynamic=False)
+        from trainers.guards import guarded_compile
+
+        # a compile error (at torch.compile or a first call): one line, then the eager forward
+        comp = guarded_compile(type(layers[0]).forward, "decode_compile", dynamic=False)
         model._opd_decode_compiled = comp
         model._opd_decode_compiled_b = set()
     cfg = torch._dynamo.config

@@ -381,6 +381,7 @@ class FastGenerator:
         self.capture_lock = capture_lock if capture_lock is not None else contextlib.nullcontext()
         self.stop_event = stop_event
         self._state: _DecodeState | None = None
+        self._streams: dict = {}  # device -> the side stream of every warm-up step (``warmup_stream``)
         #: cumulative: ``captures`` decode states built, ``graphs`` CUDA graphs captured, ``compactions``
         self.stats: dict[str, float] = {}
         #: the last call: ``steps``, ``row_steps`` (sum of b), ``attn_row_tokens`` (sum of b x lb), ``graphs``,
@@ -388,6 +389,23 @@ class FastGenerator:
         #: ``windows`` ((t, b, lb, cap, cache bytes) at each change, the prefill's first), ``kv_peak_bytes``
         #: (``DecodeKV.peak_bytes``), ``reallocations`` (growths and shrinks of the cache storage)
         self.last: dict = {}
+
+    def warmup_stream(self, device):
+        """The side stream that every warm-up step before a capture runs on, one per device for this generator.
+
+        A new ``torch.cuda.Stream()`` per capture (27 a realistic call) walks through the device's pool of 32
+        streams, and cuBLAS keeps a workspace for every (handle, stream) pair it has run on, allocated from the
+        caching allocator and never freed (``torch._C._cuda_clearCublasWorkspaces`` aside): 32 MiB each on Hopper by
+        default (``CUBLAS_WORKSPACE_CONFIG``), so ``memory/allocated_gib`` climbs by one workspace per new stream
+        until the pool's 32 are all used (~1 GiB). One stream per generator keeps that to one workspace (the capture
+        stream has its own). Not yet measured on a GPU; bench/RESULTS.md run 10's climb fits it: 4 windows a call (4 new
+        streams) x 32 MiB = 0.125 GiB a step, reported as 0.13.
+        """
+        key = torch.device(device)
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = torch.cuda.Stream(device=key)
+        return s
 
     def _get_state(self, model, B, L, N, sp, eos, use_graph, forcing, record_logprobs=False) -> _DecodeState:
         use_gqa = self.gqa_attention
@@ -554,7 +572,7 @@ class FastGenerator:
                 else:  # warm-up (a real decode step, also where a compile happens) on a side stream, then capture
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    s = torch.cuda.Stream()
+                    s = self.warmup_stream(st.kv.mask.device)  # one stream: one cuBLAS workspace, not one per capture
                     s.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(s):
                         st.step()
@@ -757,7 +775,9 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
             checkpoint recompute); ``False`` for the frozen teacher, which only ever scores.
 
     Returns:
-        True if the layers were wrapped, False if the model has no ``model.layers`` to compile.
+        True if the layers were wrapped, False if the model has no ``model.layers`` to compile. A compile error
+        (``torch.compile`` or the first call of a shape) is not raised: one line, then the eager forward
+        (``trainers.guards.guarded_compile``).
     """
     import torch._dynamo
 
@@ -767,7 +787,9 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
     # one guard set per layer instance (distinct `self`): raise the cache so 28+ layers all fit
     torch._dynamo.config.cache_size_limit = max(64, 2 * len(layers), torch._dynamo.config.cache_size_limit)
     fn = type(layers[0]).forward
-    comp = torch.compile(fn, dynamic=False)
+    from trainers.guards import guarded_compile
+
+    comp = guarded_compile(fn, "compile_layers", dynamic=False)  # a compile error: one line, then eager
     for layer in layers:
         def fwd(*a, _layer=layer, **k):
             if only_with_grad and not torch.is_grad_enabled():

@@ -100,6 +100,12 @@ class OPDConfig(DistillationConfig):
     vllm_importance_sampling_cap: float = field(default=2.0, metadata={
         "help": "Upper bound C on the rollout importance ratio (verl's rollout_is_threshold default and the "
                 "truncated-IS paper's C = 2; TRL's clip_max default is 3)."})
+    vllm_probe_tolerance: float = field(default=0.1, metadata={
+        "help": "use_vllm with vllm_mode colocate: at start-up the trainer generates 32 tokens for 2 prompts with vLLM "
+                "and scores them with its own forward (trainers.guards.probe_vllm); if vLLM raises, returns no tokens, "
+                "or its sampled-token log-probs differ from the trainer's by more than this mean absolute value "
+                "(nats per token, the sampling/sampling_logp_difference/mean metric), the run prints one line and "
+                "generates with the fast decoder instead (use_vllm off). 0 = no probe. Range >= 0."})
     num_iterations: int = field(default=1, metadata={
         "help": "Optimizer passes over each generated batch; >1 turns on the PPO ratio and clipping."})
     epsilon_low: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon_low on the ratio."})
@@ -340,6 +346,7 @@ class OPDConfig(DistillationConfig):
              "teacher_logprob_min must be negative (a log-probability floor) or empty")
         need(self.k1_clamp is None or self.k1_clamp > 0, "k1_clamp must be > 0 or empty")
         need(self.vllm_importance_sampling_cap > 0, "vllm_importance_sampling_cap must be > 0")
+        need(self.vllm_probe_tolerance >= 0, f"vllm_probe_tolerance must be >= 0, got {self.vllm_probe_tolerance}")
         need(self.max_wall_time_seconds > 0, "max_wall_time_seconds must be > 0")
         need(0 <= self.deadline_reserve_seconds < self.max_wall_time_seconds,
              f"deadline_reserve_seconds ({self.deadline_reserve_seconds}) must be in [0, max_wall_time_seconds "

@@ -176,6 +176,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         if self._rollout_is:
             self.vllm_generation.logprobs = 0
         self._sampling_logps: list[list[float]] | None = None
+        self._guard_vllm_colocate()  # never run on CUDA here: probed, else the fast decoder (trainers.guards)
         world = self.accelerator.num_processes
         self.generation_batch_size = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         if self.generation_batch_size % args.num_generations:
@@ -244,6 +245,28 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
                                                        "kl_mode": args.kl_mode,
                                                        "truncated_completions": args.truncated_completions}))
         self._init_async()  # last: its stop callback must follow the deadline's
+
+    def _guard_vllm_colocate(self) -> None:
+        """``use_vllm`` colocate: ``trainers.guards.probe_vllm`` at start-up; if it fails (on any process), one line,
+        the engine released, and generation with the fast decoder (``fast_generation``) or TRL's HF generate."""
+        a = self.args
+        if not self.use_vllm or a.vllm_mode != "colocate" or a.vllm_probe_tolerance <= 0:
+            return
+        from trainers import guards
+        from trainers.generation import fast_path_unsupported
+
+        reason = guards.probe_vllm(self, a.vllm_probe_tolerance)
+        failed = self._any_process(reason is not None) if self.accelerator.num_processes > 1 else reason is not None
+        if not failed:
+            return
+        guards.release_vllm(self)
+        self.use_vllm = a.use_vllm = False
+        self._rollout_is, self._sampling_logps = False, None
+        self._fast_generation = (a.fast_generation is not False) and fast_path_unsupported(self) is None
+        self.engine = "hf-generate-fast" if self._fast_generation else "hf-generate"
+        guards.say_once(f"use_vllm: the vLLM colocate probe {reason or 'failed on another process'}; generating with "
+                        f"{'the fast decoder (trainers.generation)' if self._fast_generation else 'HF generate'} "
+                        f"instead, use_vllm off for this run")
 
     def time_fraction(self) -> float:
         """Fraction of the training window used, in [0, 1]: 0 when training starts, 1 at the horizon.

@@ -1,0 +1,200 @@
+"""trainers.guards: a broken vLLM colocate probe and a failing compile fall back with one line each (CPU).
+
+vLLM colocate cannot run on a CPU, so the probe's engine is a stand-in with TRL's ``VLLMGeneration`` contract
+(``max_completion_length``, ``logprobs``, ``sync_weights``, ``generate`` returning prompt ids, completion ids and
+per-token ``[log-prob]`` lists): one that raises, one whose log-probs disagree with the trainer's forward by 1 nat,
+and one that agrees (the probe passes and vLLM stays on).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.test_trainer import curriculum_path, make_trainer, tokenizer, tiny_model  # noqa: F401 - fixtures
+from trainers import guards
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lines():
+    guards._said.clear()
+    yield
+    guards._said.clear()
+
+
+def _lines(caplog, name="trainers.guards"):
+    return [r.getMessage() for r in caplog.records if r.name == name and r.levelno >= logging.WARNING]
+
+
+class _VLLM:
+    """``VLLMGeneration`` stand-in: ``mode`` raise | disagree | agree."""
+
+    def __init__(self, trainer, mode):
+        self.trainer, self.mode = trainer, mode
+        self.max_completion_length, self.logprobs = 6, None
+        self.synced, self.seen_max = 0, []
+        self.llm = object()
+
+    def sync_weights(self):
+        self.synced += 1
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        self.seen_max.append((self.max_completion_length, self.logprobs))
+        if self.mode == "raise":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        g = torch.Generator().manual_seed(0)
+        cids = [torch.randint(0, len(self.trainer.processing_class), (5,), generator=g).tolist() for _ in prompts]
+        # the trainer's own log-probs of these tokens (what a correct engine reports), then the mode's error
+        from trl.trainer.utils import pad
+
+        p = [torch.tensor(x) for x in prompts]
+        c = [torch.tensor(x) for x in cids]
+        out = {"prompt_ids": pad(p, padding_value=0, padding_side="left"),
+               "prompt_mask": pad([torch.ones_like(x) for x in p], padding_value=0, padding_side="left"),
+               "completion_ids": pad(c, padding_value=0, padding_side="right"),
+               "completion_mask": pad([torch.ones_like(x) for x in c], padding_value=0, padding_side="right")}
+        own = self.trainer._policy_logps(out)
+        shift = 1.0 if self.mode == "disagree" else 0.01
+        lps = [[[float(own[i, j]) + shift] for j in range(len(cids[i]))] for i in range(len(cids))]
+        return prompts, cids, lps, None
+
+
+def _as_vllm_trainer(tr, mode):
+    """A CPU trainer turned into one that was built with use_vllm colocate (the probe's inputs)."""
+    tr.use_vllm = tr.args.use_vllm = True
+    tr.args.vllm_mode = "colocate"
+    tr.vllm_generation = _VLLM(tr, mode)
+    tr._rollout_is = True
+    tr._fast_generation = False
+    tr.engine = "vllm-colocate"
+    return tr.vllm_generation
+
+
+@pytest.mark.parametrize("mode,why", [("raise", "raised RuntimeError: CUDA error: an illegal memory access"),
+                                      ("disagree", "log-probs disagree with the trainer's: mean |difference| 1 ")])
+def test_broken_vllm_probe_falls_back_with_one_line_and_trains(tmp_path, tokenizer, curriculum_path, caplog, mode,
+                                                               why):
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, debug_max_steps=2)
+    vg = _as_vllm_trainer(tr, mode)
+    with caplog.at_level(logging.WARNING):
+        tr._guard_vllm_colocate()
+    lines = _lines(caplog)
+    assert len(lines) == 1, lines
+    assert why in lines[0] and "generating with the fast decoder" in lines[0] and "\n" not in lines[0]
+    assert vg.synced == 1 and vg.seen_max == [(guards.PROBE_TOKENS, 0)]  # the probe's size, then restored
+    assert (vg.max_completion_length, vg.logprobs) == (6, None)
+    assert vg.llm is None and not hasattr(tr, "vllm_generation")  # the engine is released
+    assert (tr.use_vllm, tr.args.use_vllm, tr._rollout_is, tr._fast_generation) == (False, False, False, True)
+    assert tr.engine == "hf-generate-fast"
+    tr.train()
+    assert tr.state.global_step == 2
+    assert hasattr(tr.accelerator.unwrap_model(tr.model), "_opd_fast_generator")  # the fast decoder generated
+    assert len(_lines(caplog)) == 1
+
+
+def test_agreeing_vllm_probe_keeps_vllm(tmp_path, tokenizer, curriculum_path, caplog):
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path)
+    vg = _as_vllm_trainer(tr, "agree")
+    with caplog.at_level(logging.WARNING):
+        tr._guard_vllm_colocate()
+    assert _lines(caplog) == [] and tr.use_vllm and tr._rollout_is and tr.vllm_generation is vg
+    tr.args.vllm_probe_tolerance = 0.005  # the stand-in's 0.01 nats/token is now too much
+    with caplog.at_level(logging.WARNING):
+        tr._guard_vllm_colocate()
+    assert len(_lines(caplog)) == 1 and "0.01 nats/token" in _lines(caplog)[0] and not tr.use_vllm
+
+
+def test_probe_tolerance_zero_means_no_probe(tmp_path, tokenizer, curriculum_path):
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, vllm_probe_tolerance=0.0)
+    vg = _as_vllm_trainer(tr, "raise")
+    tr._guard_vllm_colocate()
+    assert vg.seen_max == [] and tr.use_vllm
+    with pytest.raises(ValueError, match="vllm_probe_tolerance"):
+        make_trainer(tmp_path, tokenizer, curriculum_path, vllm_probe_tolerance=-1.0)
+
+
+# ---------------------------------------------------------------- compilation
+
+
+def _raising_compile(kind):
+    def compile_(fn, **kw):
+        if kind == "at_compile":
+            raise RuntimeError("Dynamo is not supported on this Python")
+
+        def compiled(*a, **k):
+            if kind == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            raise RuntimeError("BackendCompilerFailed: inductor raised\ntraceback")
+        return compiled
+    return compile_
+
+
+def _pair(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    a = LlamaForCausalLM(cfg)
+    b = LlamaForCausalLM(cfg)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@pytest.mark.parametrize("kind,what", [("at_compile", "torch.compile failed (RuntimeError: Dynamo is not supported"),
+                                       ("first_call", "the compiled function failed (RuntimeError: BackendCompilerFailed")])
+def test_failing_compile_layers_falls_back_to_eager_with_one_line(tokenizer, monkeypatch, caplog, kind, what):
+    from trainers.generation import compile_decoder_layers
+
+    model, ref = _pair(tokenizer)
+    monkeypatch.setattr(torch, "compile", _raising_compile(kind))
+    with caplog.at_level(logging.WARNING):
+        assert compile_decoder_layers(model, only_with_grad=False)
+        ids = torch.randint(0, 64, (2, 7))
+        for _ in range(3):  # every layer, every call: eager, and still one line
+            out = model(ids).logits
+    assert torch.equal(out, ref(ids).logits)
+    lines = _lines(caplog)
+    assert len(lines) == 1 and lines[0].startswith("compile_layers: ") and what in lines[0], lines
+    assert "running eagerly" in lines[0] and "\n" not in lines[0]
+    out.sum().backward()  # the training path (gradients) runs eagerly too
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_failing_decode_compile_falls_back_to_eager_with_one_line(tokenizer, monkeypatch, caplog):
+    from trainers.decode_kv import decode_layers_compiled
+
+    model, ref = _pair(tokenizer)
+    monkeypatch.setattr(torch, "compile", _raising_compile("first_call"))
+    ids = torch.randint(0, 64, (2, 5))
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        for _ in range(2):
+            with decode_layers_compiled(model, 2):
+                out = model(ids).logits
+    assert torch.equal(out, ref(ids).logits)
+    lines = _lines(caplog)
+    assert len(lines) == 1 and lines[0].startswith("decode_compile: the compiled function failed"), lines
+    assert "forward" not in model.model.layers[0].__dict__  # the layers' own forward is back after the block
+
+
+def test_out_of_memory_in_compiled_code_is_not_hidden(tokenizer, monkeypatch, caplog):
+    from trainers.generation import compile_decoder_layers
+
+    model, _ = _pair(tokenizer)
+    monkeypatch.setattr(torch, "compile", _raising_compile("oom"))
+    compile_decoder_layers(model, only_with_grad=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(torch.randint(0, 64, (1, 4)))
+    assert _lines(caplog) == []
+
+
+def test_trainer_with_a_failing_compile_steps(tmp_path, tokenizer, curriculum_path, monkeypatch, caplog):
+    monkeypatch.setattr(torch, "compile", _raising_compile("first_call"))
+    with caplog.at_level(logging.WARNING):
+        tr = make_trainer(tmp_path, tokenizer, curriculum_path, compile_layers=True, debug_max_steps=2)
+        tr.train()
+    assert tr.state.global_step == 2
+    lines = _lines(caplog)
+    assert len(lines) == 1 and lines[0].startswith("compile_layers: the compiled function failed"), lines

@@ -1,0 +1,152 @@
+"""Start-up guards for the trainer's paths that have never run on a GPU here: vLLM colocate and compilation.
+
+A 12-hour run that raises in its first on-policy step scores nothing; a slower run scores. So a path that cannot be
+tested in advance is checked where it starts and, if it fails, replaced by the tested path with one line:
+
+- **vLLM colocate** (``use_vllm: true``, ``vllm_mode: colocate``): ``probe_vllm`` generates ``PROBE_TOKENS`` tokens for
+  ``PROBE_PROMPTS`` prompts of the training set through TRL's own path (``VLLMGeneration.sync_weights`` +
+  ``generate`` with the sampled token's log-prob, as ``OPDTrainer._vllm_generate_with_logprobs`` does every step) and
+  scores the same tokens with the trainer's forward (``OPDTrainer._policy_logps``, the pi_old of the rollout
+  importance weights). It fails if the generation raises, returns no tokens or ids outside the model's rows, or if the
+  mean |log p_vLLM - log p_trainer| over the sampled tokens (the ``sampling/sampling_logp_difference/mean`` metric) is
+  not finite or exceeds ``vllm_probe_tolerance`` (nats per token). ``OPDTrainer._guard_vllm_colocate`` then prints one
+  line, releases the engine (``release_vllm``) and generates with the fast decoder (``trainers.generation``).
+- **compilation** (``compile_layers``, ``decode_compile``): ``guarded_compile`` wraps a ``torch.compile``d function so
+  that an error while compiling it (``torch.compile`` itself, or dynamo / inductor at a call, where compilation
+  happens) logs one line and runs the eager function from then on; out-of-memory errors are re-raised, not hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: the probe's size: a few prompts, a few dozen tokens (seconds, at start-up)
+PROBE_PROMPTS, PROBE_TOKENS = 2, 32
+
+_said: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """Log ``message`` as a warning once per process (the guards' one line)."""
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def probe_vllm(trainer, tolerance: float, n_prompts: int = PROBE_PROMPTS, max_tokens: int = PROBE_TOKENS) -> str | None:
+    """Generate with ``trainer.vllm_generation`` and compare its log-probs with the trainer's; None if it passes,
+    else the reason (one clause). ``trainer`` is an ``OPDTrainer`` with ``use_vllm`` on (see the module docstring)."""
+    from trl.trainer.utils import pad
+
+    vg = trainer.vllm_generation
+    texts = list(trainer.train_dataset[:n_prompts]["prompt"])
+    if not texts:
+        return "had no prompt to generate from"
+    prompt_ids = trainer._tokenize_prompts(texts)[0]
+    saved = (vg.max_completion_length, vg.logprobs)
+    try:
+        vg.max_completion_length, vg.logprobs = max_tokens, 0
+        vg.sync_weights()
+        _, cids, lps, _ = vg.generate(prompts=prompt_ids, images=None, num_generations=1)
+    except Exception as e:  # noqa: BLE001 - any failure of the engine is a failed probe
+        return f"raised {_first_line(e)}"
+    finally:
+        vg.max_completion_length, vg.logprobs = saved
+    rows = trainer.accelerator.unwrap_model(trainer.model).get_output_embeddings().weight.shape[0]
+    if len(cids) != len(prompt_ids) or not all(len(c) for c in cids):
+        return f"returned {sum(map(len, cids))} tokens for {len(prompt_ids)} prompts"
+    if lps is None or any(len(lp) != len(c) for lp, c in zip(lps, cids)):
+        return "returned no log-prob for some sampled tokens"
+    if max(max(c) for c in cids) >= rows or min(min(c) for c in cids) < 0:
+        return f"sampled ids outside the model's {rows} rows"
+    dev = trainer.accelerator.device
+    p = [torch.tensor(x) for x in prompt_ids]
+    c = [torch.tensor(list(x)) for x in cids]
+    out = {"prompt_ids": pad(p, padding_value=trainer._tokenizer.pad_token_id, padding_side="left").to(dev),
+           "prompt_mask": pad([torch.ones_like(x) for x in p], padding_value=0, padding_side="left").to(dev),
+           "completion_ids": pad(c, padding_value=trainer._tokenizer.pad_token_id, padding_side="right").to(dev),
+           "completion_mask": pad([torch.ones_like(x) for x in c], padding_value=0, padding_side="right").to(dev)}
+    try:
+        ctx = getattr(trainer, "compute_loss_context_manager", contextlib.nullcontext)
+        with ctx():
+            mine = trainer._policy_logps(out).float().cpu()
+    except Exception as e:  # noqa: BLE001 - the trainer's forward failing on vLLM's tokens is a failed probe too
+        return f"tokens could not be scored by the trainer ({_first_line(e)})"
+    diffs = []
+    for i, seq in enumerate(lps):
+        for j, lp in enumerate(seq):
+            v = lp[0] if isinstance(lp, (list, tuple)) else lp
+            if v is None:
+                continue
+            diffs.append(abs(float(v) - float(mine[i, j])))
+    if not diffs:
+        return "returned no log-prob for the sampled tokens"
+    mean = sum(diffs) / len(diffs)
+    if not math.isfinite(mean) or mean > tolerance:
+        return (f"log-probs disagree with the trainer's: mean |difference| {mean:.3g} nats/token over {len(diffs)} tokens "
+                f"> vllm_probe_tolerance {tolerance:g}")
+    log.info("vLLM colocate probe passed: %d tokens, mean |log-prob difference| %.3g nats/token", len(diffs), mean)
+    return None
+
+
+def release_vllm(trainer) -> None:
+    """Drop the trainer's vLLM engine (best effort: shut its engine core down, collect, empty the CUDA cache)."""
+    vg = getattr(trainer, "vllm_generation", None)
+    llm = getattr(vg, "llm", None)
+    engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    with contextlib.suppress(Exception):
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
+    if vg is not None:
+        with contextlib.suppress(Exception):
+            vg.llm = None
+    with contextlib.suppress(AttributeError):
+        del trainer.vllm_generation
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def guarded_compile(eager, what: str, compiled=None, **compile_kw):
+    """``torch.compile(eager, **compile_kw)`` (or ``compiled``) behind a fallback to ``eager``.
+
+    If ``torch.compile`` raises, or a call of the compiled function raises anything but an out-of-memory error,
+    ``what`` is named in one logged line and ``eager`` runs from then on (that call included). A genuine error of
+    the function then surfaces from the eager call. Returns the wrapper; ``wrapper.state["failed"]`` says whether it fell back.
+    """
+    state = {"fn": compiled, "failed": False}
+    if compiled is None:
+        try:
+            state["fn"] = torch.compile(eager, **compile_kw)
+        except Exception as e:  # noqa: BLE001
+            state["failed"] = True
+            say_once(f"{what}: torch.compile failed ({_first_line(e)}); running eagerly")
+
+    def call(*args, **kwargs):
+        if not state["failed"]:
+            try:
+                return state["fn"](*args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - compile errors surface at the first call of a shape
+                state["failed"] = True
+                say_once(f"{what}: the compiled function failed ({_first_line(e)}); running eagerly from now on")
+        return eager(*args, **kwargs)
+
+    call.state = state
+    return call
+
+
+__all__ = ["probe_vllm", "release_vllm", "guarded_compile", "say_once", "PROBE_PROMPTS", "PROBE_TOKENS"]
