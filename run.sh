@@ -19,13 +19,25 @@ cd "$(dirname "$0")"
 t0=$(date +%s.%N)
 export OPD_RUN_START=$t0   # every stage counts the clock from here (data_tools/clock.py)
 PY=.venv/bin/python
-# A machine with no .venv whose python3 already has the stack (a GPU node's image, no package index) runs
-# on that python3 and skips set-up; OPD_PYTHON names another interpreter the same way.
-pkgs='import torch, transformers, trl, datasets, math_verify, duckdb, pyarrow, yaml'
+# The interpreter: OPD_PYTHON if set; else .venv's; else, on a machine where a GPU is visible (a GPU node: its
+# image has the stack and maybe no package index), the image's python3, and nothing is installed (`make setup-gpu`
+# builds a venv where an index exists); else a CPU machine's python3 if it has the required packages, or
+# `make setup` builds .venv (the CPU demo's one-command set-up). The preflight below names what is missing.
+gpu_listed() {  # nvidia-smi lists a GPU (or /dev/nvidia<N> exists) and CUDA_VISIBLE_DEVICES hides none
+  case "${CUDA_VISIBLE_DEVICES-unset}" in ""|-1) return 1 ;; esac
+  if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -q '^GPU'; return; fi
+  compgen -G '/dev/nvidia[0-9]*' >/dev/null
+}
 if [ -n "${OPD_PYTHON:-}" ]; then PY=$OPD_PYTHON; skip_setup=1
-elif [ ! -x "$PY" ] && python3 -c "$pkgs" 2>/dev/null; then PY=$(command -v python3); skip_setup=1
+elif [ -x "$PY" ]; then gpu_listed && skip_setup=1 || skip_setup=0  # CPU: make setup keeps .venv current (a no-op when it is)
+elif gpu_listed; then PY=python3; skip_setup=1
+elif python3 -m data_tools.preflight --packages --quiet >/dev/null 2>&1; then PY=python3; skip_setup=1
 else skip_setup=0
 fi
+if [ $skip_setup = 1 ] && ! command -v "$PY" >/dev/null 2>&1; then
+  echo "run.sh: no python interpreter '$PY' (set OPD_PYTHON to one that has the packages of README \"The formal run\")" >&2; exit 2
+fi
+[ $skip_setup = 0 ] || PY=$(command -v "$PY")
 
 # The recipe table, one entry per recipe:
 #   NAME) recipe CURATE_CONFIG TRAIN_CONFIG "EVAL_PROTOCOLS" EXPERIMENT_NAME EVAL_POLICY ;;
@@ -73,14 +85,15 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 elapsed() { echo $(( $(date +%s) - ${t0%.*} )); }
 say() { printf '\n=== [%4ds] %s\n' "$(elapsed)" "$*"; }
 
-if [ $skip_setup = 1 ]; then
-  [ $plan = 1 ] || echo "run.sh: using $PY (it has the packages); make setup skipped"
-elif [ $plan = 0 ] || [ ! -x $PY ]; then
+if [ $skip_setup = 0 ] && { [ $plan = 0 ] || [ ! -x $PY ]; }; then
   if ! make -s setup >/tmp/opd-setup.$$.log 2>&1; then
     tail -20 /tmp/opd-setup.$$.log; echo "run.sh: make setup failed (log: /tmp/opd-setup.$$.log)" >&2; exit 1
   fi
   rm -f /tmp/opd-setup.$$.log
 fi
+# Packages, GPUs, model and data paths, output directories, free disk: in a second, before anything is spent.
+$PY -m data_tools.preflight --recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" \
+  --protocols "$EVAL_PROTOCOLS" $([ $plan = 1 ] && echo --plan) || exit 2
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
 # The training config is parsed now, not after stage one: a typo in it must not cost stage one's hours.
 check_train_config() {  # quiet when it parses; on an error, its lines without the import-time log noise
