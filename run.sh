@@ -8,12 +8,13 @@
 # Environment (the run contract; values here win over the recipe's config defaults):
 #   STUDENT_MODEL TEACHER_MODEL TRAIN_DATA EVAL_DATA MAX_WALL_TIME_SECONDS DEADLINE_RESERVE_SECONDS
 #   OUTPUT_DIR CKPT_DIR EXPERIMENT_NAME
-# and, to swap a stage's recipe: CURATE_CONFIG TRAIN_CONFIG EVAL_PROTOCOLS (space-separated; empty = none).
+# and, to swap a stage's recipe: CURATE_CONFIG TRAIN_CONFIG EVAL_PROTOCOLS (space-separated; empty = none);
+# OPD_PYTHON: the interpreter (default .venv's; without .venv the image's python3 where a GPU is visible).
 # MAX_WALL_TIME_SECONDS counts from this script's start (set-up included); training stops at
 # MAX_WALL_TIME_SECONDS - DEADLINE_RESERVE_SECONDS (less the evaluation reserve of a recipe that keeps
 # one) and its final export is done within the reserve.
 # Exit codes: a failing stage's own code; 75 when another run holds OUTPUT_DIR or CKPT_DIR; 2 for a bad
-# recipe or clock; 130 / 143 after Ctrl-C / SIGTERM (the running stage stops first; training saves).
+# recipe or clock or a preflight refusal; 130 / 143 after Ctrl-C / SIGTERM (the running stage stops first; training saves).
 set -uo pipefail
 cd "$(dirname "$0")"
 t0=$(date +%s.%N)
@@ -64,7 +65,7 @@ cuda_visible() {  # cheap: nvidia-smi lists a GPU (and CUDA_VISIBLE_DEVICES hide
 plan=0 name=""
 for arg in "$@"; do  # --plan anywhere, at most one recipe; anything else is refused before anything runs
   case "$arg" in
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     --plan) plan=1 ;;
     -*) echo "run.sh: unknown option '$arg' (options: --plan, --help)" >&2; exit 2 ;;
     *) [ -z "$name" ] || { echo "run.sh: one recipe at most, got '$name' and '$arg'" >&2; exit 2; }; name=$arg ;;

@@ -511,9 +511,11 @@ def check_disk(rep: Report, plan: Plan, params: int | None, free: Callable[[Path
     need_out = (plan.resume_keep + 1) * resume
     ck, out = _existing_ancestor(plan.ckpt_dir), _existing_ancestor(plan.output_dir)
     same = ck.stat().st_dev == out.stat().st_dev
-    say = (f"disk: ~{_gb(need_ckpt + need_out)} for {plan.ckpt_keep} exports + 1 being written "
-           f"({_gb(export)} each, {params / 1e9:.2f}B params in {plan.export_dtype}) and {plan.resume_keep} resume state + 1 "
-           f"being written ({_gb(resume)} each: {plan.model_dtype} weights + AdamW's two moments)")
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    say = (f"disk: ~{_gb(need_ckpt + need_out)} for {plan.ckpt_keep} export{'s' * (plan.ckpt_keep != 1)} + 1 being "
+           f"written ({_gb(export)} each, {size} params in {plan.export_dtype}) and {plan.resume_keep} resume "
+           f"state{'s' * (plan.resume_keep != 1)} + 1 being written ({_gb(resume)} each: {plan.model_dtype} weights + "
+           "AdamW's two moments)")
     if same:
         have = free(ck)
         rep.facts.append(f"{say}; {_gb(have)} free")
@@ -544,6 +546,10 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str], versions: Mappi
         check_packages(rep, versions, gpus=len(gpus), needs=set())
         return rep
     protocols = (args.protocols or "").split()
+    for what, path in (("CURATE_CONFIG", args.curate), ("TRAIN_CONFIG", args.train)):
+        if path and not Path(path).is_file():  # else the defaults below would be judged instead of the recipe
+            rep.refuse(f"config file not found: {path} (check {what} or the recipe's table in run.sh)")
+            return rep
     plan = resolve_plan(args.curate, args.train, protocols, env) if _packages_ok_for_paths(versions) else None
     needs = set()
     if plan is not None:

@@ -181,6 +181,12 @@ def test_unreadable_model_path_is_refused(tmp_path):
                             ".parquet file or a datasets directory"]
 
 
+def test_missing_config_file_is_refused_not_replaced_by_defaults(tmp_path):
+    rep = run_checks(_args(curate="configs/curate_demo_cpu.yaml", train=str(tmp_path / "nope.yaml")), {})
+    assert rep.refusals == [f"config file not found: {tmp_path / 'nope.yaml'} (check TRAIN_CONFIG or the recipe's table "
+                            "in run.sh)"]
+
+
 def test_read_only_output_dir_is_refused(tmp_path):
     with read_only_dir(tmp_path / "ro") as ro:
         env = {"OUTPUT_DIR": str(ro / "run"), "CKPT_DIR": str(tmp_path / "ck"),
@@ -258,7 +264,8 @@ def test_model_size_from_safetensors_headers_and_the_disk_estimate(tmp_path):
 
 def _repo_copy(dest: Path) -> Path:
     """The working tree without .venv / .git (run.sh finds no venv there)."""
-    shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.png", ".pytest_cache"),
+    shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.png", ".pytest_cache", ".whl",
+                                                         ".dev", "outputs", "runs"),
                     symlinks=True)
     return dest
 
@@ -302,7 +309,7 @@ def test_run_sh_without_venv_on_a_gpu_node_never_calls_pip(tmp_path):
     assert not (repo / ".venv").exists()
     # the CPU demo on a fresh CPU machine keeps its one-command set-up: make setup (here a stub that fails)
     stub = _stub_bin(tmp_path / "bin-cpu", log, str(bare / "bin" / "python"), gpu=False)
-    env = dict(base, PATH=f"{stub}:{os.environ['PATH']}", OUTPUT_DIR=str(tmp_path / "out"))
+    env = dict(base, PATH=f"{stub}:{os.environ['PATH']}", OUTPUT_DIR=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
     r = subprocess.run(["bash", str(repo / "run.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "make setup failed" in r.stderr and log.read_text().split() == ["make", "-s", "setup"]
 
