@@ -13,24 +13,35 @@
 # Environment (the run contract; values here win over the recipe's config defaults):
 #   STUDENT_MODEL TEACHER_MODEL TRAIN_DATA EVAL_DATA MAX_WALL_TIME_SECONDS DEADLINE_RESERVE_SECONDS
 #   OUTPUT_DIR CKPT_DIR EXPERIMENT_NAME
-# and, to swap a stage's recipe: CURATE_CONFIG TRAIN_CONFIG EVAL_PROTOCOLS (space-separated; empty = none).
+# and, to swap a stage's recipe: CURATE_CONFIG TRAIN_CONFIG EVAL_PROTOCOLS (space-separated; empty = none);
+# OPD_PYTHON: the interpreter (default .venv's; without .venv the image's python3 where a GPU is visible).
 # MAX_WALL_TIME_SECONDS counts from this script's start (set-up included); training stops at
 # MAX_WALL_TIME_SECONDS - DEADLINE_RESERVE_SECONDS (less the evaluation reserve of a recipe that keeps
 # one) and its final export is done within the reserve.
 # Exit codes: a failing stage's own code; 75 when another run holds OUTPUT_DIR or CKPT_DIR; 2 for a bad
-# recipe or clock; 130 / 143 after Ctrl-C / SIGTERM (the running stage stops first; training saves).
+# recipe or clock or a preflight refusal; 130 / 143 after Ctrl-C / SIGTERM (the running stage stops first; training saves).
 set -uo pipefail
 cd "$(dirname "$0")"
 t0=$(date +%s.%N)
 export OPD_RUN_START=$t0   # every stage counts the clock from here (data_tools/clock.py)
 PY=.venv/bin/python
-# A machine with no .venv whose python3 already has the stack (a GPU node's image, no package index) runs
-# on that python3 and skips set-up; OPD_PYTHON names another interpreter the same way.
-pkgs='import torch, transformers, trl, datasets, math_verify, duckdb, pyarrow, yaml'
+# The interpreter: OPD_PYTHON if set; else .venv's; else, on a machine where a GPU is visible (a GPU node: its
+# image has the stack and maybe no package index), the image's python3, and nothing is installed (`make setup-gpu`
+# builds a venv where an index exists); else a CPU machine's python3 if it has the required packages, or
+# `make setup` builds .venv (the CPU demo's one-command set-up). The preflight below names what is missing.
+gpu_listed() {  # nvidia-smi lists a GPU (or /dev/nvidia<N> exists) that CUDA_VISIBLE_DEVICES leaves visible
+  [ "$(python3 -m data_tools.layout --count-gpus 2>/dev/null || echo 0)" -gt 0 ]  # standard library only
+}
 if [ -n "${OPD_PYTHON:-}" ]; then PY=$OPD_PYTHON; skip_setup=1
-elif [ ! -x "$PY" ] && python3 -c "$pkgs" 2>/dev/null; then PY=$(command -v python3); skip_setup=1
+elif [ -x "$PY" ]; then gpu_listed && skip_setup=1 || skip_setup=0  # CPU: make setup keeps .venv current (a no-op when it is)
+elif gpu_listed; then PY=python3; skip_setup=1
+elif python3 -m data_tools.preflight --packages --quiet >/dev/null 2>&1; then PY=python3; skip_setup=1
 else skip_setup=0
 fi
+if [ $skip_setup = 1 ] && ! command -v "$PY" >/dev/null 2>&1; then
+  echo "run.sh: no python interpreter '$PY' (set OPD_PYTHON to one that has the packages of README \"The formal run\")" >&2; exit 2
+fi
+[ $skip_setup = 0 ] || PY=$(command -v "$PY")
 
 # The recipe table, one entry per recipe:
 #   NAME) recipe CURATE_CONFIG TRAIN_CONFIG "EVAL_PROTOCOLS" EXPERIMENT_NAME EVAL_POLICY ;;
@@ -48,18 +59,10 @@ set_recipe() {
   esac
 }
 
-cuda_visible() {  # cheap: nvidia-smi lists a GPU that CUDA_VISIBLE_DEVICES leaves visible, else the venv's torch says so
-  case "${CUDA_VISIBLE_DEVICES-unset}" in ""|-1) return 1 ;; esac
-  if command -v nvidia-smi >/dev/null 2>&1; then  # data_tools/layout.py reads nvidia-smi -L (standard library only)
-    [ "$(python3 -m data_tools.layout --count-gpus 2>/dev/null || echo 0)" -gt 0 ]; return
-  fi
-  [ -x "$PY" ] && "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
-}
-
 plan=0 name=""
 for arg in "$@"; do  # --plan anywhere, at most one recipe; anything else is refused before anything runs
   case "$arg" in
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     --plan) plan=1 ;;
     -*) echo "run.sh: unknown option '$arg' (options: --plan, --help)" >&2; exit 2 ;;
     *) [ -z "$name" ] || { echo "run.sh: one recipe at most, got '$name' and '$arg'" >&2; exit 2; }; name=$arg ;;
@@ -67,7 +70,7 @@ for arg in "$@"; do  # --plan anywhere, at most one recipe; anything else is ref
 done
 if [ -n "$name" ]; then why="named on the command line"
 elif [ -z "${STUDENT_MODEL:-}" ]; then name=demo_cpu; why="STUDENT_MODEL is not set"
-elif cuda_visible; then name=r1_distill_1p5b; why="STUDENT_MODEL is set and CUDA is visible"
+elif gpu_listed; then name=r1_distill_1p5b; why="STUDENT_MODEL is set and CUDA is visible"
 else name=demo_cpu; why="STUDENT_MODEL is set but no CUDA device is visible; the demo recipe runs on STUDENT_MODEL"
 fi
 set_recipe "$name"
@@ -80,14 +83,19 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 elapsed() { echo $(( $(date +%s) - ${t0%.*} )); }
 say() { printf '\n=== [%4ds] %s\n' "$(elapsed)" "$*"; }
 
-if [ $skip_setup = 1 ]; then
-  [ $plan = 1 ] || echo "run.sh: using $PY (it has the packages); make setup skipped"
-elif [ $plan = 0 ] || [ ! -x $PY ]; then
+if [ $skip_setup = 0 ] && { [ $plan = 0 ] || [ ! -x $PY ]; }; then
   if ! make -s setup >/tmp/opd-setup.$$.log 2>&1; then
     tail -20 /tmp/opd-setup.$$.log; echo "run.sh: make setup failed (log: /tmp/opd-setup.$$.log)" >&2; exit 1
   fi
   rm -f /tmp/opd-setup.$$.log
 fi
+# Packages, GPUs, model and data paths, output directories, free disk: in a second, before anything is spent
+# (--plan prints the plan first, then the same checks).
+preflight() {
+  $PY -m data_tools.preflight --recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" \
+    --protocols "$EVAL_PROTOCOLS" $([ $plan = 1 ] && echo --plan)
+}
+[ $plan = 1 ] || preflight || exit 2
 # The node's layout: GPUs usable here, training processes, engine workers, each process's share of a step
 : "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
 layout=$($PY -m data_tools.layout --train "$TRAIN_CONFIG" --nodes "$NNODES" --shell) || exit 2
@@ -105,6 +113,7 @@ if [ $plan = 1 ]; then
   echo "run.sh: recipe $name ($why); OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
   printf '%s\n' "${LAYOUT_LINES[@]}"
   $PY -m data_tools.clock plan "${clock_args[@]}" || exit 2  # a bad clock: its own one-line error
+  preflight || exit 2
   # parsing the training config as the trainer does imports torch and TRL (~10 s): after the plan, not before it
   check_train_config
   echo "training config: $TRAIN_CONFIG parses"

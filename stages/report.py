@@ -74,10 +74,16 @@ def training_seconds(rows: list[dict]) -> float | None:
 
 
 def plot_training(metrics: list[dict], dest: Path) -> Path | None:
-    """Write a grid of per-step curves to ``dest`` (PNG); None when there is nothing to plot."""
+    """Write a grid of per-step curves to ``dest`` (PNG); None when there is nothing to plot or matplotlib (optional,
+    not on the design card) is not installed, which is said in one line on stderr."""
     if not metrics:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"report: matplotlib is not installed: {dest.name} not drawn (the tables and report.md are written; "
+              "pip install matplotlib for the plot)", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
               f"- tables (duckdb views: `make query` with no SQL lists them): {run}/curate, {run}/rollouts, {run}/eval",
               f"- metrics: {run}/metrics/train.jsonl",
               f"- checkpoints: {', '.join(c.name for c in ckpts) or 'none'} in {ckpt_root}",
-              f"- plots: {png or 'none (no metrics)'}",
+              f"- plots: {png or ('none (no metrics)' if not metrics else 'none (matplotlib is not installed)')}",
               "", "try:",
               f'  OUTPUT_DIR={run} make query SQL="SELECT level, role, round(avg(correct::INT),3) AS acc, count(*) AS n FROM rollouts JOIN problems USING (problem_id) GROUP BY ALL ORDER BY ALL"']
     if any((run / "rollouts").glob("step-*.parquet")):  # on-policy steps ran: their metrics and rollout table exist

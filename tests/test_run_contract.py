@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib.metadata import version
 import signal
 import subprocess
 import sys
@@ -82,8 +83,17 @@ def test_eval_estimate_from_measured_rates():
 
 # --------------------------------------------------------------------------------- run.sh --plan
 
+def _model_dir(path: Path) -> Path:
+    """A directory the preflight takes for a model (config.json, tokenizer, weights files; never loaded here)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for f, text in (("config.json", "{}"), ("tokenizer.json", "{}"), ("model.safetensors", "")):
+        (path / f).write_text(text)
+    return path
+
+
 def test_plan_formal_recipe_prints_every_config_and_budget():
-    r = _run_sh("--plan", "r1_distill_1p5b", env={"MAX_WALL_TIME_SECONDS": "43200", "DEADLINE_RESERVE_SECONDS": "900"})
+    r = _run_sh("--plan", "r1_distill_1p5b", env={"MAX_WALL_TIME_SECONDS": "43200", "DEADLINE_RESERVE_SECONDS": "900",
+                                                  "TRAIN_DATA": "synth:train:10"})
     assert r.returncode == 0, r.stderr
     out = r.stdout
     for f in ("configs/curate_r1_distill_1p5b.yaml", "configs/opd_r1_distill_1p5b.yaml",
@@ -97,19 +107,25 @@ def test_plan_without_argument_picks_the_demo_and_says_why(tmp_path):
     r = _run_sh("--plan")
     assert r.returncode == 0 and "recipe demo_cpu (STUDENT_MODEL is not set)" in r.stdout
     # STUDENT_MODEL set but CUDA hidden: still the demo, with the reason
-    r = _run_sh("--plan", env={"STUDENT_MODEL": "/models/s", "CUDA_VISIBLE_DEVICES": ""})
+    student = str(_model_dir(tmp_path / "s"))
+    r = _run_sh("--plan", env={"STUDENT_MODEL": student, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0 and "recipe demo_cpu (STUDENT_MODEL is set but no CUDA device is visible" in r.stdout
-    # a visible GPU (nvidia-smi lists one) with STUDENT_MODEL: the formal recipe
+    # a visible GPU (nvidia-smi lists one) with STUDENT_MODEL: the formal recipe, whose preflight refuses this
+    # interpreter's CPU torch where a GPU is visible (issue 39 item 2: a GPU node set up with the CPU stack)
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-x)'\n")
     (fake / "nvidia-smi").chmod(0o755)
-    env = {"STUDENT_MODEL": "/models/s", "PATH": f"{fake}:{os.environ['PATH']}"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    e = dict(os.environ, **env)
+    e = dict(os.environ, STUDENT_MODEL=student, TRAIN_DATA="synth:train:10", PATH=f"{fake}:{os.environ['PATH']}")
     e.pop("CUDA_VISIBLE_DEVICES", None)
     r = subprocess.run(["bash", str(REPO / "run.sh"), "--plan"], capture_output=True, text=True, env=e, timeout=60)
-    assert r.returncode == 0 and "recipe r1_distill_1p5b (STUDENT_MODEL is set and CUDA is visible)" in r.stdout
+    from data_tools.preflight import torch_is_cpu_build
+
+    if torch_is_cpu_build(version("torch")):
+        assert r.returncode == 2 and "preflight (r1_distill_1p5b): torch" in r.stderr, r.stderr
+        assert "is a CPU build but 1 GPU(s) are visible" in r.stderr
+    else:
+        assert r.returncode == 0 and "recipe r1_distill_1p5b (STUDENT_MODEL is set and CUDA is visible)" in r.stdout
 
 
 def test_plan_without_evaluation_keeps_no_evaluation_time():
