@@ -74,7 +74,7 @@ from typing import Callable, Sequence
 
 from .extraction import _clean, _extract, _is_final, extract_gsm8k_answer
 from .normalise import _TEXT_WRAP_RE, _norm_str, _strip_outer
-from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, rewrite_mixed
+from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, percent_of, rewrite_mixed
 from .sandbox import MAX_ANSWER_CHARS, _math_verify, _to_latex, _too_risky
 from .simplify import cancel, peel, power_tower
 
@@ -101,6 +101,7 @@ class Verdict:
 
 
 _BASE_RE = re.compile(r"([0-9][0-9A-Z]*)_\{?([0-9]+)\}?")
+_PERCENT_RE = re.compile(r"%\s*\}?\s*$")
 _MC_RE = re.compile(r"\(?([A-E])\)?(?:$|[\s.:,]|\\)")
 
 
@@ -109,7 +110,7 @@ def _mc_letter(norm_gold_raw: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _fast_path(answer: str, gold: str) -> Verdict | None:
+def _fast_path(answer: str, gold: str, answer_filter: str = "math") -> Verdict | None:
     """A certain verdict without sympy, or None to defer to math-verify."""
     na, ng = _norm_str(answer), _norm_str(gold)
     if na and na == ng:
@@ -132,8 +133,15 @@ def _fast_path(answer: str, gold: str) -> Verdict | None:
             return Verdict(m.group(1) == letter, answer, "exact")
     a, g = _as_number(na), _as_number(ng)
     if a is not None and g is not None:
-        return Verdict(_numbers_equal(a, g), answer, "numeric")
+        if _numbers_equal(a, g):
+            return Verdict(True, answer, "numeric")
+        # Under "math" an answer's percent sign is also its value: 10\% is 0.1 (a gold's percent sign
+        # makes percent the answer's unit instead, so 0.28 stays wrong for 28\%).
+        pct = answer_filter == "math" and _PERCENT_RE.search(answer) and not _PERCENT_RE.search(gold)
+        return Verdict(bool(pct) and _numbers_equal(percent_of(a), g), answer, "numeric")
     ta, tg = as_number_tuple(na), as_number_tuple(ng)
+    if (ta is not None and g is not None and len(ta[1]) > 1) or (tg is not None and a is not None and len(tg[1]) > 1):
+        return Verdict(False, answer, "numeric")  # several numbers against one ("1, 000" is not 1000)
     if ta is not None and tg is not None and ta[0] == tg[0] and len(ta[1]) == len(tg[1]):
         # Numeric tuples / intervals / matrices: element by element, with the scalar tolerance.
         same = all(_numbers_equal(x, y) for x, y in zip(ta[1], tg[1]))
@@ -256,15 +264,22 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
 def _prepare(s: str) -> str:
     """Exact rewrites before comparing: wrappers and quotes stripped, plain unit words dropped, mixed
     numbers as improper fractions, redundant outer brackets peeled."""
-    s = _strip_outer(_strip_outer(s).strip("\"\u201c\u201d"))
+    s = _strip_outer(s)
+    if len(s) >= 2 and s[0] == s[-1] == "'":
+        s = s[1:-1]
+    s = _strip_outer(s.strip("\"\u201c\u201d"))
     m = _UNIT_WORDS_TAIL_RE.fullmatch(s)
     if m and not _MATH_WORD_RE.match(m.group(2)):
-        s = m.group(1)
+        # "25 percent" keeps its percent sign (it decides how 25 compares with 0.25); other units go
+        s = m.group(1) + ("\\%" if _PERCENT_WORD_RE.fullmatch(m.group(2)) else "")
+    s = _POW_RE.sub("^", s)  # 10**8 is 10^8
     return rewrite_mixed(peel(s))
 
 
 # "5*10^6 watts", "12 apples": plain unit words after a number.
 _UNIT_WORDS_TAIL_RE = re.compile(r"(.*[\d}])\s+([A-Za-z]{2,}(?:[ /][A-Za-z]+)*)\.?")
+_PERCENT_WORD_RE = re.compile(r"(?i)percent(?:age)?|per cent|pct")
+_POW_RE = re.compile(r"(?<=[\w)}])\s*\*\*\s*(?=[\w({-])")
 # ... but "4 sin x" and "3 mod 7" are math, not units.
 _MATH_WORD_RE = re.compile(r"(?i)(?:a?(?:sin|cos|tan|cot|sec|csc)h?|log|ln|exp|sqrt|mod|pi|deg|and|or)\b")
 
@@ -281,7 +296,7 @@ def _decide(answer: str, g: str, timeout_s: float, answer_filter: str) -> Verdic
                 return Verdict(False, answer, "not_a_number")
             return Verdict(_numbers_equal(ans_num, gold_num), answer, "numeric")
     try:
-        fast = _fast_path(answer, g)
+        fast = _fast_path(answer, g, answer_filter)
     except Exception:  # noqa: BLE001
         fast = None
     if fast is not None:
@@ -373,12 +388,16 @@ def parse_gold(answer: str) -> str | None:
     if not isinstance(answer, str):
         return None
     g = _gold_text(answer)
-    if not g or len(g) > MAX_ANSWER_CHARS:
+    if not g:
         return None
-    num = _as_number(_norm_str(g))
+    num = _as_number(_norm_str(g))  # a plain number of any length up to numeric.MAX_NUMBER_CHARS
+    if num is None and len(g) > MAX_ANSWER_CHARS:
+        return None
     if num is not None:
         v = num.value
         if v.denominator == 1:
+            if len(g) > 4000:  # str() of an int past 4,300 digits raises: keep the digits as written
+                return _norm_str(g).replace(",", "") if re.fullmatch(r"-?[\d,]+", _norm_str(g)) else g
             return str(v.numerator)
         if num.sig_digits is None:
             return g  # keep \frac{1}{3} as written

@@ -119,6 +119,9 @@ def _norm_str(s: str) -> str:
     s = s.replace("\\%", "").replace("%", "")
     s = _ORDINAL_RE.sub("", s)
     s = _CURRENCY_RE.sub("", s)
+    # A comma followed by a space separates items ("1, 000" is 1 and 000, not 1000): mark it so
+    # that no later step reads it as a thousands separator ("+000" still reads as the item 0).
+    s = _COMMA_GAP_RE.sub(",+", s)
     # A gap between digits joins a thousands group ("1 000", "1\\,000") and separates items
     # otherwise ("7\\ 9\\ 12": a list, not 7912).
     s = _DIGIT_GAP_RE.sub(lambda m: "" if m.group(1) else ",", s)
@@ -134,5 +137,6 @@ _WS_RE = re.compile(r"\s+")
 
 _ORDINAL_RE = re.compile(r"(?<=\d)(?:\^\{?(?:\\(?:text|mathrm)\{)?(?:st|nd|rd|th)\}?\}?|(?:st|nd|rd|th)\b)")
 _CURRENCY_RE = re.compile(r"[\u20ac\u00a3\u00a5]|(?<=\d)\s*[a-zA-Z]{1,2}\^\{?[23]\}?$")
+_COMMA_GAP_RE = re.compile(r"(?<=\d),(?:\\[ ,;:]|~|\s)+(?=\d{3}(?!\d))")
 _DIGIT_GAP_RE = re.compile(r"(?<=\d)(?:\\[ ,;:!]|~|\s)+(?=\d)(?=(\d{3}(?![\d.]))?)")
 

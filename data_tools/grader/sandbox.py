@@ -26,6 +26,7 @@ WORKER_START_TIMEOUT_S = 60.0
 WORKER_MEM_BYTES = 3 * 1024**3
 _CACHE_SIZE = 65536
 
+_ROOT_RE = re.compile(r"\\sqrt\s*\[([^\[\]{}]{1,20})\]\s*([0-9A-Za-z]|\\[A-Za-z]+)")
 _SCI_RE = re.compile(r"(?<![\w.\\])([0-9]+(?:\.[0-9]+)?)[eE]([+-]?[0-9]+)(?![\w])")
 
 
@@ -40,6 +41,8 @@ def _to_latex(s: str) -> str:
     s = re.sub(r"(?<![\\A-Za-z])exp\(([^()]*)\)", r"e^{\1}", s)
     s = re.sub(r"(?<![\\A-Za-z])sqrt\(([^()]*)\)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", s)  # "4\sqrt(2)" (Math-Verify #41)
+    # A root index without braces takes one token, as TeX does: \sqrt[3]2 is \sqrt[3]{2}, \sqrt[3]27 is 7\sqrt[3]{2}.
+    s = _ROOT_RE.sub(r"\\sqrt[\1]{\2}", s)
     s = re.sub(r"(?<![\\A-Za-z])pi(?![A-Za-z])", r"\\pi", s)
     return s
 
