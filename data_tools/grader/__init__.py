@@ -318,14 +318,15 @@ def _decide(answer: str, g: str, timeout_s: float, answer_filter: str) -> Verdic
         return Verdict(False, answer, "timeout")
     if "error" in res or res.get("ok") is None:
         return _fallback(answer, g)
+    by = res.get("by", "math_verify")
     if res["ok"]:
-        return Verdict(True, answer, "math_verify")
+        return Verdict(True, answer, by)
     if not (res.get("gold_parsed") and res.get("pred_parsed")):
         return _fallback(answer, g)  # math-verify could not read a side: not evidence of "wrong"
     judge = _ask_verifier(answer, g)
     if judge is not None:
         return Verdict(judge, answer, "fallback")
-    return Verdict(False, answer, "math_verify")
+    return Verdict(False, answer, by)
 
 
 def _fallback(answer: str, gold: str) -> Verdict:
