@@ -118,8 +118,9 @@ def report_cases() -> tuple[list[dict], list[dict]]:
     rows = [json.loads(line) for line in (REPO / "tests" / "data" / "grader_reports.jsonl").read_text().splitlines()
             if line.strip()]
     for r in rows:
-        if "pred_build" in r:
-            r["pred"] = "".join(text * n for text, n in r["pred_build"])
+        for key in ("pred", "gold"):
+            if f"{key}_build" in r:
+                r[key] = "".join(text * n for text, n in r[f"{key}_build"])
     return [r for r in rows if r["kind"] != "hostile"], [r for r in rows if r["kind"] == "hostile"]
 
 

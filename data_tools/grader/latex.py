@@ -100,8 +100,15 @@ _DROP_RE = re.compile(
     r"\\(?:left|right|big|Big|bigg|Bigg)(?![A-Za-z])|\\displaystyle|(?<!\\)\\[,;:! ]|~|\\q?quad(?![A-Za-z])"
     r"|\^\s*\{?\s*\\circ\s*\}?|\\circ(?![A-Za-z])|\u00b0|\\limits"
 )
-_WRAP_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname|boldsymbol)\s*\{([^{}]*)\}")
-_UNIT_TAIL_RE = re.compile(r"(?<=[0-9}])\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?\d\}?)?\s*$")
+_WRAP_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|operatorname|boldsymbol)\s*\{([^{}]*)\}")
+_UNIT_TAIL_RE = re.compile(
+    r"(?<=[0-9}])(?:\\[ ,;:!]|~|\s)*\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z ./]*\}(?:\^\{?\d\}?)?\s*$")
+# "1331 \text{ and } 1728", "3 or 5": a list of answers.
+_AND_RE = re.compile(r"\\text\s*\{\s*(?:and|or)\s*\}|(?<![A-Za-z\\])(?:and|or)(?![A-Za-z])")
+# "14{, }916": a thousands separator written in braces.
+_BRACED_COMMA_RE = re.compile(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d)")
+# A mixed number: an integer followed by a proper fraction, "15\frac{39}{40}" (Math-Verify #34).
+_MIXED_RE = re.compile(r"(?<![\d.}^_])(\d+)\s*\\frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}")
 _TOKEN_RE = re.compile(
     r"\s*(?:(?P<num>\d+(?:\.\d*)?|\.\d+)|(?P<cmd>\\[A-Za-z]+)|(?P<esc>\\[{}|%$])|(?P<rows>\\\\)"
     r"|(?P<rel><=|>=|!=|==)|(?P<word>[A-Za-z]+)|(?P<sym>[-+*/^_()\[\]{},=<>!|&'.:;%]))"
@@ -114,12 +121,15 @@ def _preprocess(s: str) -> str:
         if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
             s = s[len(a) : len(s) - len(b)].strip()
     s = _UNIT_TAIL_RE.sub("", s)
+    s = re.sub(r",(?:\s*,)+", ",", _AND_RE.sub(",", s)).replace(",\\!", "")
+    s = _BRACED_COMMA_RE.sub("", s)
     s = _DROP_RE.sub(" ", s)
     for _ in range(3):
         s = _WRAP_RE.sub(r" \1 ", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", "")
     s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\ast", "*").replace("\\div", "/").replace("**", "^")
     s = s.replace("\\%", "%").replace("\\$", "")
+    s = _MIXED_RE.sub(lambda m: f"({m[1]}+\\frac{{{m[2]}}}{{{m[3]}}})" if int(m[2]) < int(m[3]) else m[0], s)
     return s.strip().rstrip(".").strip()
 
 
@@ -553,15 +563,24 @@ def _inequality(chain: list, ops: list[str]):
     """A single-variable inequality as an interval: ``-2 \\le x \\le 7`` -> [-2, 7], ``x > 5`` -> (5, oo)."""
     if any(op not in ("<", "<=", ">", ">=") for op in ops) or any(not isinstance(c, sympy.Expr) for c in chain):
         raise LatexError("relation")
-    if len(chain) == 3 and _is_name(chain[1]) and ops[0][0] == ops[1][0]:
+    if len(chain) == 3 and _free(chain[1]) and not _free(chain[0]) and not _free(chain[2]) and ops[0][0] == ops[1][0]:
         lo, hi = (chain[0], chain[2]) if ops[0][0] == "<" else (chain[2], chain[0])
         lo_closed = (ops[0] if ops[0][0] == "<" else ops[1]).endswith("=")
         hi_closed = (ops[1] if ops[0][0] == "<" else ops[0]).endswith("=")
         return Seq("[" if lo_closed else "(", "]" if hi_closed else ")", (lo, hi))
+    if len(chain) == 2 and not _is_name(chain[0]) and not _is_name(chain[1]):
+        # "-x > -1", "2x + 1 \le 7": solved for its one variable
+        syms = (chain[0] - chain[1]).free_symbols
+        if len(syms) != 1:
+            raise LatexError("relation")
+        rel = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge}[ops[0]](chain[0], chain[1])
+        try:
+            sol = sympy.solve_univariate_inequality(rel, next(iter(syms)), relational=False)
+        except (NotImplementedError, ValueError, TypeError) as e:
+            raise LatexError("relation") from e
+        return _from_set(sol)
     if len(chain) == 2:
         var_left = _is_name(chain[0])
-        if not var_left and not _is_name(chain[1]):
-            raise LatexError("relation")
         bound = chain[1] if var_left else chain[0]
         op = ops[0] if var_left else {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[ops[0]]
         closed = op.endswith("=")
@@ -569,6 +588,16 @@ def _inequality(chain: list, ops: list[str]):
             return Seq("(", "]" if closed else ")", (-sympy.oo, bound))
         return Seq("[" if closed else "(", ")", (bound, sympy.oo))
     raise LatexError("relation")
+
+
+def _from_set(x):
+    """A sympy Interval / Union of intervals as Seq / Union."""
+    if isinstance(x, sympy.Interval):
+        return Seq("(" if x.left_open or x.start == -sympy.oo else "[", ")" if x.right_open or x.end == sympy.oo else "]",
+                   (x.start, x.end))
+    if isinstance(x, sympy.Union) and all(isinstance(a, sympy.Interval) for a in x.args):
+        return Union(tuple(_from_set(a) for a in sorted(x.args, key=lambda a: a.start)))
+    raise LatexError("not an interval")
 
 
 def read(s: str) -> Read:
@@ -657,12 +686,19 @@ def _same(a, b, rel_tol: float) -> bool:
             return _same(Equation(a.diff) if isinstance(a, Assign) else a,
                          Equation(b.diff) if isinstance(b, Assign) else b, rel_tol)
         return _same(a.value if isinstance(a, Assign) else a, b.value if isinstance(b, Assign) else b, rel_tol)
+    if isinstance(a, Items) != isinstance(b, Items) and (isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic)):
+        one = _distinct(list((a if isinstance(a, Items) else b).items), rel_tol)  # "15\frac{39}{40} or \frac{639}{40}"
+        return len(one) == 1 and _same(one[0], b if isinstance(a, Items) else a, rel_tol)
     if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
         return _expr_equal(a, b, rel_tol)
     if isinstance(a, Items) and isinstance(b, (Items, Seq)) or isinstance(b, Items) and isinstance(a, Seq):
         if isinstance(a, Seq) and a.open + a.close != "()" or isinstance(b, Seq) and b.open + b.close != "()":
             return False
         xs, ys = list(a.items), list(b.items)
+        if isinstance(a, Items):  # a set: a value written twice is one element
+            xs = _distinct(xs, rel_tol)
+        if isinstance(b, Items):
+            ys = _distinct(ys, rel_tol)
         if len(xs) != len(ys):
             return False  # exact set sizes: a subset of a "find all" answer is wrong
         if isinstance(a, Seq) and isinstance(b, Items) or isinstance(a, Items) and isinstance(b, Seq):
@@ -690,6 +726,14 @@ def _same(a, b, rel_tol: float) -> bool:
         ratio = sympy.simplify(a.diff / b.diff)
         return bool(ratio.is_number and ratio != 0 and ratio.is_finite)
     return False
+
+
+def _distinct(xs: list, rel_tol: float) -> list:
+    out: list = []
+    for x in xs:
+        if not any(_same(x, y, rel_tol) for y in out):
+            out.append(x)
+    return out
 
 
 def equivalent(gold: Read, pred: Read) -> bool:
