@@ -137,7 +137,7 @@ def _fast_path(answer: str, gold: str, answer_filter: str = "math") -> Verdict |
             return Verdict(True, answer, "numeric")
         # Under "math" an answer's percent sign is also its value: 10\% is 0.1 (a gold's percent sign
         # makes percent the answer's unit instead, so 0.28 stays wrong for 28\%).
-        pct = answer_filter == "math" and _PERCENT_RE.search(answer) and not _PERCENT_RE.search(gold)
+        pct = answer_filter == "math" and "%" in answer and _PERCENT_RE.search(answer) and not _PERCENT_RE.search(gold)
         return Verdict(bool(pct) and _numbers_equal(percent_of(a), g), answer, "numeric")
     ta, tg = as_number_tuple(na), as_number_tuple(ng)
     if (ta is not None and g is not None and len(ta[1]) > 1) or (tg is not None and a is not None and len(tg[1]) > 1):
@@ -272,7 +272,8 @@ def _prepare(s: str) -> str:
     if m and not _MATH_WORD_RE.match(m.group(2)):
         # "25 percent" keeps its percent sign (it decides how 25 compares with 0.25); other units go
         s = m.group(1) + ("\\%" if _PERCENT_WORD_RE.fullmatch(m.group(2)) else "")
-    s = _POW_RE.sub("^", s)  # 10**8 is 10^8
+    if "**" in s:
+        s = _POW_RE.sub("^", s)  # 10**8 is 10^8
     return rewrite_mixed(peel(s))
 
 

@@ -26,6 +26,7 @@ _BOX_SPACE_RE = re.compile(r"\\boxed[ \t]+(-?[0-9][0-9.,/]*)")
 _BOX_JOIN_RE = re.compile(r"^[\s$,;]*(?:(?:and|or|\\text\{\s*and\s*\})[\s$,]*)?$")
 # "####" is GSM8K's answer marker, which models fine-tuned on GSM8K reproduce.
 _MARKER_RE = re.compile(r"(?i)(?:final\s+answer|\banswer)\b(?:\s*\*\*)?\s*(?:is|:|=)?|####")
+_LEAD_WS_RE = re.compile(r"\s{0,400}")
 _CUED_RE = re.compile(r"(?i)final|\bis\b|[:=]|####")
 _IS_RE = re.compile(r"(?i)\b(?:is|are|equals|be)\b:?")
 _NUM_TOKEN = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\\ldots)?|-?\.\d+"
@@ -115,9 +116,14 @@ def _clean(pred: str) -> str:
     elif "<think>" in pred:
         return ""
     text = clean_unicode(pred[-SCAN_CHARS:])
-    text = _CHAT_TOKEN_RE.sub("\n", text)
-    text = _HOPE_RE.sub("", text)
-    return _ELLIPSIS_RE.sub(r"\\ldots", text)
+    # Each rewrite runs only when a substring it needs is present (a plain `in` is cheaper than a scan).
+    if "<|" in text:
+        text = _CHAT_TOKEN_RE.sub("\n", text)
+    if "hope" in text.lower():
+        text = _HOPE_RE.sub("", text)
+    if "..." in text or "dots" in text or "\u2026" in text:
+        text = _ELLIPSIS_RE.sub(r"\\ldots", text)
+    return text
 
 
 def _is_answer_like(ans: str) -> bool:
@@ -133,9 +139,7 @@ def _marker_answer(text: str) -> tuple[str | None, int, int]:
         return None, -1, -1
     m = markers[-1]
     # The marker's answer is on its first non-empty line (read up to MAX_ANSWER_READ characters).
-    j = m.end()
-    while j < len(text) and text[j].isspace() and j - m.end() < 400:
-        j += 1
+    j = _LEAD_WS_RE.match(text, m.end()).end()
     nl = text.find("\n", j, j + MAX_ANSWER_READ)
     seg = text[m.end() : nl if nl >= 0 else j + MAX_ANSWER_READ]
     # "Final Answer: The largest $n$ is 34." -> after the last "is" in the clause

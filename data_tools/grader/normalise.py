@@ -121,7 +121,8 @@ def _norm_str(s: str) -> str:
     s = _CURRENCY_RE.sub("", s)
     # A comma followed by a space separates items ("1, 000" is 1 and 000, not 1000): mark it so
     # that no later step reads it as a thousands separator ("+000" still reads as the item 0).
-    s = _COMMA_GAP_RE.sub(",+", s)
+    if "," in s:
+        s = _COMMA_GAP_RE.sub(",+", s)
     # A gap between digits joins a thousands group ("1 000", "1\\,000") and separates items
     # otherwise ("7\\ 9\\ 12": a list, not 7912).
     s = _DIGIT_GAP_RE.sub(lambda m: "" if m.group(1) else ",", s)

@@ -404,7 +404,7 @@ _CACHE_LOCK = threading.Lock()
 
 def _math_verify(gold_latex: str, pred_latex: str, timeout_s: float) -> dict | None:
     """Cached worker call: {'ok': bool|None, ...}, or None on timeout. Timeouts are not cached."""
-    key = (backend(), gold_latex, pred_latex)
+    key = (_BACKEND or backend(), gold_latex, pred_latex)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
         if hit is not None:
