@@ -203,7 +203,8 @@ def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
             return span, "bare"
     last_line = text.rstrip().rsplit("\n", 1)[-1]
     m = _FINAL_NUM_RE.search(last_line)
-    if m and not _LIST_BEFORE_RE.search(last_line[max(0, m.start(1) - 8) : m.start(1)]):
+    before = last_line[max(0, m.start(1) - 12) : m.start(1)] if m else ""
+    if m and not _LIST_BEFORE_RE.search(before) and not _OPERATOR_BEFORE_RE.search(before):
         return m.group(1).replace("$", ""), "bare"
     cues = list(_CUE_RE.finditer(last_line))
     m = _FINAL_EXPR_RE.match(last_line, cues[-1].end()) if cues else None
@@ -217,6 +218,8 @@ def _extract(pred: str, truncated: bool) -> tuple[str | None, str]:
 
 # "We get 1, 000.": the last number ends a list ("1" and "000"), it is not the answer alone.
 _LIST_BEFORE_RE = re.compile(r"\d,\s*$")
+# "the product is 41 * 74.": the last number is an operand of an expression, not the answer alone.
+_OPERATOR_BEFORE_RE = re.compile(r"[\d)}]\s*(?:[-+*/^]|\\times|\\cdot|\\div)\s*$")
 # Multi-letter words a bare answer may contain anywhere: function names and constants ("pi/2", "2 sin x").
 _MATH_WORDS = frozenset(
     "pi sqrt cbrt sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp mod gcd lcm "
