@@ -79,9 +79,9 @@ def test_grader_without_math_verify_gives_real_verdicts_and_says_so_once():
 def test_broken_math_verify_install_falls_back_once(tmp_path):
     """math-verify present but failing to import (a broken install): the worker says so, the grader
     uses the sympy reader from then on, and the warning is printed once."""
-    pkg = tmp_path / "math_verify"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    for name, body in (("math_verify", "raise ImportError('broken on purpose')\n"), ("latex2sympy2_extended", "")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(body)
     script = ("import json\nfrom data_tools.grader import grade, sandbox\n"
               "vs = [grade('\\\\boxed{\\\\sec^2(y)}', '\\\\tan^2(y)+1'), grade('\\\\boxed{x+1}', 'x-1'),"
               " grade('\\\\boxed{\\\\sqrt{12}}', '2\\\\sqrt{3}')]\n"
@@ -90,6 +90,28 @@ def test_broken_math_verify_install_falls_back_once(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [[True, "sympy"], [False, "sympy"], [True, "sympy"], "sympy"]
     assert r.stderr.count(WARNING) == 1 and "broken on purpose" in r.stderr, r.stderr
+
+
+REPORTS_SCRIPT = """
+import sys
+sys.modules["math_verify"] = None
+sys.modules["latex2sympy2_extended"] = None
+sys.path.insert(0, "tests")
+from test_grader_reports import CASES
+from data_tools.grader import grade_batch, sandbox
+vs = grade_batch([c["pred"] for c in CASES], [c["gold"] for c in CASES],
+                 truncated=[c.get("truncated", False) for c in CASES], workers=2)
+assert sandbox.backend() == "sympy"
+wrong = [(c["id"], v) for c, v in zip(CASES, vs) if v.correct != c["expected"]]
+print(len(CASES), "cases; wrong:", wrong)
+"""
+
+
+def test_report_cases_all_right_without_math_verify():
+    """Every case of tests/data/grader_reports.jsonl, math-verify blocked: no false accepts, no false rejects."""
+    r = _run(REPORTS_SCRIPT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("wrong: []"), r.stdout
 
 
 def test_import_never_fails_without_math_verify():

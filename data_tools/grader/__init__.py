@@ -9,9 +9,13 @@ decide with certainty:
    ``\\boxed{}`` group (adjacent boxes ``\\boxed{3}, \\boxed{5}`` are one set answer, as in math-verify
    >= 0.8; one box repeated in a loop is one answer), unless a "final answer" / "answer is" /
    "Answer:" marker *after* it states something (a digit, math, an option letter), which then
-   restates or corrects it. Without box or marker -- only for a *short, finished, non-truncated*
-   output -- the final math span / final bare number (currency sign, ordinal allowed) / the
-   expression after the last "is" or "=" / last ``= N``. Long outputs without a marker get no answer:
+   restates or corrects it. Without box or marker, a finished, non-truncated output that is *only an
+   answer* -- math, no prose (``41 * 74``, ``1 1/4``, ``3 \\times 10^8``, ``25%``, ``"42"``, ``pi/2``,
+   ``(1, 2)``, a matrix; ``extraction.bare_answer``) -- is read whole, as math-verify parses it
+   (``16 - 3 - 4 = 9`` reads as ``9``). Otherwise -- only for a *short, finished, non-truncated*
+   output (a number ending it does not count towards the length) -- the final math span / final bare
+   number (currency sign, ordinal allowed; not the last operand of ``41 * 74`` nor the last item of
+   ``1, 000``) / the expression after the last "is" or "=" / last ``= N``. Long outputs without a marker get no answer:
    the rightmost number of a trace is not an answer (survey: prime_math and plain math-verify
    accept truncated traces this way). Chat-template tokens and Minerva's "I hope it is correct."
    are dropped, and so is everything up to the last ``</think>`` (an output whose ``<think>`` never
@@ -22,15 +26,20 @@ decide with certainty:
    after it (a retraction may follow) gives no answer (design: "truncated completions earn nothing").
 2. **Fast path** (no sympy): exact match after light normalisation (``normalise``: Hendrycks
    ``strip_string`` style ``\\left``, ``\\dfrac``, ``\\text{}``, degrees, percent, units, ordinals;
-   a gap between digits joins only a 3-digit thousands group, else it separates items), then
+   a gap between digits joins only a 3-digit thousands group, else it separates items; a comma
+   followed by a space always separates items: ``1, 000`` is two numbers, not 1000), then
    ``_prepare``'s exact rewrites: quotes and unit words dropped, mixed numbers (``4 4/9``,
    ``3\\frac12``) as improper fractions, redundant outer brackets peeled (``simplify.peel``).
    Plain numbers (``numeric``: int, decimal, ``\\frac{a}{b}``, ``a/b``, ``1,000``, e-notation,
    ``a \\times 10^{b}``, repeating decimals ``0.\\overline{3}`` / ``0.9666...``) compare exactly as
-   rationals; a decimal answer counts as an exact gold when correctly rounded to >= 6 significant
+   rationals (up to ``numeric.MAX_NUMBER_CHARS`` = 30,000 characters and ``10^{20000}``: huge answers
+   compare exactly); a decimal answer counts as an exact gold when correctly rounded to >= 6 significant
    digits, and as a rounded decimal gold (>= 2 significant digits) when it has >= 6 significant
    digits and rounds to it. Numeric tuples, intervals and matrices compare element by element with
-   that scalar rule. Integer power towers compare by their evaluated exponents (``simplify.power_tower``).
+   that scalar rule; several numbers never equal one. Under ``"math"`` an answer's percent sign is
+   also its value (``10\\%`` is right for 0.1 and for 10); a gold's percent sign makes percent the
+   answer's unit (28 and ``28\\%`` are right for ``28\\%``, 0.28 is not). Integer power towers compare
+   by their evaluated exponents (``simplify.power_tower``).
    It returns a verdict only when it is certain; everything else goes to step 3.
 3. **math-verify** (``parse`` + ``verify``, LaTeX extraction only, so no model text ever
    reaches sympy's ``parse_expr``/``eval``) in a persistent worker subprocess with a per-call
@@ -42,6 +51,10 @@ decide with certainty:
    imaginary unit on both sides, and decimal parts are compared to 6 places (#69). An answer that
    fails the pre-screen (power towers, huge exponents or factorials, deep nesting) is first
    cancelled term by term (``simplify.cancel``: ``(x+1)^{100000} - (x+1)^{100000} + 5`` is ``5``).
+   A root index without braces takes one token, as in TeX (``\\sqrt[3]2`` is ``\\sqrt[3]{2}``).
+   **math-verify is optional**: without it (or its latex2sympy2_extended) the same workers read both
+   sides with the grader's own LaTeX reader (``latex``: built node by node, no eval) and compare them
+   with sympy; verdicts then carry the path ``"sympy"``, and the process logs one warning saying so.
 4. **Fallback** when math-verify parses nothing on a side: normalised-string / numeric
    comparison, then an optional pluggable judge (``set_verifier``), e.g. an LLM verifier, as
    DeepScaleR does with its ORM.
@@ -97,7 +110,9 @@ ANSWER_FILTERS = ("math", "numeric")
 class Verdict:
     correct: bool
     extracted: str | None  # the answer string taken from the prediction (None if none found)
-    path: str  # "exact", "numeric", "math_verify", "fallback", "no_answer", "timeout", "error", "not_a_number"
+    # "exact", "numeric", "math_verify" ("sympy" without math-verify), "fallback", "no_answer", "timeout",
+    # "error", "not_a_number"
+    path: str
 
 
 _BASE_RE = re.compile(r"([0-9][0-9A-Z]*)_\{?([0-9]+)\}?")
