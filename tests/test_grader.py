@@ -366,6 +366,12 @@ HOSTILE_SHAPES = {
     "5k mixed bracket kinds around the answer": ("\\boxed{" + "([{" * 5000 + "7" + "}])" * 5000 + "}", True),
     "20k brace-less boxes": ("\\boxed 7 " * 20000, True),
     "3k cancelling term pairs": ("\\boxed{" + "".join(f"+a^{{{i}}}-a^{{{i}}}" for i in range(3000)) + "+7}", True),
+    # bare answers are read whole: long runs inside one must stay linear too
+    "90k spaces between two digits, bare": ("7" + " " * 90000 + "7", False),
+    "40k stars between two digits, bare": ("7" + "*" * 40000 + "7", False),
+    "40k underscores between two digits, bare": ("7" + "_" * 40000 + "7", False),
+    "a unit after 90k spaces": ("\\boxed{7" + " " * 90000 + "\\text{ cm}}", True),
+    "Minerva's closing line after 200k spaces": (" " * 200000 + "\\boxed{7} I hope it is correct.", True),
 }
 
 

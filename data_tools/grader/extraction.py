@@ -39,7 +39,7 @@ _FINAL_TAIL_RE = re.compile(r"[\s.,;:!$)\]}*]*(?:\\\]|\\\)|</answer>)?[\s.$]*")
 # Chat-template tokens a model echoes after its answer ("... is 2/3. <|im_start|>user").
 _CHAT_TOKEN_RE = re.compile(r"<\|[^|<>\n]{1,40}\|>\w*")
 # Minerva's answer template ends "I hope it is correct.": not part of the answer (and its "is" is no marker).
-_HOPE_RE = re.compile(r"(?i)\s*I hope it is correct\.?")
+_HOPE_RE = re.compile(r"(?i)I hope it is correct\.?")
 # "0.9666..." keeps its dots as one token, so sentence clipping does not cut the number.
 _ELLIPSIS_RE = re.compile(r"(?<=\d)(?:\.\.\.|\u2026|\\ldots|\\dots|\\cdots)")
 _LAST_EQ_NUM_RE = re.compile(rf"=\s*({_NUM_TOKEN})(?![\d.])")
@@ -120,10 +120,24 @@ def _clean(pred: str) -> str:
     if "<|" in text:
         text = _CHAT_TOKEN_RE.sub("\n", text)
     if "hope" in text.lower():
-        text = _HOPE_RE.sub("", text)
+        text = _drop_hope(text)
     if "..." in text or "dots" in text or "\u2026" in text:
         text = _ELLIPSIS_RE.sub(r"\\ldots", text)
     return text
+
+
+def _drop_hope(text: str) -> str:
+    """Minerva's "I hope it is correct." removed with the spaces before it (linear: no regex rescans
+    a run of spaces)."""
+    out, pos = [], 0
+    for m in _HOPE_RE.finditer(text):
+        j = m.start()
+        while j > pos and text[j - 1].isspace():
+            j -= 1
+        out.append(text[pos:j])
+        pos = m.end()
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def _is_answer_like(ans: str) -> bool:
@@ -240,7 +254,6 @@ _COMMAND_RE = re.compile(r"\\[A-Za-z]+")
 _ENV_RE = re.compile(r"\\(?:begin|end)\s*\{[A-Za-z*]+\}")
 # Trailing unit words after a number: "12 apples", "3 m/s", "25 percent", "5 \text{ cm}".
 _UNIT_RUN_RE = re.compile(r"[0-9}%]\s*((?:[A-Za-z]+[\s/.^0-9{}]*){1,4})$")
-_MARKDOWN_RE = re.compile(r"^[*_]+|[*_]+$")
 _EQ_RE = re.compile(r"(?<![<>!=])=(?!=)")
 
 
@@ -259,7 +272,7 @@ def bare_answer(text: str) -> str | None:
     if "\n" in t and not (t.startswith("\\begin{") or t.startswith("$")):
         return None
     t = _strip_outer(t)
-    t = _MARKDOWN_RE.sub("", t).strip()
+    t = t.strip("*_").strip()  # markdown bold / italics around the answer
     if not t or not _BARE_CHARS_RE.fullmatch(t) or not re.search(r"[0-9A-Za-z]", t):
         return None
     if "\n" in t and not (t.startswith("\\begin{") and t.rstrip().endswith("}")):
