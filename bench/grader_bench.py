@@ -19,6 +19,11 @@ Workloads
 - ``hostile``: that set's hostile cases (megabyte outputs, deep nesting, power towers), ours only:
   plain math-verify can hang on them for good (Math-Verify #65).
 
+Agreement without math-verify: the same workloads are graded once more in a subprocess that blocks
+the import (``sys.modules["math_verify"] = None``, ``--no-math-verify``), so the grader falls back to
+its own LaTeX reader + sympy; the second table prints the agreement with and without it, and the
+false accepts. Without math-verify installed at all, the plain math-verify columns print "-".
+
 Plain math-verify is ``parse("$gold$")``, ``parse(pred)``, ``verify(gold, pred)`` with default
 config (signal timeouts on, main thread), which is what design.md section 8 timed (34.6/s).
 Both are warmed up first on MATH-500 reference answers (see main). Timings are single-threaded (workers=1) for both, wall clock, answers per second.
@@ -31,12 +36,16 @@ import json
 import logging
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if "--no-math-verify" in sys.argv:  # before the grader is imported: it must find math-verify missing
+    sys.modules["math_verify"] = None  # type: ignore[assignment]
+    sys.modules["latex2sympy2_extended"] = None  # type: ignore[assignment]
 
 from data_tools import grader  # noqa: E402
 
@@ -88,7 +97,13 @@ def warmup_answers(n: int) -> list[str]:
     return [json.loads(line)["answer"] for line in path.read_text().splitlines()[:n]]
 
 
+def have_math_verify() -> bool:
+    return grader.sandbox.backend() == "math_verify"
+
+
 def plain_warm(answers: list[str]) -> None:
+    if not have_math_verify():
+        return
     from math_verify import parse, verify
 
     for a in answers:
@@ -118,12 +133,13 @@ def report_cases() -> tuple[list[dict], list[dict]]:
     rows = [json.loads(line) for line in (REPO / "tests" / "data" / "grader_reports.jsonl").read_text().splitlines()
             if line.strip()]
     for r in rows:
-        if "pred_build" in r:
-            r["pred"] = "".join(text * n for text, n in r["pred_build"])
+        for key in ("pred", "gold"):
+            if f"{key}_build" in r:
+                r[key] = "".join(text * n for text, n in r[f"{key}_build"])
     return [r for r in rows if r["kind"] != "hostile"], [r for r in rows if r["kind"] == "hostile"]
 
 
-def run_ours(cases: list[dict], clear_cache: bool) -> tuple[float, float, dict]:
+def run_ours(cases: list[dict], clear_cache: bool) -> tuple[float, float, dict, int]:
     if clear_cache:
         with grader.sandbox._CACHE_LOCK:
             grader.sandbox._CACHE.clear()
@@ -133,9 +149,19 @@ def run_ours(cases: list[dict], clear_cache: bool) -> tuple[float, float, dict]:
                             truncated=[c.get("truncated", False) for c in cases], workers=1)
     dt = time.perf_counter() - t
     agree = sum(v.correct == c["expected"] for v, c in zip(vs, cases))
+    false_accepts = sum(v.correct and not c["expected"] for v, c in zip(vs, cases))
     for v in vs:
         paths[v.path] = paths.get(v.path, 0) + 1
-    return len(cases) / dt, agree / len(cases), paths
+    return len(cases) / dt, agree / len(cases), paths, false_accepts
+
+
+def without_math_verify(argv: list[str]) -> dict:
+    """{workload: (agreement, false accepts)} from a subprocess in which math-verify cannot be imported."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--no-math-verify", *argv]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        sys.exit(f"grader_bench: the run without math-verify failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -143,6 +169,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6, help="replications of the public cases")
     ap.add_argument("--gsm8k", type=int, default=300, help="number of integer-answer cases")
     ap.add_argument("--warmup", type=int, default=200, help="MATH-500 answers to warm up on")
+    ap.add_argument("--no-math-verify", action="store_true",
+                    help="grade as if math-verify were not installed and print only the agreement per workload "
+                         "(JSON); the normal run calls itself this way for its second table")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
 
@@ -157,6 +186,14 @@ def main() -> None:
     reports, hostile = report_cases()
     workloads["reports"] = (reports, True)
     workloads["hostile"] = (hostile, True)
+    if args.no_math_verify:
+        out = {}
+        for name, (cases, cold) in workloads.items():
+            _, agree, _, fa = run_ours(cases, clear_cache=cold)
+            out[name] = (agree, fa)
+        grader.sandbox._POOL.close()
+        print(json.dumps(out))
+        return
     # Warm both sides on answers disjoint from the timed ones (MATH-500 references): ANTLR,
     # which latex2sympy parses with, builds its prediction tables lazily, so the first parses
     # of each construct are several times slower than steady state in a long curation run.
@@ -175,17 +212,28 @@ def main() -> None:
 
     print(f"{'workload':<11} {'n':>5} {'plain a/s':>10} {'ours a/s':>10} {'ratio':>7} "
           f"{'plain agree':>11} {'ours agree':>10}  ours paths")
+    with_mv: dict = {}
     for name, (cases, cold) in workloads.items():
-        if name == "hostile":
-            o_rate, o_agree, paths = run_ours(cases, clear_cache=cold)
+        if name == "hostile" or not have_math_verify():
+            o_rate, o_agree, paths, fa = run_ours(cases, clear_cache=cold)
+            with_mv[name] = (o_agree, fa)
             print(f"{name:<11} {len(cases):>5} {'-':>10} {o_rate:>10.1f} {'-':>7} {'-':>11} {o_agree:>10.3f}  "
                   f"{json.dumps(paths)}  ({len(cases) / o_rate:.1f} s in all)")
             continue
         p_rate, p_agree = run_plain(cases)
-        o_rate, o_agree, paths = run_ours(cases, clear_cache=cold)
+        o_rate, o_agree, paths, fa = run_ours(cases, clear_cache=cold)
+        with_mv[name] = (o_agree, fa)
         print(f"{name:<11} {len(cases):>5} {p_rate:>10.1f} {o_rate:>10.1f} {o_rate / p_rate:>6.1f}x "
               f"{p_agree:>11.3f} {o_agree:>10.3f}  {json.dumps(paths)}")
     grader.sandbox._POOL.close()
+
+    label = "with math-verify" if have_math_verify() else "(math-verify not installed)"
+    without = without_math_verify([f"--reps={args.reps}", f"--gsm8k={args.gsm8k}", f"--warmup={args.warmup}"])
+    print(f"\nagreement of ours {label} / without it (import blocked in a subprocess: own LaTeX reader + sympy)")
+    print(f"{'workload':<11} {'n':>5} {'with':>7} {'without':>8}  false accepts with / without")
+    for name, (cases, _) in workloads.items():
+        (a1, f1), (a2, f2) = with_mv[name], without[name]
+        print(f"{name:<11} {len(cases):>5} {a1:>7.3f} {a2:>8.3f}  {f1} / {f2}")
 
 
 if __name__ == "__main__":

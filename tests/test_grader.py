@@ -366,6 +366,12 @@ HOSTILE_SHAPES = {
     "5k mixed bracket kinds around the answer": ("\\boxed{" + "([{" * 5000 + "7" + "}])" * 5000 + "}", True),
     "20k brace-less boxes": ("\\boxed 7 " * 20000, True),
     "3k cancelling term pairs": ("\\boxed{" + "".join(f"+a^{{{i}}}-a^{{{i}}}" for i in range(3000)) + "+7}", True),
+    # bare answers are read whole: long runs inside one must stay linear too
+    "90k spaces between two digits, bare": ("7" + " " * 90000 + "7", False),
+    "40k stars between two digits, bare": ("7" + "*" * 40000 + "7", False),
+    "40k underscores between two digits, bare": ("7" + "_" * 40000 + "7", False),
+    "a unit after 90k spaces": ("\\boxed{7" + " " * 90000 + "\\text{ cm}}", True),
+    "Minerva's closing line after 200k spaces": (" " * 200000 + "\\boxed{7} I hope it is correct.", True),
 }
 
 
@@ -380,3 +386,106 @@ def test_hostile_shapes_linear_in_a_thread(name):
     assert out and out[0].correct is expected, out
     assert out[0].path != "error"
     assert time.monotonic() - t < 5.0
+
+
+def test_bare_answer_is_read_whole():
+    """An output that is only an answer is that answer (issue 39 item 7/8); prose still needs its final answer."""
+    v = grade("41 * 74", "3034")
+    assert v.correct is True and v.extracted == "41 * 74", v
+    assert grade("41 * 74", "74").correct is False  # not its last number
+    assert grade("41 * 74", "3034", answer_filter="numeric") == Verdict(False, "41 * 74", "not_a_number")
+    bare = [  # (output, gold, extracted as)
+        ("1 1/4", "\\frac{5}{4}", "1 1/4"), ("1.5e3", "1500", "1.5e3"), ("3 \u00d7 10^8", "3 \\times 10^{8}", None),
+        ("2.5*10^-3", "0.0025", "2.5*10^-3"), ("25%", "25", "25%"), ('"42"', "42", '"42"'), ("pi/2", "\\frac{\\pi}{2}", "pi/2"),
+        ("(1, 2)", "(1,2)", "(1, 2)"), ("[0, 1)", "[0,1)", "[0, 1)"), ("16 - 3 - 4 = 9", "9", "9"),
+        ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", None),
+    ]
+    for out, gold, extracted in bare:
+        v = grade(out, gold)
+        assert v.correct is True, (out, v)
+        assert extracted is None or v.extracted == extracted, (out, v)
+    assert grade("(2, 1)", "(1,2)").correct is False and grade("1 1/4", "1").correct is False
+    # prose: the answer is the expression after "is", never the last operand; no cue, no answer
+    assert grade("So the product is 41 * 74.", "3034") == Verdict(True, "41 * 74", grade("41 * 74", "3034").path)
+    assert grade("So the product is 41 * 74.", "74").correct is False
+    assert grade("First I would compute 41 * 74 here", "3034") == Verdict(False, None, "no_answer")
+    assert grade("Adding them, we get 19.", "19").correct is True
+    # a bare answer that hit the length cap may be cut off: no answer
+    assert grade("41 * 74", "3034", truncated=True) == Verdict(False, None, "no_answer")
+
+
+def test_root_index_comma_space_percent():
+    assert grade("\\sqrt[3]2", "\\sqrt[3]{2}").correct is True
+    assert grade("\\boxed{\\sqrt[3]2}", "2^{1/3}").correct is True
+    assert grade("\\boxed{\\sqrt[3]3}", "\\sqrt[3]{2}").correct is False
+    # a comma followed by a space separates two numbers; without the space it groups thousands
+    for out in ("1, 000", "\\boxed{1, 000}", "The answer is 1, 000.", "\\boxed{1,\\ 000}"):
+        assert grade(out, "1000").correct is False, out
+    assert grade("We get 1, 000", "0").correct is False
+    for out in ("1,000", "\\boxed{1,\\!000}", "\\boxed{1{,}000}"):
+        assert grade(out, "1000").correct is True, out
+    # percent against a fraction gold: under "math" an answer's % is also its value, under "numeric" a unit
+    for out, gold, math_ok, numeric_ok in [
+        ("\\boxed{10\\%}", "0.1", True, False), ("\\boxed{12.5\\%}", "\\frac{1}{8}", True, False),
+        ("The answer is 25 percent.", "0.25", True, False), ("\\boxed{10\\%}", "10", True, True),
+        ("\\boxed{10\\%}", "0.01", False, False), ("\\boxed{0.1}", "10\\%", False, False),
+        ("\\boxed{28}", "28\\%", True, True),
+    ]:
+        assert grade(out, gold).correct is math_ok, (out, gold)
+        assert grade(out, gold, answer_filter="numeric").correct is numeric_ok, (out, gold)
+
+
+def test_huge_numbers_exact():
+    """10^k against its digits for k to 5,000, identical answers of up to 20,000 digits: exact, in milliseconds."""
+    t = time.monotonic()
+    for k in (400, 2000, 5000):
+        digits = "1" + "0" * k
+        assert grade(digits, f"10^{{{k}}}") == Verdict(True, digits, "numeric")
+        assert grade(f"\\boxed{{10^{{{k}}}}}", digits).correct is True
+        assert grade(f"The answer is {digits}.", f"10^{{{k}}}").correct is True
+        assert grade(digits[:-1], f"10^{{{k}}}").correct is False
+        assert grade(digits, f"10^{{{k + 1}}}").correct is False
+    for n in (500, 2000, 10000, 20000):
+        num = ("9876543210" * (n // 10 + 1))[:n]
+        other = num[:-1] + ("1" if num[-1] != "1" else "2")
+        for out in (num, f"The answer is {num}.", f"So the count is {num}.", f"\\boxed{{{num}}}"):
+            assert grade(out, num).correct is True, (n, out[:20])
+            assert grade(out, other).correct is False, (n, out[:20])
+        assert grade(num, num[:-1]).correct is False
+    assert parse_gold("1" * 5000) == "1" * 5000
+    assert time.monotonic() - t < 10.0  # about 0.3 s here; generous for a loaded machine
+
+
+def test_cli_number_fields(tmp_path):
+    """JSON numbers for gold/pred are read as their exact text; anything else is refused naming line and field."""
+    big = "7" * 5000
+    lines = [
+        '{"gold": 0.5, "pred": "\\\\boxed{\\\\frac12}", "w": 0.25}',
+        '{"gold": 3034, "pred": "41 * 74"}',
+        '{"gold": 1e-7, "pred": "The answer is 1 \\\\times 10^{-7}."}',
+        '{"gold": 0.10, "pred": 0.1}',
+        '{"gold": ' + big + ', "pred": "' + big + '"}',
+        '{"gold": true, "pred": "1"}',
+        '{"gold": [1], "pred": "1"}',
+        '{"pred": "1"}',
+        '{"gold": "1", "pred": "1", "truncated": "no"}',
+    ]
+    f = tmp_path / "in.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "data_tools.grader", str(f)], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 1
+    out = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [o["correct"] for o in out] == [True, True, True, True, True, False, False, False, False]
+    assert out[0]["gold"] == "0.5" and out[0]["w"] == 0.25
+    assert out[2]["gold"] == "1e-7" and out[3]["gold"] == "0.10" and out[3]["pred"] == "0.1"
+    assert out[4]["gold"] == big
+    err = r.stderr.splitlines()
+    assert err == [
+        f"{f}:6: 'gold' must be a string or a number, got a boolean",
+        f"{f}:7: 'gold' must be a string or a number, got an array",
+        f"{f}:8: 'gold' missing",
+        f"{f}:9: 'truncated' must be true or false, got a string",
+    ], r.stderr
+    assert out[5]["error"] == "'gold' must be a string or a number, got a boolean"

@@ -9,9 +9,13 @@ decide with certainty:
    ``\\boxed{}`` group (adjacent boxes ``\\boxed{3}, \\boxed{5}`` are one set answer, as in math-verify
    >= 0.8; one box repeated in a loop is one answer), unless a "final answer" / "answer is" /
    "Answer:" marker *after* it states something (a digit, math, an option letter), which then
-   restates or corrects it. Without box or marker -- only for a *short, finished, non-truncated*
-   output -- the final math span / final bare number (currency sign, ordinal allowed) / the
-   expression after the last "is" or "=" / last ``= N``. Long outputs without a marker get no answer:
+   restates or corrects it. Without box or marker, a finished, non-truncated output that is *only an
+   answer* -- math, no prose (``41 * 74``, ``1 1/4``, ``3 \\times 10^8``, ``25%``, ``"42"``, ``pi/2``,
+   ``(1, 2)``, a matrix; ``extraction.bare_answer``) -- is read whole, as math-verify parses it
+   (``16 - 3 - 4 = 9`` reads as ``9``). Otherwise -- only for a *short, finished, non-truncated*
+   output (a number ending it does not count towards the length) -- the final math span / final bare
+   number (currency sign, ordinal allowed; not the last operand of ``41 * 74`` nor the last item of
+   ``1, 000``) / the expression after the last "is" or "=" / last ``= N``. Long outputs without a marker get no answer:
    the rightmost number of a trace is not an answer (survey: prime_math and plain math-verify
    accept truncated traces this way). Chat-template tokens and Minerva's "I hope it is correct."
    are dropped, and so is everything up to the last ``</think>`` (an output whose ``<think>`` never
@@ -22,15 +26,20 @@ decide with certainty:
    after it (a retraction may follow) gives no answer (design: "truncated completions earn nothing").
 2. **Fast path** (no sympy): exact match after light normalisation (``normalise``: Hendrycks
    ``strip_string`` style ``\\left``, ``\\dfrac``, ``\\text{}``, degrees, percent, units, ordinals;
-   a gap between digits joins only a 3-digit thousands group, else it separates items), then
+   a gap between digits joins only a 3-digit thousands group, else it separates items; a comma
+   followed by a space always separates items: ``1, 000`` is two numbers, not 1000), then
    ``_prepare``'s exact rewrites: quotes and unit words dropped, mixed numbers (``4 4/9``,
    ``3\\frac12``) as improper fractions, redundant outer brackets peeled (``simplify.peel``).
    Plain numbers (``numeric``: int, decimal, ``\\frac{a}{b}``, ``a/b``, ``1,000``, e-notation,
    ``a \\times 10^{b}``, repeating decimals ``0.\\overline{3}`` / ``0.9666...``) compare exactly as
-   rationals; a decimal answer counts as an exact gold when correctly rounded to >= 6 significant
+   rationals (up to ``numeric.MAX_NUMBER_CHARS`` = 30,000 characters and ``10^{20000}``: huge answers
+   compare exactly); a decimal answer counts as an exact gold when correctly rounded to >= 6 significant
    digits, and as a rounded decimal gold (>= 2 significant digits) when it has >= 6 significant
    digits and rounds to it. Numeric tuples, intervals and matrices compare element by element with
-   that scalar rule. Integer power towers compare by their evaluated exponents (``simplify.power_tower``).
+   that scalar rule; several numbers never equal one. Under ``"math"`` an answer's percent sign is
+   also its value (``10\\%`` is right for 0.1 and for 10); a gold's percent sign makes percent the
+   answer's unit (28 and ``28\\%`` are right for ``28\\%``, 0.28 is not). Integer power towers compare
+   by their evaluated exponents (``simplify.power_tower``).
    It returns a verdict only when it is certain; everything else goes to step 3.
 3. **math-verify** (``parse`` + ``verify``, LaTeX extraction only, so no model text ever
    reaches sympy's ``parse_expr``/``eval``) in a persistent worker subprocess with a per-call
@@ -42,6 +51,10 @@ decide with certainty:
    imaginary unit on both sides, and decimal parts are compared to 6 places (#69). An answer that
    fails the pre-screen (power towers, huge exponents or factorials, deep nesting) is first
    cancelled term by term (``simplify.cancel``: ``(x+1)^{100000} - (x+1)^{100000} + 5`` is ``5``).
+   A root index without braces takes one token, as in TeX (``\\sqrt[3]2`` is ``\\sqrt[3]{2}``).
+   **math-verify is optional**: without it (or its latex2sympy2_extended) the same workers read both
+   sides with the grader's own LaTeX reader (``latex``: built node by node, no eval) and compare them
+   with sympy; verdicts then carry the path ``"sympy"``, and the process logs one warning saying so.
 4. **Fallback** when math-verify parses nothing on a side: normalised-string / numeric
    comparison, then an optional pluggable judge (``set_verifier``), e.g. an LLM verifier, as
    DeepScaleR does with its ORM.
@@ -74,7 +87,7 @@ from typing import Callable, Sequence
 
 from .extraction import _clean, _extract, _is_final, extract_gsm8k_answer
 from .normalise import _TEXT_WRAP_RE, _norm_str, _strip_outer
-from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, rewrite_mixed
+from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, percent_of, rewrite_mixed
 from .sandbox import MAX_ANSWER_CHARS, _math_verify, _to_latex, _too_risky
 from .simplify import cancel, peel, power_tower
 
@@ -97,10 +110,13 @@ ANSWER_FILTERS = ("math", "numeric")
 class Verdict:
     correct: bool
     extracted: str | None  # the answer string taken from the prediction (None if none found)
-    path: str  # "exact", "numeric", "math_verify", "fallback", "no_answer", "timeout", "error", "not_a_number"
+    # "exact", "numeric", "math_verify" ("sympy" without math-verify), "fallback", "no_answer", "timeout",
+    # "error", "not_a_number"
+    path: str
 
 
 _BASE_RE = re.compile(r"([0-9][0-9A-Z]*)_\{?([0-9]+)\}?")
+_PERCENT_RE = re.compile(r"%\s*\}?\s*$")
 _MC_RE = re.compile(r"\(?([A-E])\)?(?:$|[\s.:,]|\\)")
 
 
@@ -109,7 +125,7 @@ def _mc_letter(norm_gold_raw: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _fast_path(answer: str, gold: str) -> Verdict | None:
+def _fast_path(answer: str, gold: str, answer_filter: str = "math") -> Verdict | None:
     """A certain verdict without sympy, or None to defer to math-verify."""
     na, ng = _norm_str(answer), _norm_str(gold)
     if na and na == ng:
@@ -132,8 +148,15 @@ def _fast_path(answer: str, gold: str) -> Verdict | None:
             return Verdict(m.group(1) == letter, answer, "exact")
     a, g = _as_number(na), _as_number(ng)
     if a is not None and g is not None:
-        return Verdict(_numbers_equal(a, g), answer, "numeric")
+        if _numbers_equal(a, g):
+            return Verdict(True, answer, "numeric")
+        # Under "math" an answer's percent sign is also its value: 10\% is 0.1 (a gold's percent sign
+        # makes percent the answer's unit instead, so 0.28 stays wrong for 28\%).
+        pct = answer_filter == "math" and "%" in answer and _PERCENT_RE.search(answer) and not _PERCENT_RE.search(gold)
+        return Verdict(bool(pct) and _numbers_equal(percent_of(a), g), answer, "numeric")
     ta, tg = as_number_tuple(na), as_number_tuple(ng)
+    if (ta is not None and g is not None and len(ta[1]) > 1) or (tg is not None and a is not None and len(tg[1]) > 1):
+        return Verdict(False, answer, "numeric")  # several numbers against one ("1, 000" is not 1000)
     if ta is not None and tg is not None and ta[0] == tg[0] and len(ta[1]) == len(tg[1]):
         # Numeric tuples / intervals / matrices: element by element, with the scalar tolerance.
         same = all(_numbers_equal(x, y) for x, y in zip(ta[1], tg[1]))
@@ -256,15 +279,23 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
 def _prepare(s: str) -> str:
     """Exact rewrites before comparing: wrappers and quotes stripped, plain unit words dropped, mixed
     numbers as improper fractions, redundant outer brackets peeled."""
-    s = _strip_outer(_strip_outer(s).strip("\"\u201c\u201d"))
+    s = _strip_outer(s)
+    if len(s) >= 2 and s[0] == s[-1] == "'":
+        s = s[1:-1]
+    s = _strip_outer(s.strip("\"\u201c\u201d"))
     m = _UNIT_WORDS_TAIL_RE.fullmatch(s)
     if m and not _MATH_WORD_RE.match(m.group(2)):
-        s = m.group(1)
+        # "25 percent" keeps its percent sign (it decides how 25 compares with 0.25); other units go
+        s = m.group(1) + ("\\%" if _PERCENT_WORD_RE.fullmatch(m.group(2)) else "")
+    if "**" in s:
+        s = _POW_RE.sub("^", s)  # 10**8 is 10^8
     return rewrite_mixed(peel(s))
 
 
 # "5*10^6 watts", "12 apples": plain unit words after a number.
 _UNIT_WORDS_TAIL_RE = re.compile(r"(.*[\d}])\s+([A-Za-z]{2,}(?:[ /][A-Za-z]+)*)\.?")
+_PERCENT_WORD_RE = re.compile(r"(?i)percent(?:age)?|per cent|pct")
+_POW_RE = re.compile(r"(?<=[\w)}])\s*\*\*\s*(?=[\w({-])")
 # ... but "4 sin x" and "3 mod 7" are math, not units.
 _MATH_WORD_RE = re.compile(r"(?i)(?:a?(?:sin|cos|tan|cot|sec|csc)h?|log|ln|exp|sqrt|mod|pi|deg|and|or)\b")
 
@@ -281,7 +312,7 @@ def _decide(answer: str, g: str, timeout_s: float, answer_filter: str) -> Verdic
                 return Verdict(False, answer, "not_a_number")
             return Verdict(_numbers_equal(ans_num, gold_num), answer, "numeric")
     try:
-        fast = _fast_path(answer, g)
+        fast = _fast_path(answer, g, answer_filter)
     except Exception:  # noqa: BLE001
         fast = None
     if fast is not None:
@@ -303,14 +334,15 @@ def _decide(answer: str, g: str, timeout_s: float, answer_filter: str) -> Verdic
         return Verdict(False, answer, "timeout")
     if "error" in res or res.get("ok") is None:
         return _fallback(answer, g)
+    by = res.get("by", "math_verify")
     if res["ok"]:
-        return Verdict(True, answer, "math_verify")
+        return Verdict(True, answer, by)
     if not (res.get("gold_parsed") and res.get("pred_parsed")):
         return _fallback(answer, g)  # math-verify could not read a side: not evidence of "wrong"
     judge = _ask_verifier(answer, g)
     if judge is not None:
         return Verdict(judge, answer, "fallback")
-    return Verdict(False, answer, "math_verify")
+    return Verdict(False, answer, by)
 
 
 def _fallback(answer: str, gold: str) -> Verdict:
@@ -373,12 +405,16 @@ def parse_gold(answer: str) -> str | None:
     if not isinstance(answer, str):
         return None
     g = _gold_text(answer)
-    if not g or len(g) > MAX_ANSWER_CHARS:
+    if not g:
         return None
-    num = _as_number(_norm_str(g))
+    num = _as_number(_norm_str(g))  # a plain number of any length up to numeric.MAX_NUMBER_CHARS
+    if num is None and len(g) > MAX_ANSWER_CHARS:
+        return None
     if num is not None:
         v = num.value
         if v.denominator == 1:
+            if len(g) > 4000:  # str() of an int past 4,300 digits raises: keep the digits as written
+                return _norm_str(g).replace(",", "") if re.fullmatch(r"-?[\d,]+", _norm_str(g)) else g
             return str(v.numerator)
         if num.sig_digits is None:
             return g  # keep \frac{1}{3} as written

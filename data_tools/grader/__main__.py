@@ -10,13 +10,62 @@ from typing import Sequence
 from . import ANSWER_FILTERS, grade_batch
 
 
+class _JSONFloat(float):
+    """A JSON number with a fraction or exponent, remembering its text ("0.10", "1e-7") exactly."""
+
+    text: str
+
+    def __new__(cls, text: str) -> "_JSONFloat":
+        obj = super().__new__(cls, text)
+        obj.text = text
+        return obj
+
+
+class _JSONInt(int):
+    """A JSON integer, remembering its text."""
+
+    text: str
+
+    def __new__(cls, text: str) -> "_JSONInt":
+        obj = super().__new__(cls, text)
+        obj.text = text
+        return obj
+
+
+class _JSONBigInt(str):
+    """A JSON integer past int()'s 4,300-digit limit: kept as its digits."""
+
+
+def _parse_int(text: str):
+    return _JSONInt(text) if len(text) <= 4000 else _JSONBigInt(text)
+
+
+def _json_type(v) -> str:
+    kinds = {dict: "an object", list: "an array", bool: "a boolean", type(None): "null", str: "a string",
+             float: "a non-finite number (NaN/Infinity)"}
+    return kinds.get(type(v), "a number" if isinstance(v, (int, float, _JSONBigInt)) else type(v).__name__)
+
+
+def _answer_field(obj: dict, key: str) -> str | None:
+    """The field as answer text: a string, or a JSON number as written ("gold": 0.10 -> "0.10"); None
+    for anything else. Booleans are not numbers here."""
+    v = obj.get(key)
+    if isinstance(v, (_JSONFloat, _JSONInt)):
+        return v.text
+    if isinstance(v, str):
+        return str(v)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m data_tools.grader FILE.jsonl``: add ``correct``, ``extracted``, ``grader_path``.
 
-    Each input line is JSON with ``gold`` and ``pred`` (optional ``truncated``); output lines
-    go to stdout in input order. A bad line (not JSON, not an object, missing/non-string field)
-    is reported on stderr with its line number, echoed with ``correct: false`` and an ``error``
-    field, and makes the exit code 1. ``-`` reads stdin.
+    Each input line is a JSON object with ``gold`` and ``pred``, each a string or a JSON number (an
+    integer or a decimal, read as its exact text: ``"gold": 0.10`` is the answer ``0.10``), and an
+    optional boolean ``truncated``; output lines go to stdout in input order, a number field echoed
+    as its text. A bad line (not JSON, not an object, a field missing or of another type) is
+    reported on stderr with its line number and the field, echoed with ``correct: false`` and an
+    ``error`` field, and makes the exit code 1. ``-`` reads stdin.
     """
     ap = argparse.ArgumentParser(prog="python -m data_tools.grader", description=main.__doc__)
     ap.add_argument("file", help="JSON-lines file with 'gold' and 'pred' fields, or - for stdin")
@@ -44,17 +93,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         err = None
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            obj, err = {"line": line}, f"not JSON: {e.msg}"
+            obj = json.loads(line, parse_float=_JSONFloat, parse_int=_parse_int)
+        except (json.JSONDecodeError, ValueError) as e:
+            obj, err = {"line": line}, f"not JSON: {getattr(e, 'msg', e)}"
         if err is None and not isinstance(obj, dict):
-            obj, err = {"line": obj}, "not a JSON object"
-        if err is None and isinstance(obj.get("gold"), int) and not isinstance(obj["gold"], bool):
-            obj["gold"] = str(obj["gold"])  # an integer gold ("gold": 42) is unambiguous
+            obj, err = {"line": obj}, f"not a JSON object (got {_json_type(obj)})"
         if err is None:
-            missing = [k for k in ("gold", "pred") if not isinstance(obj.get(k), str)]
-            if missing:
-                err = "missing or non-string field(s): " + ", ".join(missing)
+            problems = []
+            for k in ("gold", "pred"):
+                text = _answer_field(obj, k)
+                if text is None:
+                    problems.append(f"'{k}' missing" if k not in obj else
+                                    f"'{k}' must be a string or a number, got {_json_type(obj[k])}")
+                else:
+                    obj[k] = text
+            if "truncated" in obj and not isinstance(obj["truncated"], bool):
+                problems.append(f"'truncated' must be true or false, got {_json_type(obj['truncated'])}")
+            if problems:
+                err = "; ".join(problems)
         if err is not None:
             bad += 1
             print(f"{args.file}:{i}: {err}", file=sys.stderr)

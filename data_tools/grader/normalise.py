@@ -49,9 +49,27 @@ def _match_brace(s: str, open_idx: int) -> int:
 
 
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
-_UNIT_TAIL_RE = re.compile(
-    r"(?:\\[ ,;:!]|~|\s)*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?\d\}?)?\s*$"
-)
+# A unit command ending the answer; the spacing before it is stripped by _strip_spacing_tail (a
+# regex that starts with optional spacing would rescan a long run of spaces from every position).
+_UNIT_TAIL_RE = re.compile(r"\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?\d\}?)?\s*$")
+
+
+def _strip_spacing_tail(s: str) -> str:
+    """s without the spaces, ``~`` and LaTeX spacing commands (``\\ ``, ``\\,`` ...) that end it."""
+    i = len(s)
+    while i > 0:
+        c = s[i - 1]
+        if c == " " and i >= 2 and s[i - 2] == "\\":
+            i -= 2
+        elif c.isspace() or c == "~":
+            i -= 1
+        elif c in ",;:!" and i >= 2 and s[i - 2] == "\\":
+            i -= 2
+        else:
+            break
+    return s[:i]
+
+
 _DEG_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 
 
@@ -110,15 +128,21 @@ def _norm_str(s: str) -> str:
     s = s.replace("{,}", ",")
     # A trailing unit is dropped only after a number ("12\text{ ft}"), so a text answer
     # ("\text{Evelyn}") is not erased to the empty string.
-    t = _UNIT_TAIL_RE.sub("", s)
-    if t != s and re.search(r"[0-9}]\s*$", t):
-        s = t
+    m = _UNIT_TAIL_RE.search(s) if "\\" in s else None
+    if m:
+        t = _strip_spacing_tail(s[: m.start()])
+        if re.search(r"[0-9}]$", t):
+            s = t
     for _ in range(3):
         s = _TEXT_WRAP_RE.sub(r"\1", s)
     s = _DEG_RE.sub("", s)
     s = s.replace("\\%", "").replace("%", "")
     s = _ORDINAL_RE.sub("", s)
     s = _CURRENCY_RE.sub("", s)
+    # A comma followed by a space separates items ("1, 000" is 1 and 000, not 1000): mark it so
+    # that no later step reads it as a thousands separator ("+000" still reads as the item 0).
+    if "," in s:
+        s = _COMMA_GAP_RE.sub(",+", s)
     # A gap between digits joins a thousands group ("1 000", "1\\,000") and separates items
     # otherwise ("7\\ 9\\ 12": a list, not 7912).
     s = _DIGIT_GAP_RE.sub(lambda m: "" if m.group(1) else ",", s)
@@ -134,5 +158,6 @@ _WS_RE = re.compile(r"\s+")
 
 _ORDINAL_RE = re.compile(r"(?<=\d)(?:\^\{?(?:\\(?:text|mathrm)\{)?(?:st|nd|rd|th)\}?\}?|(?:st|nd|rd|th)\b)")
 _CURRENCY_RE = re.compile(r"[\u20ac\u00a3\u00a5]|(?<=\d)\s*[a-zA-Z]{1,2}\^\{?[23]\}?$")
+_COMMA_GAP_RE = re.compile(r"(?<=\d),(?:\\[ ,;:]|~|\s)+(?=\d{3}(?!\d))")
 _DIGIT_GAP_RE = re.compile(r"(?<=\d)(?:\\[ ,;:!]|~|\s)+(?=\d)(?=(\d{3}(?![\d.]))?)")
 

@@ -9,8 +9,15 @@ from fractions import Fraction
 
 from .normalise import _norm_str
 
-# A plain number with a larger power-of-ten exponent is not parsed into a Fraction.
-MAX_EXP10 = 400
+# A plain number with a larger power-of-ten exponent is not parsed into a Fraction (10^{20000} has
+# 66,000 bits: cheap; the bound keeps 10^{99999999} from being materialised).
+MAX_EXP10 = 20_000
+# Longest plain-number answer parsed (a 30,000-digit integer compares exactly in well under a
+# millisecond); ordinary answers are a few characters, and the length test comes first.
+MAX_NUMBER_CHARS = 30_000
+# int() refuses strings of more than sys.get_int_max_str_digits() digits (4,300 by default):
+# longer digit strings are converted in chunks of this size.
+_INT_CHUNK = 4000
 # Significant digits a decimal must carry to count as an approximation of an exact value
 # (math-verify's float_rounding=6, but relative instead of absolute decimal places).
 APPROX_SIG_DIGITS = 6
@@ -31,6 +38,19 @@ _NUM_PATTERNS = [
 ]
 
 
+def _int(digits: str) -> int:
+    """int(digits), also past Python's 4,300-digit string conversion limit (exact, chunked)."""
+    if len(digits) <= _INT_CHUNK:
+        return int(digits)
+    sign = -1 if digits[0] == "-" else 1
+    digits = digits.lstrip("+-")
+    n = 0
+    for k in range(0, len(digits), _INT_CHUNK):
+        chunk = digits[k : k + _INT_CHUNK]
+        n = n * 10 ** len(chunk) + int(chunk)
+    return sign * n
+
+
 @dataclass(frozen=True)
 class _Num:
     value: Fraction
@@ -44,7 +64,7 @@ def _as_number(s: str) -> _Num | None:
     Exact rational arithmetic only (``fractions.Fraction``), never ``eval``; exponents are
     bounded by ``MAX_EXP10`` so ``10^{99999999}`` is not materialised.
     """
-    if not s or len(s) > 60:
+    if not s or len(s) > MAX_NUMBER_CHARS:
         return None
     s = s.replace("\\$", "").lstrip("$")
     m = _REPEAT_RE.fullmatch(s)
@@ -72,7 +92,7 @@ def _as_number(s: str) -> _Num | None:
                     sign, ip, fp = m.group(1), m.group(2).replace(",", ""), m.group(3) or ""
                 if fp == ".":
                     fp = ""
-                val = Fraction(int(ip + fp[1:]), 10 ** max(len(fp) - 1, 0))
+                val = Fraction(_int(ip + fp[1:]), 10 ** max(len(fp) - 1, 0))
                 if sign == "-":
                     val = -val
                 sig = None
@@ -81,7 +101,7 @@ def _as_number(s: str) -> _Num | None:
                     sig = len(digits)
                 return _Num(val, sig, max(len(fp) - 1, 0))
             if kind == "frac":
-                num, den = int(m.group(2)), int(m.group(3))
+                num, den = _int(m.group(2)), _int(m.group(3))
                 if den == 0:
                     return None
                 val = Fraction(num, den)
@@ -135,12 +155,17 @@ def numeric_literal(answer: str) -> _Num | None:
         return None
     f = _FRAC_LIT_RE.fullmatch(t)
     if f:
-        a, b = (int(f.group(1)), int(f.group(2))) if f.group(1) is not None else (int(f.group(3)), int(f.group(4)))
+        a, b = (_int(f.group(1)), _int(f.group(2))) if f.group(1) is not None else (_int(f.group(3)), _int(f.group(4)))
         if b <= 1 or math.gcd(a, b) != 1:
             return None
     elif "/" in t or "frac" in t:
         return None
     return num
+
+
+def percent_of(n: _Num) -> _Num:
+    """``n`` percent as a number: 12.5 -> 0.125 (two more decimal places, same significant digits)."""
+    return _Num(n.value / 100, n.sig_digits, n.places + 2)
 
 
 def _approx_equal(approx: _Num, exact: Fraction) -> bool:
@@ -184,7 +209,7 @@ _ELLIPSIS_NUM_RE = re.compile(r"([+-]?)(\d*)\.(\d+)\\ldots")
 def _repeating(sign: str, ip: str, prefix: str, block: str) -> Fraction:
     """``ip.prefix(block)(block)...`` as an exact fraction (0.9(6) = 29/30)."""
     p, r = len(prefix), len(block)
-    v = int(ip or "0") + Fraction(int(prefix + block) - int(prefix or "0"), 10**p * (10**r - 1))
+    v = _int(ip or "0") + Fraction(int(prefix + block) - int(prefix or "0"), 10**p * (10**r - 1))
     return -v if sign == "-" else v
 
 

@@ -1,10 +1,17 @@
 """The sympy step: a cheap pre-screen, plain text -> LaTeX, and math-verify in worker subprocesses
-with a per-call deadline, an address-space cap and a verdict cache."""
+with a per-call deadline, an address-space cap and a verdict cache.
+
+math-verify (and its latex2sympy2_extended) is optional: without it the workers read answers with
+the grader's own LaTeX reader (``latex``) and compare them with sympy, and the process logs one
+warning line saying so (``backend``).
+"""
 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
+import logging
 import os
 import re
 import select
@@ -12,6 +19,8 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
+
+log = logging.getLogger("data_tools.grader")
 
 # Answers longer / deeper than this never reach sympy: real answers are short, and
 # latex2sympy's recursive descent is where nesting bombs hurt.
@@ -26,6 +35,7 @@ WORKER_START_TIMEOUT_S = 60.0
 WORKER_MEM_BYTES = 3 * 1024**3
 _CACHE_SIZE = 65536
 
+_ROOT_RE = re.compile(r"\\sqrt\s*\[([^\[\]{}]{1,20})\]\s*([0-9A-Za-z]|\\[A-Za-z]+)")
 _SCI_RE = re.compile(r"(?<![\w.\\])([0-9]+(?:\.[0-9]+)?)[eE]([+-]?[0-9]+)(?![\w])")
 
 
@@ -40,6 +50,8 @@ def _to_latex(s: str) -> str:
     s = re.sub(r"(?<![\\A-Za-z])exp\(([^()]*)\)", r"e^{\1}", s)
     s = re.sub(r"(?<![\\A-Za-z])sqrt\(([^()]*)\)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", s)  # "4\sqrt(2)" (Math-Verify #41)
+    # A root index without braces takes one token, as TeX does: \sqrt[3]2 is \sqrt[3]{2}, \sqrt[3]27 is 7\sqrt[3]{2}.
+    s = _ROOT_RE.sub(r"\\sqrt[\1]{\2}", s)
     s = re.sub(r"(?<![\\A-Za-z])pi(?![A-Za-z])", r"\\pi", s)
     return s
 
@@ -73,11 +85,59 @@ def _too_risky(s: str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Worker subprocess running math-verify
+# Which library reads answers: math-verify when installed, else the grader's own reader + sympy
+# --------------------------------------------------------------------------------------------
+
+#: Packages the "math_verify" backend needs; without any of them the "sympy" backend is used.
+MATH_VERIFY_PACKAGES = ("math_verify", "latex2sympy2_extended")
+_BACKEND: str | None = None
+_BACKEND_LOCK = threading.Lock()
+
+
+def _importable(name: str) -> bool:
+    """``import name`` would find the package (without importing it); a ``sys.modules[name] = None``
+    block counts as not installed."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def backend() -> str:
+    """``"math_verify"`` or ``"sympy"`` (math-verify not installed: the grader's own LaTeX reader and
+    sympy). Decided once per process; the sympy backend is announced by one warning line."""
+    global _BACKEND
+    with _BACKEND_LOCK:
+        if _BACKEND is None:
+            missing = [m for m in MATH_VERIFY_PACKAGES if not _importable(m)]
+            _BACKEND = "sympy" if missing else "math_verify"
+            if missing:
+                _announce(f"{', '.join(missing)} not installed")
+        return _BACKEND
+
+
+def _fall_back(why: str) -> None:
+    """A math-verify worker could not import it: use the sympy backend from now on."""
+    global _BACKEND
+    with _BACKEND_LOCK:
+        if _BACKEND != "sympy":
+            _BACKEND = "sympy"
+            _announce(why)
+
+
+def _announce(why: str) -> None:
+    log.warning("grader: math-verify unavailable (%s); equivalence beyond the exact/numeric rules uses the "
+                "grader's own LaTeX reader + sympy (README 'The math grader' gives the agreement)", why)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker subprocess running math-verify (or the sympy reader)
 # --------------------------------------------------------------------------------------------
 
 
-def _worker_loop() -> None:  # pragma: no cover - runs in the child process
+def _worker_loop(backend_name: str = "math_verify") -> None:  # pragma: no cover - runs in the child process
     """Child side: read JSON requests on stdin, answer one JSON line each on stdout."""
     try:
         import resource
@@ -85,21 +145,31 @@ def _worker_loop() -> None:  # pragma: no cover - runs in the child process
         resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEM_BYTES, WORKER_MEM_BYTES))
     except (ImportError, ValueError, OSError):
         pass
-    import logging
 
     logging.disable(logging.WARNING)  # math-verify warns once that its timeout is off: we know
     sys.setrecursionlimit(4000)
-    from math_verify import LatexExtractionConfig, parse, verify
+    ready: dict = {"ready": True, "backend": backend_name}
+    if backend_name == "math_verify":
+        try:
+            from math_verify import LatexExtractionConfig, parse, verify
+        except Exception as e:  # noqa: BLE001 - a broken install: say so, serve with the sympy reader
+            ready.update(backend="sympy", why=f"import math_verify failed: {type(e).__name__}: {e}"[:200])
+        else:
+            cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    if ready["backend"] == "sympy":
+        from .latex import LatexError, read
 
-    cfg = [LatexExtractionConfig(boxed_match_priority=0)]
-    gold_cache: OrderedDict[str, list] = OrderedDict()
+    gold_cache: OrderedDict[str, object] = OrderedDict()
     out = sys.stdout
-    out.write(json.dumps({"ready": True}) + "\n")
+    out.write(json.dumps(ready) + "\n")
     out.flush()
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            res = _mv_check(req["gold"], req["pred"], parse, verify, cfg, gold_cache)
+            if ready["backend"] == "sympy":
+                res = _sympy_check(req["gold"], req["pred"], read, LatexError, gold_cache)
+            else:
+                res = _mv_check(req["gold"], req["pred"], parse, verify, cfg, gold_cache)
         except MemoryError:
             res = {"error": "MemoryError"}
         except Exception as e:  # noqa: BLE001 - a bad answer must never kill the worker loop
@@ -205,15 +275,38 @@ def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # 
     return res
 
 
+def _sympy_check(gold: str, pred: str, read, LatexError, gold_cache) -> dict:  # pragma: no cover - in the worker
+    """The grader's own reader + sympy (``latex.equivalent``); same reply shape as ``_mv_check``."""
+    from .latex import equivalent
+
+    res: dict = {"by": "sympy"}
+    g = gold_cache.get(gold)
+    if g is None:
+        try:
+            g = read(gold)
+        except (LatexError, RecursionError):
+            g = False
+        gold_cache[gold] = g
+        if len(gold_cache) > 4096:
+            gold_cache.popitem(last=False)
+    try:
+        p = read(pred)
+    except (LatexError, RecursionError):
+        p = False
+    res["gold_parsed"], res["pred_parsed"] = g is not False, p is not False
+    res["ok"] = None if g is False or p is False else bool(equivalent(g, p))
+    return res
+
+
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, backend_name: str) -> None:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
         # A fresh interpreter (not fork): safe when the parent has threads, and no re-import of
         # the caller's __main__ as multiprocessing's spawn would do.
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from data_tools.grader.sandbox import _worker_loop; _worker_loop()"],
+            [sys.executable, "-c", f"from data_tools.grader.sandbox import _worker_loop; _worker_loop({backend_name!r})"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -223,7 +316,10 @@ class _Worker:
         msg = self._read(WORKER_START_TIMEOUT_S)
         if not msg or not msg.get("ready"):
             self.kill()
-            raise RuntimeError("grader worker failed to start (is math-verify installed?)")
+            raise RuntimeError("grader worker failed to start (is sympy installed?)")
+        self.backend = msg.get("backend", backend_name)
+        if self.backend != backend_name:
+            _fall_back(msg.get("why", "the worker could not import it"))
 
     def _read(self, timeout: float) -> dict | None:
         assert self.proc.stdout is not None
@@ -270,10 +366,14 @@ class _Pool:
         self._lock = threading.Lock()
 
     def call(self, req: dict, timeout: float) -> dict | None:
+        name = backend()
         with self._lock:
             w = self._idle.pop() if self._idle else None
+        if w is not None and w.backend != name:
+            w.kill()
+            w = None
         if w is None or not w.alive():
-            w = _Worker()
+            w = _Worker(name)
         try:
             res = w.call(req, timeout)
         except (EOFError, OSError, ValueError):
@@ -298,13 +398,13 @@ class _Pool:
 
 _POOL = _Pool()
 atexit.register(_POOL.close)
-_CACHE: OrderedDict[tuple[str, str], dict] = OrderedDict()
+_CACHE: OrderedDict[tuple[str, str, str], dict] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 
 
 def _math_verify(gold_latex: str, pred_latex: str, timeout_s: float) -> dict | None:
     """Cached worker call: {'ok': bool|None, ...}, or None on timeout. Timeouts are not cached."""
-    key = (gold_latex, pred_latex)
+    key = (_BACKEND or backend(), gold_latex, pred_latex)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
         if hit is not None:
