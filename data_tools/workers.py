@@ -82,7 +82,8 @@ def node_layout(env: Mapping[str, str] | None = None) -> tuple[int, int]:
 def device_slices(workers: int, per_worker: int = 1, env: Mapping[str, str] | None = None) -> list[str]:
     """The ``CUDA_VISIBLE_DEVICES`` value of each of ``workers`` workers: consecutive slices of
     ``per_worker`` entries (``tensor_parallel_size``) of the parent's ``CUDA_VISIBLE_DEVICES`` comma
-    list when it is set, else of ``0 .. workers * per_worker - 1``.
+    list when it is set, else of ``0 .. workers * per_worker - 1``. A parent that hides every GPU
+    (``CUDA_VISIBLE_DEVICES`` empty or ``-1``: a CPU run) gives its workers the same value.
 
     Raises:
         ValueError: the parent's list has fewer entries than ``workers * per_worker``.
@@ -90,7 +91,9 @@ def device_slices(workers: int, per_worker: int = 1, env: Mapping[str, str] | No
     env = os.environ if env is None else env
     need = workers * per_worker
     raw = env.get("CUDA_VISIBLE_DEVICES")
-    if raw is None or not raw.strip():
+    if raw is not None and raw.strip() in ("", "-1"):
+        return [raw] * workers
+    if raw is None:
         devices = [str(i) for i in range(need)]
     else:
         devices = [d.strip() for d in raw.split(",") if d.strip()]
