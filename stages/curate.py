@@ -759,6 +759,9 @@ def _await_shards(cfg: CurateConfig, prep: Prepared, shards: int, run_id: str, d
         missing = [g for g in range(shards) if g not in recs]
         if not missing:
             return [recs[g] for g in range(shards)], []
+        if local := [g for g in missing if g < cfg.workers]:  # node 0's own shards are over: their records must be there
+            raise ShardFailed(f"shard(s) {local} of this node ended without writing their record "
+                              f"({_shard_path(prep, local[0], shards)})")
         for node in sorted({g // cfg.workers for g in missing}):
             watch.check(node, f"node 0 waits for its shards {[g for g in missing if g // cfg.workers == node]}")
         if deadline is not None and time.time() > deadline + grace:
@@ -834,9 +837,10 @@ def curate(cfg: CurateConfig) -> dict:
             records, missing = _await_shards(cfg, prep, shards, run_id, deadline)
             return merge(cfg, prep, records, missing=missing, **kw)
         return _await_manifest(prep, run_id)
-    except WorkerFailed as e:
+    except BaseException as e:  # the other nodes learn at once that this one stopped (a worker, a signal, an error)
         if beat:
-            beat.set("failed", str(e))
+            why = f"stopped with exit code {e.code}" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+            beat.set("failed", " ".join(why.split())[:500])
         raise
     finally:
         if beat:

@@ -316,8 +316,10 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "1000", "--time_share", "0.5"], env={})
     m = C.curate(cfg)
+    text = capsys.readouterr().out
     assert (f"[curate] resuming: 2/6 teacher and 2/6 student chunks already in {out / 'curate' / 'parts'}; "
-            "measuring the rest") in capsys.readouterr().out
+            "measuring the rest") in text
+    assert "[teacher] chunk 3/6 -> teacher-00002.parquet: 2 problems" in text  # the real index, not a restart at 1
     assert calls == [f"{r} chunk {i + 1}/6" for i in range(2, 6) for r in ("teacher", "student")]  # real index / total
     assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
     assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
