@@ -221,19 +221,22 @@ def release_lock(lock: Path, owner_pid: int | None = None) -> None:
 
 
 @contextmanager
-def run_lock(*directories: Path, name: str = ".opd.lock") -> Iterator[None]:
+def run_lock(*directories: Path) -> Iterator[None]:
     """Hold the locks of several directories (e.g. OUTPUT_DIR and CKPT_DIR) for a block.
 
     If ``OPD_LOCK_OWNER`` is set (``run.sh`` exports its own pid) the stage runs under its parent's
     lock: the lock is taken with that pid, which is re-entrant, and left for the parent to release.
-    A stage's worker processes get ``OPD_LOCK_OWNER`` set to the lock's owner the same way.
-    ``name``: the lock file (stage one on several nodes over one OUTPUT_DIR locks one file per node).
+    On a node of rank > 0 of a run over several nodes (``NODE_RANK``, shared directories) node 0 holds
+    the lock for the whole run and nothing is taken here.
     """
+    if int(os.environ.get("NODE_RANK") or 0) > 0:
+        yield
+        return
     owner = int(os.environ["OPD_LOCK_OWNER"]) if os.environ.get("OPD_LOCK_OWNER") else None
     taken: list[Path] = []
     try:
         for d in dict.fromkeys(Path(x).resolve() for x in directories):
-            taken.append(acquire_lock(d, name=name, owner_pid=owner))
+            taken.append(acquire_lock(d, owner_pid=owner))
         yield
     finally:
         if owner is None:

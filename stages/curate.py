@@ -32,13 +32,13 @@ naming it, its GPU and its log; finished chunks stay, and a re-run resumes every
 under this process's run lock (``OPD_LOCK_OWNER``).
 
 Several nodes over one shared ``OUTPUT_DIR``: env ``NNODES`` / ``NODE_RANK`` (default 1 / 0) make node r's
-worker i shard ``r*N + i`` of ``NNODES*N``; every node needs the same ``OPD_RUN_START`` (one clock, one run
-id). Each node keeps a state file ``shards/node-<r>.json``; node 0 merges when every shard's record of
-this run exists, or the budget's end plus ``OPD_SHARD_GRACE_S`` (300 s) has passed (then with the chunks
-on disk); the other nodes wait for its manifest and exit 0, so training on every node reads one
-curriculum. A node that fails, or whose state file stops changing for ``OPD_NODE_STALL_S`` (300 s),
-stops the others with one line naming it. The manifest's ``workers`` block records the layout and
-per-shard counts.
+worker i shard ``r*N + i`` of ``NNODES*N``. Node 0 starts the run's id (``shards/run.json``; the others
+adopt it, see ``_Node``); each node keeps a state file ``shards/node-<r>.json``; node 0 merges when every
+shard's record of this run exists, or its budget's end plus ``OPD_SHARD_GRACE_S`` (300 s) has passed (then
+with the chunks on disk); the other nodes wait for its manifest and exit 0, so training on every node
+reads one curriculum. A node that fails, or whose state file stops changing for ``OPD_NODE_STALL_S``
+(300 s), stops the others with one line naming it. Each node counts its budget from its own
+``OPD_RUN_START``. The manifest's ``workers`` block records the layout and per-shard counts.
 """
 
 from __future__ import annotations
@@ -688,50 +688,105 @@ class ShardFailed(RuntimeError):
     """Another node's shards failed or stopped reporting; the message is one line naming the node."""
 
 
-class _NodeBeat:
-    """A node's state file in ``curate/shards/node-<rank>.json`` (run id, state, a counter bumped every
-    ``every`` seconds): the other nodes tell a live node from a dead one by the counter changing."""
+def _env_s(name: str, default: float) -> float:
+    return float(os.environ.get(name) or default)
 
-    def __init__(self, path: Path, run_id: str, rank: int, every: float):
-        self.path, self.run_id, self.rank, self.every = path, run_id, rank, every
+
+class _Node:
+    """This node's part in a run over several nodes, through files in ``curate/shards/`` of the shared OUTPUT_DIR.
+
+    Node 0 is the run's authority: at its start it clears ``shards/`` (an earlier run's records) and writes
+    ``run.json`` with a fresh run id; the other nodes adopt the id of a ``run.json`` of their curation written
+    at most ``OPD_NODE_SKEW_S`` (600 s) before their own start, and keep watching it, so a node that took an
+    earlier run's id moves to the new one (and re-writes its records under it). Every node keeps a state
+    file ``node-<r>.json`` (run id, state, a counter bumped every ``OPD_NODE_HEARTBEAT_S``, 10 s), by which
+    the others tell a live node from a dead one without comparing clocks.
+    """
+
+    def __init__(self, prep: Prepared, rank: int, t_start: float):
+        self.prep, self.rank, self.dir = prep, rank, prep.out / "shards"
         self.state, self.error, self.seq = "measuring", None, 0
-        self._lock = threading.Lock()
+        self.records: dict[int, dict] = {}  # this node's finished shards
+        self._lock = threading.RLock()
         self._stop = threading.Event()
-        self._write()
+        if rank == 0:
+            import shutil
+            import uuid
+
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir(parents=True)
+            self.run_id = f"{prep.fingerprint}-{uuid.uuid4().hex[:12]}"
+            write_json({"run_id": self.run_id, "fingerprint": prep.fingerprint, "time": time.time(),
+                        "host": socket.gethostname()}, self.dir / "run.json")
+        else:
+            self.run_id = self._await_run_id(t_start)
+        self._beat()
         self._thread = threading.Thread(target=self._run, daemon=True, name="opd-node-heartbeat")
         self._thread.start()
 
-    def _write(self) -> None:
+    def _current(self, since: float) -> str | None:
+        rec = _read_json(self.dir / "run.json")
+        if rec and rec.get("fingerprint") == self.prep.fingerprint and rec.get("time", 0) >= since:
+            return rec.get("run_id")
+        return None
+
+    def _await_run_id(self, t_start: float) -> str:
+        skew, stall = _env_s("OPD_NODE_SKEW_S", 600), _env_s("OPD_NODE_STALL_S", 300)
+        said, t0 = False, time.monotonic()
+        while (run_id := self._current(t_start - skew)) is None:
+            if time.monotonic() - t0 > stall:
+                raise ShardFailed(f"node 0 (NODE_RANK=0) did not start this run's stage one within {stall:.0f}s: "
+                                  f"no {self.dir / 'run.json'} of this curation")
+            if not said:
+                print("[curate] waiting for node 0 to start the run (its shards/run.json)", flush=True)
+                said = True
+            time.sleep(1.0)
+        return run_id
+
+    def _beat(self) -> None:
         with self._lock:
             self.seq += 1
             write_json({"run_id": self.run_id, "node": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                        "state": self.state, "error": self.error, "seq": self.seq, "time": time.time()}, self.path)
+                        "state": self.state, "error": self.error, "seq": self.seq, "time": time.time()},
+                       self.dir / f"node-{self.rank}.json")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            with contextlib.suppress(OSError):
-                self._write()
+        every = _env_s("OPD_NODE_HEARTBEAT_S", 10)
+        while not self._stop.wait(every):
+            with contextlib.suppress(OSError, ValueError):
+                if self.rank and (new := self._current(0.0)) and new != self.run_id:  # node 0 started a newer run
+                    with self._lock:
+                        self.run_id = new
+                        for g, rec in self.records.items():
+                            self.record(g, rec)
+                self._beat()
+
+    def record(self, shard: int, rec: dict) -> None:
+        """Write this node's record of ``shard`` under the current run id (again after an adoption)."""
+        with self._lock:
+            self.records[shard] = rec
+            write_json(rec | {"run_id": self.run_id}, _shard_path(self.prep, shard, rec["shards"]))
 
     def set(self, state: str, error: str | None = None) -> None:
         self.state, self.error = state, error
         with contextlib.suppress(OSError):
-            self._write()
+            self._beat()
 
     def stop(self) -> None:
         self._stop.set()
 
 
 class _NodeWatch:
-    """Node rank ``r``'s view of other nodes' state files: raises :class:`ShardFailed` when one failed, or
-    when its file has not changed for ``stall_s`` seconds (by this node's clock: no clock skew matters)."""
+    """Another node's state file, seen from here: raises :class:`ShardFailed` when it failed, or when its file
+    has not changed for ``OPD_NODE_STALL_S`` (300 s) by this node's clock (no clock skew matters)."""
 
-    def __init__(self, shards_dir: Path, run_id: str, stall_s: float):
-        self.dir, self.run_id, self.stall_s = shards_dir, run_id, stall_s
+    def __init__(self, shards_dir: Path):
+        self.dir, self.stall_s = shards_dir, _env_s("OPD_NODE_STALL_S", 300)
         self.seen: dict[int, tuple[str | None, float]] = {}
 
-    def check(self, node: int, what: str) -> None:
+    def check(self, node: int, run_id: str, what: str) -> None:
         hb = _read_json(self.dir / f"node-{node}.json")
-        if hb is not None and hb.get("run_id") != self.run_id:
+        if hb is not None and hb.get("run_id") != run_id:
             hb = None  # an earlier run's file
         if hb is not None and hb.get("state") == "failed":
             raise ShardFailed(f"node {node} (NODE_RANK={node}, {hb.get('host')}) failed: {hb.get('error')}")
@@ -749,9 +804,9 @@ class _NodeWatch:
 def _await_shards(cfg: CurateConfig, prep: Prepared, shards: int, run_id: str, deadline: float | None,
                   ) -> tuple[list[dict], list[int]]:
     """Node rank 0: the records of every shard of this run, waiting for other nodes' shards; after the
-    budget's end plus ``OPD_SHARD_GRACE_S`` (default 300 s) it returns without the missing ones."""
-    grace = float(os.environ.get("OPD_SHARD_GRACE_S") or 300)
-    watch = _NodeWatch(prep.out / "shards", run_id, float(os.environ.get("OPD_NODE_STALL_S") or 300))
+    budget's end plus ``OPD_SHARD_GRACE_S`` (300 s) it returns without the missing ones."""
+    grace = _env_s("OPD_SHARD_GRACE_S", 300)
+    watch = _NodeWatch(prep.out / "shards")
     said = False
     while True:
         recs = {g: r for g in range(shards)
@@ -763,7 +818,7 @@ def _await_shards(cfg: CurateConfig, prep: Prepared, shards: int, run_id: str, d
             raise ShardFailed(f"shard(s) {local} of this node ended without writing their record "
                               f"({_shard_path(prep, local[0], shards)})")
         for node in sorted({g // cfg.workers for g in missing}):
-            watch.check(node, f"node 0 waits for its shards {[g for g in missing if g // cfg.workers == node]}")
+            watch.check(node, run_id, f"node 0 waits for its shards {[g for g in missing if g // cfg.workers == node]}")
         if deadline is not None and time.time() > deadline + grace:
             print(f"[curate] the budget ended {time.time() - deadline:.0f}s ago: merging without shard(s) {missing}",
                   flush=True)
@@ -774,17 +829,17 @@ def _await_shards(cfg: CurateConfig, prep: Prepared, shards: int, run_id: str, d
         time.sleep(1.0)
 
 
-def _await_manifest(prep: Prepared, run_id: str) -> dict:
+def _await_manifest(prep: Prepared, node: _Node) -> dict:
     """Node rank > 0: wait for node 0's merged manifest of this run (the curriculum every node trains on)."""
-    watch = _NodeWatch(prep.out / "shards", run_id, float(os.environ.get("OPD_NODE_STALL_S") or 300))
+    watch = _NodeWatch(prep.out / "shards")
     print("[curate] waiting for node 0 to merge the shards into the curriculum", flush=True)
     while True:
         m = _read_json(prep.out / "manifest.json")
-        if m is not None and m.get("run_id") == run_id:
+        if m is not None and m.get("run_id") == node.run_id:
             print(f"[curate] node 0 merged the curriculum: {m['counts']['curriculum']} rows in "
                   f"{prep.out / 'curriculum.parquet'}", flush=True)
             return m
-        watch.check(0, "this node waits for the merged curriculum")
+        watch.check(0, node.run_id, "this node waits for the merged curriculum")
         time.sleep(1.0)
 
 
@@ -798,9 +853,6 @@ def curate(cfg: CurateConfig) -> dict:
     t_start = time.time()
     nnodes, rank = node_layout()
     shards = nnodes * cfg.workers
-    if nnodes > 1 and not os.environ.get(RUN_START_ENV):
-        raise ValueError(f"NNODES={nnodes} needs {RUN_START_ENV} set to the same Unix start time on every node: "
-                         "the shards share one clock, one budget and one run id")
     gpus = device_slices(cfg.workers, cfg.tensor_parallel_size) if cfg.workers > 1 else []
     prep = prepare(cfg)
     if prep.any_have("teacher") or prep.any_have("student"):  # an earlier run of this curation stopped part-way
@@ -809,51 +861,56 @@ def curate(cfg: CurateConfig) -> dict:
         print(f"[curate] resuming: {done['teacher']}/{prep.n_chunks} teacher and {done['student']}/{prep.n_chunks} "
               f"student chunks already in {prep.parts}; {rest}", flush=True)
     clock0, deadline = _clock(cfg, t_start, announce=True)
-    run_id = f"{prep.fingerprint}@{clock0:.3f}"
-    kw = dict(t_start=t_start, clock0=clock0, deadline=deadline, run_id=run_id, nnodes=nnodes)
+    kw = dict(t_start=t_start, clock0=clock0, deadline=deadline, nnodes=nnodes)
     if shards == 1:
-        return merge(cfg, prep, [measure(cfg, prep, deadline=deadline)], **kw)
+        return merge(cfg, prep, [measure(cfg, prep, deadline=deadline)], run_id=f"{prep.fingerprint}@{clock0:.3f}", **kw)
 
-    shards_dir = prep.out / "shards"
-    shards_dir.mkdir(exist_ok=True)
     local = [rank * cfg.workers + i for i in range(cfg.workers)]
+    node = _Node(prep, rank, t_start) if nnodes > 1 else None
+    run_id = node.run_id if node else f"{prep.fingerprint}@{clock0:.3f}"
+    (prep.out / "shards").mkdir(exist_ok=True)
     for g in local:
         _shard_path(prep, g, shards).unlink(missing_ok=True)
-    beat = (_NodeBeat(shards_dir / f"node-{rank}.json", run_id, rank, float(os.environ.get("OPD_NODE_HEARTBEAT_S") or 10))
-            if nnodes > 1 else None)
     try:
         if cfg.workers == 1:  # one shard on this node: measured in this process
-            write_json(measure(cfg, prep, rank, shards, deadline=deadline) | {"run_id": run_id},
-                       _shard_path(prep, rank, shards))
+            recs = {local[0]: measure(cfg, prep, local[0], shards, deadline=deadline)}
         else:
             owner = os.environ.get("OPD_LOCK_OWNER") or str(os.getpid())  # the workers run under this lock
             run_workers([Worker(g, shards, [sys.executable, "-m", "stages.curate", *config_argv(cfg), "--shard", f"{g}/{shards}"],
                                 gpus[i], prep.out / "workers" / f"worker-{g}.log",
                                 {"OPD_LOCK_OWNER": owner, RUN_START_ENV: repr(clock0)})
                          for i, g in enumerate(local)])
-        if beat:
-            beat.set("done")
+            recs = {g: r for g in local if (r := _read_json(_shard_path(prep, g, shards))) is not None}
+            if lost := [g for g in local if g not in recs]:
+                raise ShardFailed(f"worker(s) {lost} exited 0 without writing {_shard_path(prep, lost[0], shards)}")
+        for g, rec in recs.items():  # the records of this run: stamped with its id here, by the node
+            if node:
+                node.record(g, rec)
+            else:
+                write_json(rec | {"run_id": run_id}, _shard_path(prep, g, shards))
+        if node:
+            node.set("done")
         if rank == 0:
             records, missing = _await_shards(cfg, prep, shards, run_id, deadline)
-            return merge(cfg, prep, records, missing=missing, **kw)
-        return _await_manifest(prep, run_id)
+            return merge(cfg, prep, records, missing=missing, run_id=run_id, **kw)
+        return _await_manifest(prep, node)
     except BaseException as e:  # the other nodes learn at once that this one stopped (a worker, a signal, an error)
-        if beat:
+        if node:
             why = f"stopped with exit code {e.code}" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
-            beat.set("failed", " ".join(why.split())[:500])
+            node.set("failed", " ".join(why.split())[:500])
         raise
     finally:
-        if beat:
-            beat.stop()
+        if node:
+            node.stop()
 
 
 def run_shard(cfg: CurateConfig, shard: int, shards: int) -> dict:
     """A worker process (``--shard i/N``, started by :func:`curate`): measure shard ``i`` of ``N`` and write
-    its record to ``curate/shards/shard-<i>-of-<N>.json``; the parent merges."""
+    its record to ``curate/shards/shard-<i>-of-<N>.json``; the parent checks it and stamps the run's id."""
     t_start = time.time()
     prep = prepare(cfg, parent=False)
-    clock0, deadline = _clock(cfg, t_start, announce=False)
-    rec = measure(cfg, prep, shard, shards, deadline=deadline) | {"run_id": f"{prep.fingerprint}@{clock0:.3f}"}
+    _, deadline = _clock(cfg, t_start, announce=False)
+    rec = measure(cfg, prep, shard, shards, deadline=deadline)
     write_json(rec, _shard_path(prep, shard, shards))
     n_mine = len([i for i in range(prep.n_chunks) if i % shards == shard])
     n_done = sum(prep.have("teacher", i) and prep.have("student", i) for i in range(prep.n_chunks) if i % shards == shard)
@@ -877,8 +934,8 @@ def main(argv: list[str] | None = None) -> int:
         if shard is not None:
             worker_init()
         (cfg,) = parse_config([CurateConfig], argv)
-        nnodes, rank = node_layout()
-        with run_lock(Path(cfg.output_dir), name=".opd.lock" if nnodes == 1 else f".opd.lock-node{rank}"):
+        node_layout()  # a bad NNODES / NODE_RANK: one line, before the lock
+        with run_lock(Path(cfg.output_dir)):  # a worker runs under its parent's (OPD_LOCK_OWNER); node > 0 under node 0's
             if shard is not None:
                 run_shard(cfg, *shard)
             else:

@@ -190,26 +190,31 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 # ------------------------------------------------------------------------------- multi-node watch
 
-def test_node_watch_names_a_failed_or_silent_node(tmp_path):
+def test_node_watch_names_a_failed_or_silent_node(tmp_path, monkeypatch):
     from data_tools.runio import write_json
     from stages.curate import ShardFailed, _NodeWatch
 
-    w = _NodeWatch(tmp_path, "run-a", stall_s=0.3)
-    w.check(1, "waiting")  # no file yet: the clock starts
+    monkeypatch.setenv("OPD_NODE_STALL_S", "0.3")
+    w = _NodeWatch(tmp_path)
+    w.check(1, "run-a", "waiting")  # no file yet: the clock starts
     time.sleep(0.4)
     with pytest.raises(ShardFailed, match=r"node 1 \(NODE_RANK=1\) never reported for \d+s while waiting"):
-        w.check(1, "waiting")
+        w.check(1, "run-a", "waiting")
     write_json({"run_id": "run-a", "state": "measuring", "seq": 1}, tmp_path / "node-2.json")
-    w.check(2, "waiting")
+    w.check(2, "run-a", "waiting")
+    time.sleep(0.2)
     write_json({"run_id": "run-a", "state": "measuring", "seq": 2}, tmp_path / "node-2.json")
     time.sleep(0.2)
-    w.check(2, "waiting")  # it changed: alive
+    w.check(2, "run-a", "waiting")  # it changed: alive
+    time.sleep(0.4)
+    with pytest.raises(ShardFailed, match=r"node 2 \(NODE_RANK=2\) stopped reporting \(last state: measuring\)"):
+        w.check(2, "run-a", "waiting")
     write_json({"run_id": "old-run", "state": "failed", "error": "x", "seq": 9}, tmp_path / "node-3.json")
-    w.check(3, "waiting")  # an earlier run's failure is not this run's
+    w.check(3, "run-a", "waiting")  # an earlier run's failure is not this run's
     write_json({"run_id": "run-a", "state": "failed", "error": "worker 5/8 (CUDA_VISIBLE_DEVICES=1) exited with code 1",
                 "host": "h2", "seq": 3}, tmp_path / "node-3.json")
     with pytest.raises(ShardFailed, match=r"node 3 \(NODE_RANK=3, h2\) failed: worker 5/8"):
-        w.check(3, "waiting")
+        w.check(3, "run-a", "waiting")
 
 
 # --------------------------------------------------------------------------------- issue 39 leftovers
@@ -354,8 +359,17 @@ def test_a_killed_worker_stops_the_run_in_one_line_and_a_rerun_completes_it(digi
 @pytest.mark.slow
 def test_two_nodes_on_localhost_merge_one_curriculum(digits, one_worker):
     out = digits["root"] / "nodes"
-    env = {"NNODES": "2", "OPD_RUN_START": f"{time.time():.3f}"}
-    nodes = [_curate(digits, out, env=env | {"NODE_RANK": str(r)}) for r in (1, 0)]
+    # an earlier run's files, which this run must not take for its own
+    fp = json.loads((digits["root"] / "one" / "curate" / "manifest.json").read_text())["fingerprint"]
+    stale = out / "curate" / "shards"
+    stale.mkdir(parents=True)
+    (stale / "run.json").write_text(json.dumps({"run_id": "old", "fingerprint": fp, "time": time.time() - 3600}))
+    (stale / "shard-1-of-2.json").write_text(json.dumps({"run_id": "old", "shard": 1, "shards": 2}))
+    (stale / "node-1.json").write_text(json.dumps({"run_id": "old", "state": "failed", "error": "old", "seq": 1}))
+    nodes = []
+    for r in (1, 0):  # each node's run.sh has its own clock start, as on two machines
+        nodes.append(_curate(digits, out, env={"NNODES": "2", "NODE_RANK": str(r), "OPD_RUN_START": f"{time.time():.3f}"}))
+        time.sleep(2)
     (rc1, out1, err1), (rc0, out0, err0) = [_done(p) for p in nodes]
     assert (rc0, rc1) == (0, 0), (err0[-2000:], err1[-2000:])
     assert _tables(out) == one_worker
@@ -363,10 +377,12 @@ def test_two_nodes_on_localhost_merge_one_curriculum(digits, one_worker):
     assert (m["workers"]["nnodes"], m["workers"]["shards"]) == (2, 2)
     assert [s["chunks_measured"] for s in m["workers"]["per_shard"]] == [3, 2]
     assert "[curate] node 0 merged the curriculum:" in out1 and "curate done" not in out1
+    run_id = json.loads((stale / "run.json").read_text())["run_id"]
+    assert run_id != "old" and m["run_id"] == run_id
     for r in (0, 1):  # each node's state file of this run, and its done record
-        assert json.loads((out / "curate" / "shards" / f"node-{r}.json").read_text())["state"] == "done"
-        assert (out / "curate" / "shards" / f"shard-{r}-of-2.json").exists()
-    assert not list(out.glob(".opd.lock*"))  # both node locks released
+        assert json.loads((stale / f"node-{r}.json").read_text())["state"] == "done"
+        assert json.loads((stale / f"shard-{r}-of-2.json").read_text())["run_id"] == run_id
+    assert not (out / ".opd.lock").exists()  # node 0's lock released; node 1 took none
 
 
 @pytest.mark.slow
