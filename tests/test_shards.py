@@ -87,16 +87,18 @@ def test_derive_seed_is_stable_and_per_part():
     assert all(0 <= derive_seed(s, "eval", 1) < 2**31 for s in range(20))
 
 
-def test_hf_engine_seed_makes_a_call_independent_of_the_calls_before(tiny_model_dir):
+def test_hf_engine_seeds_make_a_call_independent_of_the_calls_before(tiny_model_dir):
     from data_tools.hf_engine import HFEngine
 
     eng = HFEngine(tiny_model_dir, seed=0, max_model_len=128)
     prompts = ["What is 2 + 3?", "Count: 7, 8,"]
     run = lambda **kw: [(s.prompt_index, s.sample_index, s.completion) for b in eng.generate(prompts, n=3, max_tokens=6, **kw) for s in b]  # noqa: E731
-    first = run(seed=11)
+    first = run(seeds=[11, 5])
     run()  # the engine's own stream moves on
-    assert run(seed=11) == first
-    assert run(seed=12) != first
+    assert run(seeds=[11, 5]) == first
+    assert run(seeds=[12, 5]) != first
+    with pytest.raises(ValueError, match="seeds: 1 for 2 prompts"):
+        run(seeds=[11])
 
 
 # ---------------------------------------------------------------------------------- worker pool
