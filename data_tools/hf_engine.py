@@ -12,7 +12,12 @@ get the same ``Sample`` records, so the tables are the same whichever engine wro
   EOS is counted in ``n_tokens`` and left out of the text (as vLLM's detokenizer does).
   ``finish_reason`` is ``"stop"`` when the completion ends in an EOS, else ``"length"`` (the cap).
 - One seed for the engine (``torch.manual_seed``), as the vLLM engine on CPU: samples are random
-  per run but the run is reproducible on one machine.
+  per run but the run is reproducible on one machine. ``generate(seeds=...)`` (vLLM's per-request seeds)
+  re-seeds with the first prompt's seed at the start of the call, so a call's samples depend on that
+  seed, its prompts and the batch size alone, not on the calls before it: stage one and evaluation call
+  once per chunk, with seeds of (run seed, role, chunk, prompt) / (seed, problem), so N worker
+  processes write the samples one process writes (the batch rows share one random stream: a per-prompt
+  stream would need per-row generators in the decoder).
 - On CPU the same decoder runs eagerly (no graph): slow, for tests and small runs.
 """
 
@@ -106,12 +111,15 @@ class HFEngine:
         return Sample(prompt_index, sample_index, text, len(ids), n_prompt, "stop" if stopped else "length")
 
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate") -> Iterator[list[Sample]]:
+                 top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate",
+                 seeds: Sequence[int] | None = None) -> Iterator[list[Sample]]:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
 
         As ``data_tools.engine.Engine.generate``: one list per chunk of ``chunk_size`` prompts, their
         samples in prompt order, ``prompt_index`` into ``prompts``. Within a chunk, prompts are decoded
         ``max_batch // n`` at a time (at least one prompt, i.e. its ``n`` samples, per call).
+        ``seeds`` (one per prompt, as vLLM's per-request seeds): ``torch.manual_seed(seeds[0])`` before the first
+        decode (None: continue the engine's stream).
 
         Raises:
             ValueError: a prompt plus ``max_tokens`` exceeds ``max_model_len``.
@@ -126,6 +134,13 @@ class HFEngine:
         t0 = time.time()
         from data_tools.prompts import prompt_ids
 
+        if seeds is not None:
+            import torch
+
+            if len(seeds) != total:
+                raise ValueError(f"seeds: {len(seeds)} for {total} prompts")
+            if seeds:
+                torch.manual_seed(int(seeds[0]))
         for start in range(0, total, chunk_size):
             # chat-rendered text: the template wrote any BOS, so none is added again (one BOS, as vLLM's and the
             # trainer's prompts under DeepSeek-R1-Distill-Qwen's template; tests/test_bos.py)

@@ -32,8 +32,9 @@ class LoadResult:
     ``rows``: dicts with problem_id, problem, answer, solution (str|None), source, level (str|None).
     ``rejects``: dicts with row_index, problem_id, reason, raw (the row as JSON, for the record).
     ``columns``: role -> column name used (e.g. ``{"problem": "question", "answer": "answer (#### N)"}``).
-    ``duplicates``: how many rows repeated an earlier problem text (also in rejects).
-    ``conflicts``: how many of those duplicates had a different answer (rejected as conflicts).
+    ``duplicates``: rows that repeat an earlier problem text with the same answer (rejected as duplicates).
+    ``conflicts``: rows that repeat an earlier problem text with a different answer (rejected as conflicts).
+    Each repeated row is counted once, in one of the two: ``duplicates + conflicts`` rows repeated a problem.
     """
 
     source: str
@@ -48,7 +49,7 @@ class LoadResult:
         """One line for the log: counts and the columns used."""
         cols = ", ".join(f"{k}<-{v}" for k, v in self.columns.items())
         return (f"{self.source}: read {self.n_read} rows, kept {len(self.rows)}, rejected {len(self.rejects)} "
-                f"({self.duplicates} duplicates, {self.conflicts} with a conflicting answer); columns: {cols}")
+                f"({self.duplicates} duplicates, {self.conflicts} duplicates with a conflicting answer); columns: {cols}")
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -183,13 +184,13 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
             reject(f"answer does not parse: {answer[:200]!r}")
             continue
         key = " ".join(problem.split()).lower()
-        if key in seen:
-            res.duplicates += 1
+        if key in seen:  # counted once: a conflict (another answer) or a duplicate (the same answer)
             first_id, first_answer = seen[key]
             if first_answer != gold:
                 res.conflicts += 1
                 reject(f"conflict: duplicate problem with a different answer ({gold!r} here, {first_answer!r} in {first_id})")
             else:
+                res.duplicates += 1
                 reject(f"duplicate problem (first seen as {first_id})")
             continue
         if pid in ids:

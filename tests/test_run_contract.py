@@ -279,7 +279,7 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
         def close(self):
             pass
 
-        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc):
+        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
             calls.append(desc)
             fake.now += per_chunk_s
             out = []
@@ -310,7 +310,7 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     m = C.curate(cfg)
     assert "resuming" not in capsys.readouterr().out
     b = m["budget"]
-    assert calls == ["teacher chunk 0", "student chunk 0", "teacher chunk 1", "student chunk 1"]
+    assert calls == ["teacher chunk 1/6", "student chunk 1/6", "teacher chunk 2/6", "student chunk 2/6"]
     assert (b["chunks"], b["chunks_measured"], b["problems_measured"], b["problems_unmeasured"]) == (6, 2, 4, 8)
     assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 45.0 and b["stop_reason"].startswith("budget: next teacher+student")
     assert b["completion_tokens"] == 4 * 5 * 12 and b["generation_s"] == 40.0
@@ -332,9 +332,11 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "1000", "--time_share", "0.5"], env={})
     m = C.curate(cfg)
+    text = capsys.readouterr().out
     assert (f"[curate] resuming: 2/6 teacher and 2/6 student chunks already in {out / 'curate' / 'parts'}; "
-            "measuring the rest") in capsys.readouterr().out
-    assert calls == [f"{r} chunk {i}" for i in range(2, 6) for r in ("teacher", "student")]
+            "measuring the rest") in text
+    assert "[teacher] chunk 3/6 -> teacher-00002.parquet: 2 problems" in text  # the real index, not a restart at 1
+    assert calls == [f"{r} chunk {i + 1}/6" for i in range(2, 6) for r in ("teacher", "student")]  # real index / total
     assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
     assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
     n_calls = len(calls)
@@ -369,7 +371,7 @@ def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypa
     m = C.curate(cfg)
     # budget until 100 s; teacher engine up at 5 s; its share: (100 - 5 - 5) x 4/12 = 30 s -> until 35 s:
     # chunks 0 (15 s), 1 (25 s), 2 (35 s); then the student over those 3 chunks (engine 40 s; 50, 60, 70 s)
-    assert calls == [f"teacher chunk {i}" for i in range(3)] + [f"student chunk {i}" for i in range(3)]
+    assert calls == [f"teacher chunk {i + 1}/6" for i in range(3)] + [f"student chunk {i + 1}/6" for i in range(3)]
     assert m["budget"]["chunks_measured"] == 3 and m["budget"]["ended_at_s"] == 70.0
 
 
