@@ -213,7 +213,8 @@ stage() {  # stage NAME CMD...: run it; on failure stop with its exit code and a
   say "$name: done in $(( $(elapsed) - began ))s"
 }
 eval_estimate() {  # eval_estimate PROTOCOL N_MODELS: seconds, from stage one's measured rates (fails without them)
-  $PY -m data_tools.clock eval-estimate --manifest "$OUTPUT_DIR/curate/manifest.json" --protocol "$1" --models "$2" 2>/dev/null
+  $PY -m data_tools.clock eval-estimate --manifest "$OUTPUT_DIR/curate/manifest.json" --protocol "$1" --models "$2" \
+    --workers "$WORKERS" 2>/dev/null
 }
 
 say "recipe $name ($why) -> OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"

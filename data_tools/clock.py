@@ -157,10 +157,11 @@ def protocol_size(protocol: str, repo: Path) -> dict[str, Any]:
     return {"n_problems": int(n), "n_samples": int(y["n_samples"]), "max_tokens": int(y["max_tokens"])}
 
 
-def eval_estimate(manifest: Mapping[str, Any], size: Mapping[str, Any], n_models: int) -> float:
+def eval_estimate(manifest: Mapping[str, Any], size: Mapping[str, Any], n_models: int, workers: int = 1) -> float:
     """Seconds to evaluate ``n_models`` models on a protocol of ``size``, from stage one's measured rates.
 
-    Per model: engine start-up + n_problems x n_samples x L / tokens_per_s, with L = min(max_tokens,
+    Per model: engine start-up + n_problems x n_samples x L / (tokens_per_s x workers) (stage one's rate is one
+    engine's: completion tokens over its generation seconds; ``workers`` engines share a protocol), with L = min(max_tokens,
     1.5 x stage one's mean completion length) and the rates from ``manifest["budget"]``; times
     ``EVAL_SAFETY``, plus ``REPORT_S``. An estimate, not a bound: long-tail completions can exceed it.
 
@@ -172,7 +173,7 @@ def eval_estimate(manifest: Mapping[str, Any], size: Mapping[str, Any], n_models
     if not tps or mean_len is None or startup is None:
         raise ValueError("stage one's manifest has no measured generation rate")
     length = min(float(size["max_tokens"]), 1.5 * float(mean_len))
-    per_model = float(startup) + size["n_problems"] * size["n_samples"] * length / float(tps)
+    per_model = float(startup) + size["n_problems"] * size["n_samples"] * length / (float(tps) * max(workers, 1))
     return EVAL_SAFETY * n_models * per_model + REPORT_S
 
 
@@ -219,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--manifest", required=True)
     s.add_argument("--protocol", required=True)
     s.add_argument("--models", type=int, default=1)
+    s.add_argument("--workers", type=int, default=1, help="engine workers sharing each evaluation (one a GPU)")
     ns = ap.parse_args(argv)
     try:
         if ns.cmd == "eval-estimate":
             manifest = json.loads(Path(ns.manifest).read_text())
             size = protocol_size(ns.protocol, Path(__file__).resolve().parents[1])
-            print(math.ceil(eval_estimate(manifest, size, ns.models)))
+            print(math.ceil(eval_estimate(manifest, size, ns.models, ns.workers)))
             return 0
         p = _plan(ns)
         if ns.cmd == "plan":

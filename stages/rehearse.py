@@ -227,21 +227,36 @@ def training_phases(run: Path, sft_expected: bool) -> tuple[list[Phase], dict]:
     return out, med
 
 
-def export_phase(run: Path, clock_s: float) -> tuple[Phase, dict]:
+def export_phase(run: Path, clock_s: float, hedges: list[float]) -> tuple[Phase, dict]:
+    """The saves: one at the first step ending past each hedge fraction of the training window (a step crossing two
+    hedges saves once for both, as in a real run), one at the final step, and the final one done inside the clock
+    (its reserve)."""
     ex = _jsonl(run / "metrics" / "exports.jsonl")
     summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}
-    final_step = summ.get("global_step")
+    final_step, began, horizon = summ.get("global_step"), summ.get("began_at_s"), summ.get("horizon_s")
     steps = [e["step"] for e in ex]
-    ok = len(ex) >= 3 and final_step in steps and (summ.get("wall_s") or math.inf) <= clock_s
+    ends = [(r["step"], r["wall_s"]) for r in _jsonl(run / "metrics" / "train.jsonl") if "loss" in r]
+    missed = []
+    for h in hedges:
+        if began is None or horizon is None:
+            break
+        at = began + h * (horizon - began)
+        first = next((st for st, w in ends if w >= at), None)
+        if first is not None and first not in steps:
+            missed.append(f"{h:g} (step {first})")
+    crossed = sum(1 for h in hedges if began is not None and ends and ends[-1][1] >= began + h * (horizon - began))
+    done = summ.get("wall_s") or math.inf
+    ok = bool(ex) and final_step in steps and not missed and crossed == len(hedges) and done <= clock_s
     cost = [e["export_s"] + (e.get("resume_state_s") or 0.0) for e in ex]
     full = [c for c, e in zip(cost, ex) if e.get("resume_state_s") is not None]  # export + resume state
     med = {"export_s": statistics.median([e["export_s"] for e in ex]) if ex else None,
            "save_s": statistics.median(full or cost) if cost else None,
            "final_save_s": max(cost[-1], statistics.median(full)) if full else (cost[-1] if cost else None)}
-    detail = (f"{len(ex)} saves at steps {steps} (need >= 3: the 0.8 and 0.9 hedges and the final), export "
-              f"{med['export_s'] or 0:.1f} s + resume state {statistics.median([e.get('resume_state_s') or 0 for e in ex]) if ex else 0:.1f} s "
-              f"a save; training and its final save done at {summ.get('wall_s', float('nan')):.0f} s of the "
-              f"{clock_s:.0f} s clock")
+    resume = statistics.median([e.get("resume_state_s") or 0 for e in ex]) if ex else 0.0
+    detail = (f"{len(ex)} saves at steps {steps}: hedges {hedges} crossed {crossed}/{len(hedges)}"
+              + (f", no save at {', '.join(missed)}" if missed else ", each saved") + f"; final at step {final_step}; "
+              f"export {med['export_s'] or 0:.1f} s + resume state {resume:.1f} s a save; training and its final save "
+              f"done at {done:.0f} s of the {clock_s:.0f} s clock")
     return Phase("exports", seconds=sum(cost) if cost else None, ok=ok, detail=detail), med
 
 
@@ -269,7 +284,8 @@ def load_back(ckpt_dir: Path, vllm_on: bool = True) -> list[Phase]:
             ok, detail = False, f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         out.append(Phase(f"load {p.name} (transformers)", seconds=time.time() - t0, ok=ok, detail=detail))
     if not vllm_on or importlib.util.find_spec("vllm") is None:
-        out.append(Phase("load exports (vLLM)", ok=True, detail="skipped: vLLM is not installed here"))
+        out.append(Phase("load exports (vLLM)", ok=True, detail="skipped: " + (
+            "vLLM is not installed here" if vllm_on else "--no-vllm")))
         return out
     from data_tools.engine import make_engine
 
@@ -354,7 +370,7 @@ def build_report(run: Path, curate_cfg: str, train_cfg: str, real_t: float, real
                                    if rates.get("rehearsal") else "")))
     tp, med = training_phases(run, _sft_phase(train))
     rep.phases += tp
-    xp, ex = export_phase(run, clock_s)
+    xp, ex = export_phase(run, clock_s, sorted(train.get("ckpt_hedge_fractions") or []))
     rep.phases.append(xp)
     rep.phases += load_back(run / "checkpoints", vllm_on=vllm_on)
     samples = gpu_samples(run / "gpu_memory.csv")

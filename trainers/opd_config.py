@@ -184,7 +184,8 @@ class OPDConfig(DistillationConfig):
         "help": "Non-finite loss/gradient steps are skipped; this many in a row stop the run with an error."})
     fast_generation: bool | None = field(default=None, metadata={
         "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
-                "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used. Under FSDP2 "
+                "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used, and wherever "
+                "use_vllm asked for vLLM that cannot run here (its fallback, CPU included). Under FSDP2 "
                 "the student's weights are gathered once per generation call; FSDP1 and ZeRO-3 keep TRL's HF generate."})
     async_generation: bool = field(default=False, metadata={
         "help": "One-step off-policy generation (trainers.async_rollouts): while step k's update runs, a background "

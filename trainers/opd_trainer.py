@@ -120,6 +120,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         from trl.trainer.utils import create_model_from_path
 
         args = args or OPDConfig()
+        vllm_asked = bool(args.use_vllm)
         if args.use_vllm and not vllm_usable():
             log.warning("use_vllm is set but vLLM colocate needs CUDA and an importable vllm: generating with the fast decoder "
                         "(trainers.generation) where it applies, else HF generate")
@@ -183,8 +184,10 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             raise ValueError(f"generation batch of {self.generation_batch_size} completions is not a multiple of "
                              f"num_generations={args.num_generations}")
         fast = args.fast_generation
-        if fast is None:  # async_generation decodes with the fast path, also on CPU (tests)
-            fast = torch.cuda.is_available() or args.async_generation
+        if fast is None:  # async_generation decodes with the fast path, also on CPU (tests); so does a recipe that asked
+            # for vLLM where it cannot run (the fallback the warning above names: 13x TRL's HF generate on a CPU, 128
+            # random-length completions of a tiny Qwen2)
+            fast = torch.cuda.is_available() or args.async_generation or vllm_asked
         self._fast_generation = bool(fast) and not self.use_vllm
         if self._fast_generation:
             from trainers.generation import fast_path_unsupported

