@@ -92,8 +92,7 @@ if [ $skip_setup = 0 ] && { [ $plan = 0 ] || [ ! -x $PY ]; }; then
   fi
   rm -f /tmp/opd-setup.$$.log
 fi
-# Packages, GPUs, model and data paths, output directories, free disk: in a second, before anything is spent
-# (--plan prints the plan first, then the same checks).
+# Packages, GPUs, model and data paths, output directories, free disk: in a second, before anything is spent.
 preflight() {
   $PY -m data_tools.preflight --recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" \
     --protocols "$EVAL_PROTOCOLS" $([ $plan = 1 ] && echo --plan)
@@ -114,7 +113,8 @@ if [ $rehearse = 1 ]; then
 else
   unset OPD_REHEARSAL_VERIFIED
 fi
-[ $plan = 1 ] || preflight || exit 2
+pf_ok=1
+preflight || { [ $plan = 1 ] || exit 2; pf_ok=0; }  # --plan still prints what it can, then exits 2
 # The node's layout: GPUs usable here, training processes, engine workers, each process's share of a step
 : "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
 layout=$($PY -m data_tools.layout --train "$TRAIN_CONFIG" --nodes "$NNODES" --shell) || exit 2
@@ -142,7 +142,7 @@ if [ $plan = 1 ]; then
   echo "run.sh: recipe $name ($why); OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
   printf '%s\n' "${LAYOUT_LINES[@]}"
   $PY -m data_tools.clock plan "${clock_args[@]}" || exit 2  # a bad clock: its own one-line error
-  preflight || exit 2
+  [ $pf_ok = 1 ] || exit 2
   # parsing the training config as the trainer does imports torch and TRL (~10 s): after the plan, not before it
   check_train_config
   echo "training config: $TRAIN_CONFIG parses"

