@@ -144,7 +144,9 @@ def test_cpu_miniature_of_the_formal_rehearsal(tmp_path):
     names = [p["name"] for p in rep["phases"]]
     assert {"stage one: teacher", "stage one: student", "SFT steps", "hand-over", "on-policy steps",
             "exports"} <= set(names)
-    assert sum(n.endswith("(transformers)") for n in names) >= 3  # the three exports kept, each loaded
+    kept = sorted(p.name for p in (rdir / "checkpoints").glob("checkpoint-*"))
+    assert kept and [n for n in names if n.endswith("(transformers)")] == [f"load {k} (transformers)" for k in
+                                                                          sorted(kept, key=lambda k: int(k[11:]))]
     man = json.loads((rdir / "curate" / "manifest.json").read_text())
     assert man["rehearsal"]["value"] == "0.5" and man["config"]["max_tokens"] == 8192  # the formal lengths
     first = json.loads((rdir / "metrics" / "train.jsonl").read_text().splitlines()[0])
