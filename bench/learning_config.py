@@ -140,8 +140,8 @@ class LearningConfig:
     fresh_arm_problems: bool = field(default=False, metadata={
         "help": "Regime (ii) on new prompts: the start's SFT uses the first n_train problems and every arm trains on "
                 "the next n_train, which the start never saw and the teacher did (needs a built teacher with "
-                "teacher_n_train >= 2 x n_train). Without it the arms train on the start's own problems, where a "
-                "saturated start has memorised the answers (LEARNING.md, the wider teacher)."})
+                "teacher_n_train >= 2 x n_train). Off: the arms train on the start's own problems, whose answers a "
+                "saturated start has memorised."})
     start_model: str = field(default="", metadata={
         "help": "A local HF model dir to use as the start instead of building one (e.g. an earlier run's "
                 "<out>/start): copied to <out>/start and evaluated as mark 0. Excludes start_sft_s / start_sft_steps."})
@@ -153,9 +153,9 @@ class LearningConfig:
     lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW; constant, after warmup_steps if set)."})
     warmup_steps: int = field(default=0, metadata={
         "help": "> 0: every arm's rate rises linearly over its first N optimizer steps, then stays constant "
-                "(transformers' constant_with_warmup). Adam's first update is about lr x sign(g) on every weight; "
-                "without a warm-up, rates above 1e-5 break the start in one step (bench/LEARNING.md, the 5e-5 "
-                "collapse). Counted in steps, so every arm gets the same number of small first updates."})
+                "(transformers' constant_with_warmup), so that Adam's first updates (about lr x sign(g) on every "
+                "weight) stay small. Counted in steps: every arm gets the same number of small first updates. 0 = no "
+                "warm-up."})
     sft_batch_size: int = field(default=64, metadata={"help": "Solutions per off-policy (SFT) step: the start, the teacher, arm d, and the SFT steps of f, h, i, j."})
     num_generations: int = field(default=8, metadata={"help": "G: samples per prompt in on-policy steps (every arm but d)."})
     completions_per_step: int = field(default=128, metadata={"help": "Completions per on-policy optimizer step (every arm but d)."})
@@ -178,8 +178,7 @@ class LearningConfig:
         "help": "Answer filter of the reported avg@k (both are stored per sample: correct_numeric, correct_math)."})
     late_marks: int = field(default=3, metadata={
         "help": "Report: also compare the arms on each problem's pass rate pooled over the last N marks (and seeds), "
-                "the late mean. One mark is noisier than its standard error says: two runs of one command differed "
-                "by 0.046 at 150 s (bench/LEARNING.md, regime (ii)). 0 = off; all marks if there are fewer."})
+                "the late mean, which moves less between runs than one mark. 0 = off; all marks if there are fewer."})
     seed: int = field(default=0, metadata={"help": "Seed of every arm (data order, sampling, evaluation)."})
     engine: str = field(default="hf", metadata={
         "help": "Engine of stage one and evaluation (data_tools.engine): hf (the fast decoder of the training "

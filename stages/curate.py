@@ -121,7 +121,11 @@ class CurateConfig:
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
     vllm_request_seeds: bool = field(default=True, metadata={"help": "CUDA vLLM: seed every request from (seed, role, chunk, prompt), so a chunk's samples do not depend on which worker measured it (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded requests' noise one request at a time, slower at large batches; False: the engine seed only."})
-    workers: int = field(default=1, metadata={"help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). 1: this process measures. N > 1: N worker processes of this stage, worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), each measuring chunks i, i+N, ... of the seeded visiting order under the same budget; their chunks merge into one curriculum. With env NNODES / NODE_RANK over a shared output_dir, node r's worker i is shard r*N+i of NNODES*N and node 0 merges."})
+    workers: int = field(default=1, metadata={
+        "help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). N > 1: worker i runs on the "
+                "i-th entry of CUDA_VISIBLE_DEVICES (else GPU i) and measures chunks i, i+N, ... of the seeded order "
+                "under the same budget; the chunks merge into one curriculum. Over nodes (env NNODES, NODE_RANK, a "
+                "shared output_dir) node 0 merges."})
     dtype: str = field(default="auto", metadata={"help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
@@ -133,7 +137,7 @@ class CurateConfig:
     experiment_name: str = field(default="default", metadata={"help": "Run name (env EXPERIMENT_NAME)."})
     max_wall_time_seconds: float = field(default=0.0, metadata={"help": "The run's clock T in seconds, counted from run.sh's start (OPD_RUN_START) or this process's (env MAX_WALL_TIME_SECONDS); 0 = no clock: measure every problem."})
     deadline_reserve_seconds: float = field(default=0.0, metadata={"help": "Seconds of the clock kept after training (env DEADLINE_RESERVE_SECONDS; run.sh adds the evaluation reserve)."})
-    time_share: float = field(default=DEFAULT_CURATE_SHARE, metadata={"help": "Stage one ends at time_share x (max_wall_time_seconds - deadline_reserve_seconds) on the run's clock, set-up included: it starts no chunk it expects to finish later, keeps every finished chunk and builds the curriculum from the problems measured. Default 0.2: README 'The formal run' has the arithmetic."})
+    time_share: float = field(default=DEFAULT_CURATE_SHARE, metadata={"help": "Stage one ends at time_share x (max_wall_time_seconds - deadline_reserve_seconds) on the run's clock, set-up included: it starts no chunk it expects to finish later, keeps every finished chunk and builds the curriculum from the problems measured. In (0, 1]."})
 
     def __post_init__(self):
         if self.teacher_context not in ("teacher", "privileged"):

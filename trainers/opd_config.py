@@ -76,11 +76,10 @@ class OPDConfig(DistillationConfig):
     full_topk: int = field(default=0, metadata={
         "help": "full mode only: >0 restricts the reverse KL to the student's top-k tokens (renormalised); 0 = exact."})
     head_kernel: str = field(default="trl", metadata={
-        "help": "Kernels of the output-head terms (trainers.heads): trl = TRL's chunked log-prob / divergence "
-                "kernels; liger = Liger-Kernel 0.8.5's fused linear cross-entropy (sampled-token log-probs, "
-                "temperature 1 only) and fused linear JSD at beta 1 (full reverse KL, no bias / softcap / "
-                "rollout IS weights), TRL's kernels wherever Liger's maths would differ. liger needs CUDA and "
-                "liger_kernel."})
+        "help": "Kernels of the output-head terms (trainers.heads): trl = TRL's chunked log-prob / divergence kernels; "
+                "liger = Liger-Kernel 0.8.5's fused linear cross-entropy (sampled-token log-probs, temperature 1 only) "
+                "and fused linear JSD at beta 1 (full reverse KL), TRL's kernels wherever Liger's maths would differ. "
+                "liger needs CUDA and liger_kernel."})
     w_kl: float = field(default=1.0, metadata={"help": "Weight of the reverse-KL term (0 = reward-only training)."})
     w_reward: float = field(default=1.0, metadata={"help": "Weight of the verifier-reward term (0 = pure distillation)."})
     num_generations: int = field(default=4, metadata={"help": "G: samples per prompt; the reward baseline is the group mean."})
@@ -101,11 +100,10 @@ class OPDConfig(DistillationConfig):
         "help": "Upper bound C on the rollout importance ratio (verl's rollout_is_threshold default and the "
                 "truncated-IS paper's C = 2; TRL's clip_max default is 3)."})
     vllm_probe_tolerance: float = field(default=0.1, metadata={
-        "help": "use_vllm with vllm_mode colocate: at start-up the trainer generates 32 tokens for 2 prompts with vLLM "
-                "and scores them with its own forward (trainers.guards.probe_vllm); if vLLM raises, returns no tokens, "
-                "or its sampled-token log-probs differ from the trainer's by more than this mean absolute value "
-                "(nats per token, the sampling/sampling_logp_difference/mean metric), the run prints one line and "
-                "generates with the fast decoder instead (use_vllm off). 0 = no probe. Range >= 0."})
+        "help": "use_vllm with vllm_mode colocate: the largest mean absolute difference (nats per token, "
+                "sampling/sampling_logp_difference/mean) between vLLM's and the trainer's log-probs of 32 tokens "
+                "sampled for 2 prompts at start-up (trainers.guards.probe_vllm); above it, or if vLLM fails, the run "
+                "says so and uses the fast decoder. 0 = no probe. Range >= 0."})
     num_iterations: int = field(default=1, metadata={
         "help": "Optimizer passes over each generated batch; >1 turns on the PPO ratio and clipping."})
     epsilon_low: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon_low on the ratio."})
@@ -132,26 +130,19 @@ class OPDConfig(DistillationConfig):
         "help": "Teacher solutions per off-policy optimizer step (all processes; a multiple of world size x "
                 "gradient_accumulation_steps)."})
     sft_learning_rate: float = field(default=0.0, metadata={
-        "help": "> 0: the learning rate of off-policy steps, on the same schedule (warm-up, decay) as learning_rate, "
-                "i.e. each off-policy optimizer step runs at the scheduled rate x sft_learning_rate / learning_rate; "
-                "on-policy steps keep learning_rate. 0 = learning_rate for both. On-policy recipes run at ~1e-6, while "
-                "SFT of a 1.5B model is usually run at 1e-5 to 5e-5 (here: d was best at 3e-5 on SmolLM2-135M)."})
+        "help": "> 0: the learning rate of off-policy steps, on learning_rate's schedule (warm-up, decay): each such "
+                "step runs at the scheduled rate x sft_learning_rate / learning_rate; on-policy steps keep "
+                "learning_rate. 0 = learning_rate for both. On-policy recipes run at ~1e-6; SFT of a 1.5B model "
+                "usually at 1e-5 to 5e-5."})
     sft_max_epochs: float = field(default=0.0, metadata={
-        "help": "> 0: at most this many passes of the off-policy steps over the verified teacher solutions (a step "
-                "that would pass the cap is on-policy instead; the count survives a resume); every later step is "
-                "on-policy, still with the w_sft term if set. 0 = no cap. The share schedule is in seconds: where an "
-                "on-policy step costs minutes and an SFT step seconds (long completions), a small pool would "
-                "otherwise be repeated for tens of epochs. The optimizer's moments carry across the hand-over unless "
-                "sft_handover_reset > 0."})
+        "help": "> 0: at most this many passes of the off-policy steps over the verified teacher solutions, then every "
+                "step is on-policy (with the w_sft term if set); a step that would pass the cap is on-policy, and the "
+                "count survives a resume. 0 = no cap."})
     sft_handover_reset: int = field(default=0, metadata={
-        "help": "> 0 (with sft_max_epochs): at the hand-over to on-policy steps, clear the optimizer's moments and warm "
-                "the rate up again linearly over this many steps, as a separate on-policy run after SFT would start. "
-                "0 = carry them: Adam's second moments then come from SFT's gradients, which after several passes "
-                "are small (grad norm ~0.2 vs 1-5 on-policy in bench/LEARNING.md's arm j), so the on-policy steps move "
-                "the weights further than the rate says (1.7-2.0x the steps of a run with this set to 10, measured by "
-                "optim/update_rms in bench/LEARNING.md's 16r, 2026-12-03); a fresh Adam without the warm-up takes "
-                "full-rate steps at once. Measured there, clearing them did not change accuracy after ~20 on-policy "
-                "steps, hence off by default."})
+        "help": "> 0 (with sft_max_epochs): at the hand-over to on-policy steps, clear the optimizer's moments and "
+                "warm the rate up again linearly over this many steps, as a separate on-policy run after SFT would "
+                "start. 0 = carry them: Adam's second moments then come from SFT's smaller gradients, so the first "
+                "on-policy steps move the weights further than the rate says."})
 
     # ---- data ----
     prompt_style: str | None = field(default=None, metadata={
@@ -184,44 +175,37 @@ class OPDConfig(DistillationConfig):
         "help": "Non-finite loss/gradient steps are skipped; this many in a row stop the run with an error."})
     fast_generation: bool | None = field(default=None, metadata={
         "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
-                "decode step (trainers.generation). Empty = on when CUDA is available and vLLM is not used, and wherever "
-                "use_vllm asked for vLLM that cannot run here (its fallback, CPU included). Under FSDP2 "
-                "the student's weights are gathered once per generation call; FSDP1 and ZeRO-3 keep TRL's HF generate."})
+                "decode step (trainers.generation). Empty = on with CUDA and no vLLM, and wherever use_vllm asked for "
+                "a vLLM that cannot run here (CPU included). Under FSDP2 the weights are gathered once a call; FSDP1 "
+                "and ZeRO-3 keep TRL's HF generate."})
     async_generation: bool = field(default=False, metadata={
-        "help": "One-step off-policy generation (trainers.async_rollouts): while step k's update runs, a background "
-                "thread decodes step k+1's batch on a snapshot of the weights at the end of step k-1 (side CUDA "
-                "stream), recording each sampled token's log-prob; the update weights tokens by the truncated ratio "
-                "min(pi_theta / pi_snapshot, vllm_importance_sampling_cap) when vllm_importance_sampling_correction is "
-                "on. Costs one more copy of the student's weights plus the decode cache during the update. One process, "
-                "fast_generation, no vLLM, num_iterations = 1, no off-policy step share. Logged as async/*, sampling/*."})
+        "help": "One-step off-policy generation (trainers.async_rollouts): a background thread decodes step k+1's "
+                "batch on a snapshot of the weights from the end of step k-1 while step k updates; each token is "
+                "weighted by the truncated importance ratio (vllm_importance_sampling_*). Costs a copy of the weights "
+                "and the decode cache. One process, fast_generation, no vLLM, num_iterations = 1, no off-policy steps. "
+                "Logged as async/*, sampling/*."})
     decode_compaction: bool = field(default=True, metadata={
         "help": "fast_generation only: the decoder stops paying for finished rows and unwritten cache positions "
-                "(trainers.decode_kv): decode attention reads the written length rounded up to a bucket, and every "
-                "check the live rows are moved into the smallest halving of the batch that holds them; one CUDA "
-                "graph per (batch, length) bucket met. Same greedy tokens as off (CPU and H200 tests). On by default: "
-                "2.76x faster on a 128 x 8,192 long-tailed call on one H200 (bench/RESULTS.md, run 7)."})
+                "(trainers.decode_kv): decode attention reads the written length rounded up to a bucket, and the live "
+                "rows move into the smallest halving of the batch that holds them; one CUDA graph per (batch, length) "
+                "bucket met. Same greedy tokens as off."})
     decode_compile: bool = field(default=False, metadata={
-        "help": "fast_generation only: the decode step's decoder layers through torch.compile (dynamic=False, one "
-                "compile per batch bucket; the attention over the cache stays eager) inside the captured CUDA graph. "
-                "Needs CUDA: on CPU it is off, with a warning. With compaction, 1.34x faster again on the same call, "
-                "for ~23 s of compiling once per process (bench/RESULTS.md run 7); the realistic step 137.8 -> 121.5 s (run "
-                "10). On in the formal recipe, off by default and in the demos."})
+        "help": "fast_generation on CUDA only (off on CPU, with a warning): the decode step's decoder layers run "
+                "through torch.compile (dynamic=False, one compile per batch bucket; attention over the cache stays "
+                "eager) inside the captured CUDA graph. Faster decoding for tens of seconds of compiling once per "
+                "process: on in the formal recipe, off by default and in the demos."})
     decode_kv_growth: bool = field(default=True, metadata={
-        "help": "fast_generation with decode_compaction only (ignored without it): the decoder's KV cache holds only "
-                "the current window instead of the whole batch at full length: its length grows with the attention "
-                "bucket and its rows shrink at each compaction (new, smaller tensors; the old ones freed), so the "
-                "cache peaks at max over windows (rows x length bucket) x KV bytes per token. Same tokens as off (CPU "
-                "tests; greedy = HF generate under CUDA graphs on an H200). On issue 15's realistic 128 x 8,192 step "
-                "(one H200): the step's peak 33.6 GiB instead of 48.0, step time 137.8 s vs 138.1 "
-                "(bench/RESULTS.md, run 9)."})
+        "help": "fast_generation with decode_compaction only (ignored without it): the KV cache holds only the current "
+                "window, not the whole batch at full length: its length grows with the attention bucket and its rows "
+                "shrink at each compaction, so the cache peaks at the largest window (rows x length bucket x KV bytes "
+                "per token). Same tokens as off."})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile the student's and teacher's decoder layers (regional compile; the student compiled "
                 "only when gradients are on). Empty = on when CUDA is available, off under FSDP / DeepSpeed."})
     split_batch_over_processes: bool = field(default=True, metadata={
-        "help": "Keep the recipe's step under a launcher: per_device_train_batch_size x gradient_accumulation_steps "
-                "as written is the completions of one optimizer step for the whole run, and on P processes the "
-                "accumulation is divided by P (or, where it does not divide, the micro-batch shrinks: "
-                "data_tools.layout.split_batch); a batch that does not divide is an error naming the numbers. False = "
+        "help": "Under a launcher, keep the recipe's step: per_device_train_batch_size x gradient_accumulation_steps "
+                "as written is the completions of one optimizer step for the whole run, split over the P processes "
+                "(data_tools.layout.split_batch; a batch that does not divide is an error naming the numbers). False = "
                 "TRL's per-device meaning (a step trains on P times the completions)."})
     debug_max_steps: int = field(default=0, metadata={
         "help": "Tests/debugging only: stop (with a final checkpoint) after this many optimizer steps; 0 = never. "
