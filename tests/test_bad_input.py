@@ -327,3 +327,15 @@ def test_a_clock_too_short_for_the_evaluation_reserve_names_the_way_out():
         split(300, 60, 240, 0.3)
     with pytest.raises(ValueError, match="set MAX_WALL_TIME_SECONDS above 60 or lower DEADLINE_RESERVE_SECONDS"):
         split(60, 60, 0, 0.3)
+
+
+@pytest.mark.skipif(sys.version_info[:2] >= (3, 12), reason="the refusal is for an interpreter older than the lock's")
+def test_setup_gpu_on_another_python_says_what_to_do(tmp_path):
+    """requirements/gpu.lock is resolved for Python 3.12: on 3.11 `make setup-gpu` stops with one line naming the
+    way out before pip tries (and fails on contourpy 1.4.0, which needs 3.12)."""
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")], check=True)
+    r = subprocess.run(["make", "-s", "setup-gpu", f"VENV={tmp_path / 'v'}"], cwd=repo, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "requirements/gpu.lock is resolved for Python 3.12" in r.stderr and "make gpu-lock GPU_PY=3.11" in r.stderr
