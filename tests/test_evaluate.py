@@ -346,7 +346,7 @@ def test_math500_file_is_the_declared_question_set():
 def test_grade_all_filters_records_both_verdicts(tmp_path, monkeypatch, clean_env):
     """grade_all_filters: correct_math / correct_numeric per sample, as data_tools.grader grades each filter;
     off: both null. A fake engine answers fixed texts (no model run); the embedded tokenizer renders prompts."""
-    from data_tools.engine import Sample
+    from data_tools.generation.engines import Sample
     from data_tools.grader import grade_batch
 
     problems = [{"id": "p1", "problem": "What is 41 x 74?", "answer": "3034"},

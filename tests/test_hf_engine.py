@@ -25,7 +25,7 @@ def stop_model_dir(tokenizer, tmp_path):  # noqa: F811
 
 
 def test_greedy_samples_match_hf_generate(stop_model_dir):
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
 
     path, texts, ids, model = stop_model_dir
     eng = HFEngine(path, device="cpu", max_model_len=256)
@@ -50,7 +50,7 @@ def test_greedy_samples_match_hf_generate(stop_model_dir):
 
 
 def test_sampling_keeps_groups_and_batches(stop_model_dir):
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
 
     path, texts, _, _ = stop_model_dir
     eng = HFEngine(path, device="cpu", max_model_len=256, max_batch=3)  # 3 // n=2: one prompt per decode call
@@ -62,7 +62,7 @@ def test_sampling_keeps_groups_and_batches(stop_model_dir):
 
 
 def test_make_engine_choice(monkeypatch, stop_model_dir):
-    from data_tools import engine as E
+    from data_tools.generation import engines as E
 
     with pytest.raises(ValueError, match="engine must be one of"):
         E.make_engine("sglang", "x")
