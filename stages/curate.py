@@ -50,10 +50,12 @@ import logging
 import os
 import platform
 import random
+import shutil
 import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -69,10 +71,11 @@ from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
-from data_tools.grader import grade_batch
+from data_tools.grader import ANSWER_FILTERS, grade_batch
 from data_tools.models import resolve_model
 from data_tools.problems import LoadResult, load_problems
-from data_tools.runio import EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, run_lock, write_json, write_parquet
+from data_tools.runio import (EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, describe_os_error,
+                              run_lock, write_json, write_parquet)
 from data_tools.workers import (Worker, WorkerFailed, config_argv, device_slices, node_layout, pop_shard_flag,
                                 run_workers, worker_init)
 
@@ -144,8 +147,6 @@ class CurateConfig(EngineSettings):
             raise ValueError(f"privileged_reference must be 'solution' or 'answer', got {self.privileged_reference!r}")
         if self.prompt_style not in P.STYLES:
             raise ValueError(f"prompt_style must be one of {sorted(P.STYLES)}, got {self.prompt_style!r}")
-        from data_tools.grader import ANSWER_FILTERS
-
         if self.answer_filter not in ANSWER_FILTERS:
             raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
         for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",
@@ -213,6 +214,7 @@ def fit_context(rows: list[dict], cfg: CurateConfig, teacher: str, student: str,
     and rejects (stage ``context``) for the others, before generation: vLLM refuses such a prompt
     with an error that would end the whole curation. Prompts are counted as the engines get them
     (``data_tools.prompts.prompt_ids``)."""
+    # heavy: not at the top, so a bad flag exits at once and vLLM's spawned processes re-import this module cheaply
     from transformers import AutoTokenizer
 
     toks = {path: AutoTokenizer.from_pretrained(path) for path in dict.fromkeys((teacher, student))}
@@ -698,9 +700,6 @@ class _Node:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         if rank == 0:
-            import shutil
-            import uuid
-
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir.mkdir(parents=True)
             self.run_id = f"{prep.fingerprint}-{uuid.uuid4().hex[:12]}"
@@ -912,8 +911,6 @@ def main(argv: list[str] | None = None) -> int:
     reason), 1 the engine died or a worker (or another node) failed, 74 disk full mid-run, 75 run locked,
     130 / 143 SIGINT / SIGTERM (after the workers have stopped)."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
-    from data_tools.runio import EXIT_IO, describe_os_error
-
     argv = list(sys.argv[1:] if argv is None else argv)
     exit_on_sigterm()
     cfg = None

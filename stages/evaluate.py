@@ -55,14 +55,17 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import yaml
 
 from data_tools import evalstats
@@ -70,7 +73,12 @@ from data_tools.config import parse_config
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
+from data_tools.grader import grade_batch
+from data_tools.models import DEFAULT_MODEL, resolve_model
+from data_tools.problems import load_problems
+from data_tools.prompts import STYLES, prompt_ids, render, student_messages
 from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
+from data_tools.workers import Worker, WorkerFailed, config_argv, device_slices, pop_shard_flag, run_workers, worker_init
 
 log = logging.getLogger("stages.evaluate")
 
@@ -235,8 +243,6 @@ def resolve_protocol(cfg: EvalConfig) -> tuple[dict[str, Any], dict[str, Any], l
             deviations.append(f"{k} {v} (declared {declared[k]})")
     if eff["answer_filter"] not in ANSWER_FILTERS:
         raise EvalError(f"unknown answer_filter {eff['answer_filter']!r} (known: {sorted(ANSWER_FILTERS)})")
-    from data_tools.prompts import STYLES
-
     if eff["prompt_style"] not in STYLES:
         raise EvalError(f"unknown prompt_style {eff['prompt_style']!r} (known: {sorted(STYLES)})")
     if not eff.get("eval_data"):
@@ -279,14 +285,10 @@ def _safe(s: str) -> str:
 # ----------------------------------------------------------------------------------- answer filter
 
 def _opd_math_grader(preds, golds, truncated, timeout_s, workers):
-    from data_tools.grader import grade_batch
-
     return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers)
 
 
 def _opd_numeric_grader(preds, golds, truncated, timeout_s, workers):
-    from data_tools.grader import grade_batch
-
     return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers, answer_filter="numeric")
 
 
@@ -339,8 +341,6 @@ def discover_models(model: str | None) -> tuple[list[Target], list[tuple[str, st
     Raises:
         EvalError: the path does not exist, is neither kind, or a root holds no complete checkpoint.
     """
-    from data_tools.models import DEFAULT_MODEL, resolve_model
-
     if model in (None, "", DEFAULT_MODEL):
         path = resolve_model(None)
         return [Target(path, None, _safe(Path(path).name))], []
@@ -371,13 +371,6 @@ def discover_models(model: str | None) -> tuple[list[Target], list[tuple[str, st
 
 
 # ------------------------------------------------------------------------------------------- data
-
-def _load_problems(source: str):
-    """``data_tools.problems.load_problems`` (imported lazily: tests may substitute it)."""
-    from data_tools.problems import load_problems
-
-    return load_problems(source)
-
 
 def question_set_hash(rows: Sequence[dict]) -> str:
     """sha256 over (problem_id, problem, answer) in order: tells two runs whether they scored the same questions."""
@@ -471,9 +464,8 @@ def _context_limit(model_dir: str) -> int | None:
 
 def _prompts(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig) -> tuple[list[str], int]:
     """The rendered prompts of ``rows`` for ``target`` and the engine's context length (checked against the model)."""
+    # heavy: not at the top, so a bad flag exits at once and vLLM's spawned processes re-import this module cheaply
     from transformers import AutoTokenizer
-
-    from data_tools.prompts import prompt_ids, render, student_messages
 
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     try:
@@ -559,12 +551,6 @@ def _run_workers(target: Target, cfg: EvalConfig, *, label: str, out_dir: Path, 
                  n_workers: int) -> tuple[list[dict], dict]:
     """Generate on ``n_workers`` worker processes (``--shard i/N``, one GPU slice each), chunk c on worker
     c mod N; returns every sample (problem order) and the engine info (wall times: the slowest worker's)."""
-    import shutil
-
-    import pyarrow.parquet as pq
-
-    from data_tools.workers import Worker, config_argv, device_slices, run_workers
-
     res_dir = out_dir / "eval" / label
     shutil.rmtree(res_dir / "shards", ignore_errors=True)  # an interrupted earlier run's parts
     gpus = device_slices(n_workers, cfg.tensor_parallel_size)
@@ -590,7 +576,7 @@ def eval_shard(cfg: EvalConfig, shard: int, shards: int) -> None:
     targets, _ = discover_models(cfg.model)
     if len(targets) != 1 or not cfg.label or not cfg.output_dir:
         raise EvalError("--shard is for the worker processes evaluate starts itself (one model, --label, --output_dir)")
-    loaded = _load_problems(eff["eval_data"])
+    loaded = load_problems(eff["eval_data"])
     rows = list(loaded.rows)[: cfg.limit] if cfg.limit else list(loaded.rows)
     prompts, max_model_len = _prompts(targets[0], rows, eff, cfg)
     res_dir = Path(cfg.output_dir) / "eval" / cfg.label
@@ -613,8 +599,6 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     slice each (chunk c on worker c mod N; at most one worker per chunk); their samples are merged here
     into one ``samples.parquet`` / ``problems.parquet`` / ``summary.json``, statistics computed once over
     all of them."""
-    from data_tools.prompts import STYLES
-
     t0 = time.time()
     prompts, max_model_len = _prompts(target, rows, eff, cfg)
     if not cfg.chunk_size:  # auto: every worker one call
@@ -691,8 +675,6 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 
 def format_header(eff: dict[str, Any], deviations: list[str]) -> str:
-    from data_tools.prompts import STYLES
-
     lines = [f"protocol {eff['protocol']} v{eff['version']} ({eff['path']})"]
     if deviations:
         lines.append("NOT the declared protocol: " + "; ".join(deviations))
@@ -737,7 +719,7 @@ def run(cfg: EvalConfig) -> list[dict]:
         raise EvalError(str(e)) from None
 
     try:
-        loaded = _load_problems(eff["eval_data"])
+        loaded = load_problems(eff["eval_data"])
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(f"cannot load questions from {eff['eval_data']}: {e}") from None
     all_rows = list(loaded.rows)
@@ -789,8 +771,6 @@ def run(cfg: EvalConfig) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data_tools.workers import WorkerFailed, pop_shard_flag, worker_init
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -817,8 +797,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # noqa: BLE001 - unexpected (engine crash, ...): traceback, then the one-line reason
-        import traceback
-
         traceback.print_exc()
         print(f"evaluate: error: {type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr, flush=True)
         return 1

@@ -335,7 +335,7 @@ MATH500 = REPO_ROOT.parent / "shared" / "data" / "math500_test.jsonl"
 
 @pytest.mark.skipif(not MATH500.exists(), reason="../shared/data/math500_test.jsonl not present")
 def test_math500_file_is_the_declared_question_set():
-    loaded = ev._load_problems(str(MATH500))
+    loaded = ev.load_problems(str(MATH500))
     n = len(loaded.rows)
     assert n == 500 and not loaded.rejects
     assert ev.question_set_deviations(n, n, None, 500) == []

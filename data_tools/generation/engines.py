@@ -30,6 +30,10 @@ same ``Sample`` records, so the tables are the same whichever engine wrote them 
   processes write the samples one process writes (the batch rows share one random stream: a per-prompt
   stream would need per-row generators in the decoder).
 - On CPU the same decoder runs eagerly (no graph): slow, for tests and small runs.
+
+Imports: torch, transformers and the fast decoder are imported where an engine starts or frees memory, not at the
+top: the stages import this module at their top (vLLM's spawned processes re-import the stage's main module, and so
+``processes``), and a stage must still answer a bad flag in under a second (the same holds for vLLM, optional).
 """
 
 from __future__ import annotations
@@ -46,11 +50,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import psutil
-import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_tools.generation.fast_decoder import FastGenerator, SamplingParams, decode_options
 from data_tools.generation.processes import Watchdog, children_die_with_us, private_ipc_dir, reap_stale_engines
 from data_tools.progress import Heartbeat, heartbeat, heartbeat_seconds
 from data_tools.prompts import prompt_ids
@@ -68,7 +69,12 @@ def derive_seed(*parts) -> int:
 
 def on_gpu() -> bool:
     """True when a CUDA device is visible (then the CUDA vLLM build is expected)."""
-    return torch.cuda.is_available()
+    try:
+        import torch  # heavy: where an engine starts (see the module docstring)
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - torch missing or broken: treat as CPU
+        return False
 
 
 @dataclass
@@ -154,8 +160,13 @@ class VLLMEngine:
         if self.pid_file:
             self.pid_file.unlink(missing_ok=True)
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        try:
+            import torch  # loaded already by vLLM (see the module docstring)
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            pass
 
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate",
@@ -251,6 +262,11 @@ class HFEngine:
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int = 2048, gpu_memory_utilization: float = 0.85,
                  dtype: str = "auto", max_batch: int = 512, device: str | None = None, decode_compaction: bool = True,
                  decode_compile: bool = False, decode_kv_growth: bool = True, **_vllm_only):
+        import torch  # heavy: where an engine starts (see the module docstring)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from data_tools.generation.fast_decoder import FastGenerator, decode_options
+
         t0 = time.time()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         gpu = self.device.type == "cuda"
@@ -280,6 +296,8 @@ class HFEngine:
 
     def close(self) -> None:
         """Free the model's memory (before another engine starts)."""
+        import torch  # loaded already by __init__ (see the module docstring)
+
         self.model = self.generator = None
         gc.collect()
         if torch.cuda.is_available():
@@ -306,6 +324,10 @@ class HFEngine:
         Raises:
             ValueError: a prompt plus ``max_tokens`` exceeds ``max_model_len``.
         """
+        import torch  # loaded already by __init__ (see the module docstring)
+
+        from data_tools.generation.fast_decoder import SamplingParams
+
         sp = SamplingParams(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
                             top_p=top_p)
         per_call = max(1, self.max_batch // n)
