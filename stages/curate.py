@@ -68,8 +68,8 @@ from data_tools import prompts as P
 from data_tools import rehearsal
 from data_tools.clock import DEFAULT_CURATE_SHARE, RUN_START_ENV, run_start_time
 from data_tools.config import parse_config
-# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
+# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.grader import ANSWER_FILTERS, grade_batch
 from data_tools.models import resolve_model

@@ -70,8 +70,8 @@ import yaml
 
 from data_tools import evalstats
 from data_tools.config import parse_config
-# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
+# at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.grader import grade_batch
 from data_tools.models import DEFAULT_MODEL, resolve_model

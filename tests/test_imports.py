@@ -9,6 +9,8 @@ on ``a.b`` and, when ``c`` is a module, on ``a.b.c``; a name resolves to the lon
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +118,19 @@ def test_the_project_has_no_import_cycle_and_no_upward_import():
     assert cycles(graph) == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles(graph))
     assert upward(graph) == [], "imports up the layers data_tools < trainers < stages < bench: " + "; ".join(
         f"{project_modules(REPO)[a].relative_to(REPO)}:{line} imports {b}" for a, b, line in upward(graph))
+
+
+def test_the_generation_stages_start_without_torch_and_import_the_engine_processes_at_top():
+    """vLLM's spawned processes re-import the stage's main module, which must import ``processes`` at its top (they
+    ask to die with the stage there); torch, transformers and vLLM load only where an engine starts, so a stage
+    answers a bad flag at once."""
+    for stage in ("curate", "evaluate"):
+        body = ast.parse((REPO / "stages" / f"{stage}.py").read_text()).body
+        assert any(isinstance(n, ast.ImportFrom) and n.module == "data_tools.generation.processes" for n in body), stage
+    code = ("import sys, stages.curate, stages.evaluate\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
 
 
 def _tree(root: Path, files: dict[str, str]) -> None:
