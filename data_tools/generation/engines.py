@@ -77,6 +77,13 @@ def on_gpu() -> bool:
         return False
 
 
+def _say_progress(desc: str, done: int, total: int, n: int, tokens: int, t0: float, suffix: str = "") -> None:
+    """An engine's line after a chunk: prompts done of ``total``, seconds since ``t0``, completion tokens/s."""
+    el = time.time() - t0
+    print(f"[{desc}] {done}/{total} prompts x {n} samples | {el:.0f}s | "
+          f"{tokens / max(el, 1e-9):.0f} completion tok/s{suffix}", flush=True)
+
+
 @dataclass
 class Sample:
     """One generated completion. ``n_tokens`` counts completion tokens; ``finish_reason`` is vLLM's
@@ -228,9 +235,7 @@ class VLLMEngine:
                                         c.finish_reason or "stop"))
             done += len(chunk)
             tokens += sum(s.n_tokens for s in batch)
-            el = time.time() - t0
-            print(f"[{desc}] {done}/{total} prompts x {n} samples | {el:.0f}s | "
-                  f"{tokens / max(el, 1e-9):.0f} completion tok/s", flush=True)
+            _say_progress(desc, done, total, n, tokens, t0)
             yield batch
 
 
@@ -356,9 +361,7 @@ class HFEngine:
                     batch.append(self._finish(start + i, k % n, out, len(ids[i]), max_tokens))
             done += len(ids)
             tokens += sum(s.n_tokens for s in batch)
-            el = time.time() - t0
-            print(f"[{desc}] {done}/{total} prompts x {n} samples | {el:.0f}s | "
-                  f"{tokens / max(el, 1e-9):.0f} completion tok/s ({self.name})", flush=True)
+            _say_progress(desc, done, total, n, tokens, t0, f" ({self.name})")
             yield batch
 
 
