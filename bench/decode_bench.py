@@ -7,21 +7,21 @@ the brief's), clipped to [1, cap], taken as the law's 128 quantiles in random or
 (EOS as the drawn token, none before) so every mode decodes the same lengths from a random-weight
 Qwen2.5-1.5B-shaped bf16 model. Prompts: random ids, 128..512 tokens per prompt.
 
-Modes (``trainers.generation.FastGenerator``, ``check_every`` = 128 as the trainer's):
+Modes (``data_tools.generation.fast_decoder.FastGenerator``, ``check_every`` = 128 as the trainer's):
   base        static batch to the longest member (CUDA graph, full static cache length)
   compaction  ``compaction=True``: length-bucketed attention + batch compaction
   compile     ``compile_step=True``: compiled decoder layers inside the graph
   both        both
   compaction+grow, both+grow   the same with ``kv_growth=True``: the KV cache sized to the window (grown with
               the length bucket, shrunk at each compaction) instead of B x L; its peak is max over windows
-              (b x cap) x KV bytes per token (``trainers.decode_kv``), printed as ``kv_expected_gb``
+              (b x cap) x KV bytes per token (``data_tools.generation.kv_cache``), printed as ``kv_expected_gb``
 Compile modes first run an untimed warm-up call whose rows finish so that every batch bucket is met (the
 compiles are once per process; its time is ``warmup_s``). Graph captures are in the timed call, as in
 training (``keep_cache=False`` re-captures every call).
 
 Memory per mode: ``peak_rise_gb`` / ``reserved_rise_gb`` (CUDA allocator, the call's peak above what was
 allocated / reserved before it), ``kv_peak_gb`` (``DecodeKV.peak_bytes``: the cache's own high-water mark, a
-reallocation's transient included), ``kv_expected_gb`` (``decode_kv.window_path`` on the drawn lengths: the
+reallocation's transient included), ``kv_expected_gb`` (``kv_cache.window_path`` on the drawn lengths: the
 cache's steady peak), ``kv_full_gb`` (B x L, the cache without growth), ``kv_reallocations``.
 
 Floor: per decode step, the weights plus the live rows' KV (each row's own prompt + tokens so far) read once
@@ -148,8 +148,8 @@ def main(argv=None) -> dict:
         ap.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     if o.tiny:
         o.cap, o.median, o.prompt_min, o.prompt_max, o.check_every = 64, 12.0, 4, 12, 8
-    from trainers.decode_kv import compiled_batch_sizes
-    from trainers.generation import FastGenerator, SamplingParams
+    from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
+    from data_tools.generation.kv_cache import compiled_batch_sizes
 
     dev = torch.device(o.device)
     model = build(TINY if o.tiny else QWEN15, dev, o.seed)
@@ -245,7 +245,7 @@ def kv_memory(gen, plens: list[int], lengths: list[int], cap: int, kv_tok: int, 
     Expected: ``window_path`` on the forced lengths with ``gen``'s buckets (``max(b x cap)`` with growth,
     ``B x L`` without; ``L`` the prompt + cap rounded up by ``len_bucket``). Units: GB, and counts.
     """
-    from trainers.decode_kv import kv_peak_bytes, window_path
+    from data_tools.generation.kv_cache import kv_peak_bytes, window_path
 
     B, P = len(lengths), max(plens)
     L = math.ceil((P + cap) / gen.len_bucket) * gen.len_bucket

@@ -340,7 +340,7 @@ def check_fast_generation(cfg: LearningConfig, student_path: str) -> bool:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data_tools.prompts import render, student_messages
-    from trainers.generation import SamplingParams, generator_for
+    from data_tools.generation.fast_decoder import SamplingParams, generator_for
 
     tok = AutoTokenizer.from_pretrained(student_path)
     model = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32)

@@ -268,7 +268,7 @@ class LearningConfig:
         for name in ("answer_filter", "report_filter"):
             if getattr(self, name) not in ANSWER_FILTERS:
                 raise ValueError(f"{name} must be one of {ANSWER_FILTERS}, got {getattr(self, name)!r}")
-        from data_tools.engine import ENGINES
+        from data_tools.generation.engines import ENGINES
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")

@@ -13,12 +13,8 @@ import os
 import re
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from bench.learning_config import ARM_SPECS, HANDOVER_MARK
-
-if TYPE_CHECKING:
-    from bench.learning import LearningConfig
+from bench.learning_config import ARM_SPECS, HANDOVER_MARK, LearningConfig
 
 def summarize_mark(rows: list[dict], answer_filter: str | None = None) -> dict:
     """avg@k, its standard error over problems, clip rate and mean completion tokens of one mark's rows.

@@ -5,7 +5,7 @@ vocabulary size, prompts of random words (256 tokens), 1,024 new tokens (``min_n
 for both trainers, so random EOS samples never end a completion early), gradient checkpointing on.
 
 Phases, timed by wrapping the trainers' methods with CUDA-synchronised timers:
-  generation  ``_generate_single_turn`` (TRL: HF generate; ours: trainers.generation fast path)
+  generation  ``_generate_single_turn`` (TRL: HF generate; ours: the fast decoder, trainers.fast_generation)
   reward      ours only: the verifier grading (``data_tools.grader.grade_batch``)
   teacher     teacher backbone forward (``_get_last_hidden_state`` called with the teacher)
   update      rest of the step: student forward/backward, both heads / losses, optimizer step
@@ -270,8 +270,8 @@ def matmul_tflops(device) -> float:
 
 
 def opd_subclass():
-    """OPDTrainer routed through trainers.generation (unless the trainer already has a fast-path flag)."""
-    from trainers import generation
+    """OPDTrainer routed through trainers.fast_generation (unless the trainer already has a fast-path flag)."""
+    from trainers import fast_generation as generation
     from trainers.opd_trainer import OPDConfig, OPDTrainer
 
     if "fast_generation" in OPDConfig.__dataclass_fields__:

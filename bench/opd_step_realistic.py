@@ -21,7 +21,7 @@ Pieces (``--pieces``), each written to ``--json`` as soon as measured (a cut run
                generation and N micro-steps, enough to compile the update's shapes) per variant;
                ``--variant-mode generation`` times only the generation call of the same batches (``<var>@gen``).
   trl_update   TRL optimizer step on the same batch: its generation phase hands back the completions ours decoded
-               for that batch (same process) or runs ``trainers.generation`` on TRL's trainer, with the same drawn
+               for that batch (same process) or runs the fast decoder (``trainers.fast_generation``) on TRL's trainer, with the same drawn
                lengths; so TRL's teacher / update phases are measured on the exact realistic batch.
   trl_gen      TRL's own HF generate over the same batch, cut after ``--trl-gen-budget-s`` (``max_time``); the
                rest is extrapolated from its step-time trace (a + b x step, fitted: the dynamic cache grows by one
@@ -38,7 +38,7 @@ with its error and the next one runs. ``async``: this bench steps the trainer by
 where the prefetch lives, so it shows no overlap; time async with ``opd_step_bench.py --train-steps N
 --async-generation``. Floor: ``step_realism.decode_floor`` at the bandwidth measured in the
 run (device-to-device copy); generation/floor per generation measured. Each variant's ``decode_kv`` (printed): the
-decoder KV cache of its last generation call, measured (``DecodeKV.peak_bytes``) and expected (``decode_kv.window_path``
+decoder KV cache of its last generation call, measured (``DecodeKV.peak_bytes``) and expected (``kv_cache.window_path``
 on that batch's lengths), against its full size B x L.
 
 usage: python bench/opd_step_realistic.py --variants base --warmup 1 --warmup-micro 1 --pieces ours --json a.json
@@ -150,7 +150,7 @@ def build_trl(opts, tok, student, teacher, prompts, out_dir):
     from datasets import Dataset
     from trl import DistillationConfig, DistillationTrainer
 
-    from trainers.generation import fast_generate_single_turn
+    from trainers.fast_generation import fast_generate_single_turn
 
     t = copy.deepcopy(teacher)
     t.resize_token_embeddings(student.config.vocab_size, mean_resizing=False)
@@ -290,7 +290,7 @@ def decode_kv_report(gen, lengths: list[int], prompt_len: int, cap: int, kv_tok:
     peak ``window_path`` gives for these lengths with ``gen``'s buckets (``max(b x cap)`` with growth, ``B x L``
     without); ``full_gib``: B x L, the cache without growth. None if ``gen`` made no call (e.g. async variants).
     """
-    from trainers.decode_kv import kv_peak_bytes, window_path
+    from data_tools.generation.kv_cache import kv_peak_bytes, window_path
 
     last = getattr(gen, "last", None) or {}
     if "kv_peak_bytes" not in last:
@@ -480,7 +480,7 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
                 torch.cuda.empty_cache()
             piece["allocated_after_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
             save()
-        # ---- TRL's update on the same batches (their completions replayed, or decoded by trainers.generation) ----
+        # ---- TRL's update on the same batches (their completions replayed, or decoded by the fast decoder) -------
         if trl is not None and "trl_update" in pieces:
             rows = []
             for k in range(opts.trl_update_steps):
@@ -491,7 +491,7 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
                 r = d_trl.step(tokens_of(b))
                 trl._bench_replay, trl._bench_fast = None, False
                 r["mismatched"] = f_trl.calls[-1]["mismatched"]
-                r["batch"], r["generation_source"] = b, "replay of ours" if b in replay else "trainers.generation"
+                r["batch"], r["generation_source"] = b, "replay of ours" if b in replay else "trainers.fast_generation"
                 rows.append(r)
                 print("trl_update step: " + ", ".join(f"{k2}={v:.3f}" for k2, v in r.items()
                                                       if isinstance(v, float)), flush=True)
@@ -649,7 +649,7 @@ def main(argv=None):
     ap.add_argument("--warmup-micro", type=int, default=0,
                     help="step mode: a warm-up is only this many micro-steps (generation + compilation, no "
                          "optimizer step); 0 = whole steps. Not for async_generation.")
-    ap.add_argument("--trl-update-steps", type=int, default=1, help="TRL steps with trainers.generation's decoder")
+    ap.add_argument("--trl-update-steps", type=int, default=1, help="TRL steps with the fast decoder (trainers.fast_generation)")
     ap.add_argument("--trl-gen-budget-s", type=float, default=240.0,
                     help="TRL's own generate: stop after this many seconds and extrapolate (0 = skip)")
     ap.add_argument("--skip-trl", action="store_true")

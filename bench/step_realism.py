@@ -25,7 +25,7 @@ does), and the hook forces EOS at a row's drawn step:
 - TRL / HF ``generate``: ``ForcedEOSProcessor``, a ``LogitsProcessor`` passed through ``model.generate`` (HF runs
   custom processors after its min-new-tokens processor and before the sampling warpers, so the forced row samples
   EOS with probability 1).
-- ``trainers.generation.FastGenerator``: ``trainers.generation.sample_next`` is wrapped (module global, looked up
+- ``data_tools.generation.fast_decoder.FastGenerator``: ``fast_decoder.sample_next`` is wrapped (module global, looked up
   at call time by the decode step) to replace the sampled token by EOS where ``step == L - 1``. The replacement is
   three element-wise ops on ``(B,)`` tensors next to a sampling pass over ``(B, 152k)`` logits and a 1.5B forward
   per step, inside the same captured CUDA graph, so it does not change the timed path materially. The step index is
@@ -128,18 +128,18 @@ class ForcedEOSProcessor:
         return scores
 
 
-# ---- FastGenerator hook (module-level patch of trainers.generation) --------------------------------------------
+# ---- FastGenerator hook (module-level patch of fast_decoder) -----------------------------------------------------
 
 _ACTIVE: dict = {"targets": None, "state": None}
 
 
 @contextlib.contextmanager
 def fast_generator_hook():
-    """Patch ``trainers.generation`` so FastGenerator forces EOS at ``_ACTIVE['targets']`` (device (B,) eos steps).
+    """Patch ``data_tools.generation.fast_decoder`` so FastGenerator forces EOS at ``_ACTIVE['targets']`` (device (B,) eos steps).
 
     Installed once for the whole bench; with no active targets the patched functions behave as the originals.
     """
-    from trainers import generation as gen
+    from data_tools.generation import fast_decoder as gen
 
     orig_sample = gen.sample_next
     state_cls = getattr(gen, "_DecodeState", None)

@@ -26,7 +26,7 @@ What it does, on the Qwen2.5-1.5B-shaped random student and teacher of ``bench/o
    has the same token count), i.e. the global batch grows with the GPU count (weak scaling). Reported per
    step from the trainer's own metrics: ``time/step`` (rank 0, whole optimizer step), ``time/generation``,
    global completion tokens / step seconds. Generation takes the trainer's fast path on a GPU (engine
-   ``hf-generate-fast`` in the JSON): under FSDP2 ``trainers.generation.fsdp2_full_weights`` all-gathers the
+   ``hf-generate-fast`` in the JSON): under FSDP2 ``trainers.fast_generation.fsdp2_full_weights`` all-gathers the
    student once per generation call and decodes with a static KV cache and a CUDA-graph step on the whole
    weights, with FSDP's per-layer hooks detached for the call. ``--fast-generation false`` measures TRL's HF
    generate on the sharded student instead (bench/RESULTS.md run 4: every layer all-gathered at every
@@ -165,7 +165,7 @@ def build(opts):
 def fast_generator_stats(tr) -> dict | None:
     """Proof that the fast path ran: the student's ``FastGenerator`` stats (``captures`` = decode states built,
     one per generation call with ``keep_cache`` off); None if every call fell back to TRL's generate (e.g. FSDP2's
-    hooks not recognised by ``trainers.generation.fsdp2_full_weights``: it logs a warning)."""
+    hooks not recognised by ``trainers.fast_generation.fsdp2_full_weights``: it logs a warning)."""
     g = getattr(tr.accelerator.unwrap_model(tr.model), "_opd_fast_generator", None)
     return dict(g.stats) if g else None
 

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import yaml
+
 RUN_START_ENV = "OPD_RUN_START"
 
 #: Stage one's default share of the clock before training (CurateConfig.time_share). Why 0.2 for the
@@ -68,7 +70,7 @@ def run_start_time(env: Mapping[str, str] | None = None) -> float:
             raise ValueError(f"{RUN_START_ENV}={raw!r} lies in the future")
         return t
     try:
-        import psutil
+        import psutil  # here: optional for the clock (without it, it counts from this module's import)
 
         return psutil.Process().create_time()
     except Exception:  # noqa: BLE001 - psutil missing: fall back to this module's import time
@@ -76,8 +78,6 @@ def run_start_time(env: Mapping[str, str] | None = None) -> float:
 
 
 def _yaml(path: str | Path) -> dict[str, Any]:
-    import yaml
-
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:

@@ -42,6 +42,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, normalizers, processors
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
 #: Public config.json values of the two shapes (the fields that set a model's shape, memory and positions).
 #: student: deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B, config.json as vendored in the public repository
 #:   vivekvar-dl/GSPO-DeepSeek-R1-Distill-Qwen-1.5B (custom_gspo_results/final_model/config.json, a fine-tune
@@ -116,8 +122,6 @@ def qwen2_config(which: str, *, tiny: bool = False, tokenizer=None):
     Raises:
         ValueError: unknown ``which``.
     """
-    from transformers import Qwen2Config
-
     if which not in SHAPES:
         raise ValueError(f"unknown model {which!r}; choose one of {sorted(SHAPES)}")
     s = {k: v for k, v in SHAPES[which].items() if k != "name"}
@@ -135,9 +139,6 @@ def qwen2_config(which: str, *, tiny: bool = False, tokenizer=None):
 
 def parameter_count(config) -> int:
     """Parameters of a causal LM built from ``config`` on the meta device (no memory), tied weights once."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
@@ -184,10 +185,6 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
         FileNotFoundError: see ``find_tiktoken``.
         ValueError: the ranks file does not hold Qwen2's 151,643 ranks.
     """
-    from tokenizers import AddedToken, normalizers, processors
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
     src = find_tiktoken(tiktoken)
     if ranks is not None:
         if not 256 <= ranks <= QWEN2_BPE_RANKS:
@@ -214,8 +211,6 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
 
 def _init_tensor(name: str, shape: tuple, dtype, std: float, seed: int):
     """One weight: biases 0, norm weights 1, other matrices N(0, std), drawn in row chunks (bounded fp32 memory)."""
-    import torch
-
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=dtype)
     if "norm" in name:
@@ -239,10 +234,6 @@ def write_model(config, tokenizer, out_dir: str | os.PathLike, *, seed: int = 0,
     0.6 / 0.95), the tokenizer files and ``opd_source.json`` (random weights, the shape's source, the seed).
     Returns ``out_dir``. Raises ``FileExistsError`` if ``out_dir`` exists.
     """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists: remove it or choose another --out")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -141,7 +142,7 @@ class Layout:
 
 
 def _yaml(path: str | Path) -> dict:
-    try:
+    try:  # here: --count-gpus runs under the system python3, standard library only
         import yaml
     except ImportError:
         raise ValueError("pyyaml is not installed, so the training config cannot be read (the preflight above names "
@@ -198,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run.sh: {e}", file=sys.stderr)
         return 2
     if a.shell:
-        import shlex
-
         print(f"NGPUS={len(gpus)}\nNPROC={lay.processes}\nWORKERS={lay.workers}\nGPU_LIST={','.join(gpus)}")
         print("LAYOUT_LINES=(" + " ".join(shlex.quote(x) for x in lay.lines()) + ")")
     else:

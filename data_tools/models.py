@@ -58,6 +58,7 @@ def convert_smollm2(dest: Path) -> Path:
     except ImportError:
         raise FileNotFoundError("the embedded model smollm2-135m needs the gguf package to convert once (pip install "
                                 "gguf), or set STUDENT_MODEL to a local Hugging Face model directory") from None
+    # heavy, for a one-time conversion: the preflight reads MODEL_FILES from this module without loading torch
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -102,7 +103,7 @@ def convert_smollm2(dest: Path) -> Path:
 
 def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
     """``{"bos": id, "eos": id, "pad": id, "unk": id}`` as the GGUF file's tokenizer metadata declares them."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # optional: serves the embedded model only (see convert_smollm2)
 
     fields = GGUFReader(str(gguf)).fields
     out = {}

@@ -153,13 +153,14 @@ class Report:
 
 
 def _spec(text: str):
+    # here, as every import of a package below: the preflight checks the packages before it imports any of them
     from packaging.specifiers import SpecifierSet
 
     return SpecifierSet(text)
 
 
 def _in(version: str, spec: str) -> bool:
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import InvalidVersion, Version  # here: see _spec
 
     try:
         v = Version(version)
@@ -251,7 +252,7 @@ def check_packages(rep: Report, versions: Mapping[str, str], *, gpus: int, needs
 
 def _pinned_torch(dist: str) -> str | None:
     """The ``torch`` specifier in ``dist``'s requirements that applies here, e.g. ``==2.13.0``; None without one."""
-    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.requirements import InvalidRequirement, Requirement  # here: see _spec
 
     try:
         reqs = importlib.metadata.requires(dist) or []
@@ -274,7 +275,7 @@ def _yaml(path: str | None) -> dict:
     if not path:
         return {}
     try:
-        import yaml
+        import yaml  # here: see _spec
 
         data = yaml.safe_load(Path(path).read_text())
     except Exception:  # noqa: BLE001 - the clock / --check_config steps name a bad config precisely
@@ -322,7 +323,7 @@ def resolve_plan(curate: str | None, train: str | None, protocols: list[str], en
     if env.get("OUTPUT_DIR"):
         out = Path(env["OUTPUT_DIR"])
     else:
-        from data_tools.runio import default_output_dir
+        from data_tools.runio import default_output_dir  # here: runio imports pyarrow (see _spec)
 
         out = default_output_dir(env.get("EXPERIMENT_NAME") or None)
     model_dtype = str(t.get("model_dtype") or "float32")
@@ -339,7 +340,7 @@ def resolve_plan(curate: str | None, train: str | None, protocols: list[str], en
 
 def embedded_cached() -> Path | None:
     """The converted embedded model's directory when it exists already, else None."""
-    from data_tools.runio import cache_root
+    from data_tools.runio import cache_root  # here: runio imports pyarrow (see _spec)
 
     d = cache_root() / "models" / "smollm2-135m-instruct"
     return d if (d / "config.json").is_file() else None
@@ -347,7 +348,7 @@ def embedded_cached() -> Path | None:
 
 def check_model(rep: Report, what: str, name: str) -> Path | None:
     """A model directory usable without a hub: config.json (JSON), weights, tokenizer, all readable; returns it."""
-    from data_tools.models import MODEL_FILES
+    from data_tools.models import MODEL_FILES  # here: models imports runio, and so pyarrow (see _spec)
 
     if name in ("", EMBEDDED):
         return embedded_cached()
@@ -409,7 +410,7 @@ def _existing_ancestor(p: Path) -> Path:
 def check_writable(rep: Report, what: str, d: Path, *, create: bool) -> None:
     """``d`` writable: created and probed (``data_tools.runio.check_writable``), or with ``create`` off (``--plan``)
     its nearest existing ancestor probed and nothing left behind."""
-    from data_tools.runio import RunDirError, check_writable as probe, describe_os_error
+    from data_tools.runio import RunDirError, check_writable as probe, describe_os_error  # here: see _spec
 
     try:
         if create:

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
+from data_tools.grader import extract_gsm8k_answer, parse_gold
+from data_tools.synth import generate
+
 #: Accepted column names per role, in order of preference.
 PROBLEM_COLUMNS = ("problem", "question", "prompt", "query", "input")
 ANSWER_COLUMNS = ("answer", "final_answer", "gold", "target", "expected_answer")
@@ -54,7 +59,7 @@ class LoadResult:
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
     if path.is_dir():
-        from datasets import load_from_disk
+        from datasets import load_from_disk  # heavy (seconds), for a datasets directory only
 
         ds = load_from_disk(str(path))
         if hasattr(ds, "keys"):  # a DatasetDict: take "train" or the only split
@@ -90,8 +95,6 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
             records.append(rec if isinstance(rec, dict) else {"__error__": f"line {i} is not a JSON object"})
         return records
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         return pq.read_table(path).to_pylist()
     raise ValueError(f"{path}: unsupported data file (use .jsonl, .parquet or a datasets directory)")
 
@@ -117,12 +120,8 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
         ValueError: unsupported file type, an empty file, or no problem / answer column (the message
             lists the columns found and the names accepted).
     """
-    from data_tools.grader import extract_gsm8k_answer, parse_gold
-
     src = str(source)
     if src.startswith(("synth:", "synth-hard:")):
-        from data_tools.synth import generate
-
         parts = src.split(":")
         if len(parts) != 3 or not parts[2].isdigit():
             raise ValueError(f"synthetic source must look like {parts[0]}:<train|test>:<n>, got {src!r}")

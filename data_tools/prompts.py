@@ -60,6 +60,45 @@ def privileged_messages(problem: str, reference: str, style: str = "reasoning") 
     return [{"role": "user", "content": text}]
 
 
+#: Stage one's roles: the teacher and the student (each with its own samples and pass rate).
+ROLES = ("teacher", "student")
+#: Who teaches: ``teacher``, a separate model shown the student's prompt; ``privileged``, the student model itself
+#: shown the problem's reference (``reference_text``) in its prompt (on-policy self-distillation).
+TEACHER_CONTEXTS = ("teacher", "privileged")
+#: What the privileged teacher sees: ``solution``, the reference solution where the row has one, else the answer;
+#: ``answer``, only "The correct answer is X.".
+REFERENCES = ("solution", "answer")
+
+
+def reference_text(row: dict, mode: str = "solution") -> str:
+    """The privileged context for a problem row: its reference solution (``mode="solution"``, when it
+    has one), else a one-line statement of its answer."""
+    if mode == "solution" and row.get("solution"):
+        return row["solution"]
+    return f"The correct answer is {row['answer']}."
+
+
+def role_prompts(tokenizer, role: str, rows: list[dict], *, style: str, teacher_context: str = "teacher",
+                 reference: str = "solution") -> list[str]:
+    """The rendered prompt strings of ``role`` (``ROLES``) for problem ``rows`` (dicts with ``problem``; the
+    privileged teacher also reads ``solution`` / ``answer``).
+
+    The student, and a separate teacher (``teacher_context="teacher"``), see ``student_messages``; the privileged
+    teacher (``teacher_context="privileged"``) sees ``privileged_messages`` with ``reference_text(row, reference)``.
+
+    Raises:
+        ValueError: unknown ``role``, ``teacher_context``, ``reference`` or ``style``, or a tokenizer without a
+            chat template.
+    """
+    for name, value, known in (("role", role, ROLES), ("teacher_context", teacher_context, TEACHER_CONTEXTS),
+                               ("reference", reference, REFERENCES)):
+        if value not in known:
+            raise ValueError(f"{name} must be one of {known}, got {value!r}")
+    if role == "teacher" and teacher_context == "privileged":
+        return [render(tokenizer, privileged_messages(r["problem"], reference_text(r, reference), style)) for r in rows]
+    return [render(tokenizer, student_messages(r["problem"], style)) for r in rows]
+
+
 def render(tokenizer, messages: list[dict[str, str]]) -> str:
     """Render chat ``messages`` with the model's chat template and the generation prompt appended.
 

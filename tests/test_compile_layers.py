@@ -5,7 +5,7 @@ import copy
 import torch
 
 from tests.test_trainer import curriculum_path, make_trainer, tiny_model, tokenizer  # noqa: F401 (fixtures)
-from trainers.generation import compile_decoder_layers
+from trainers.model_utils import compile_decoder_layers
 
 
 def test_flag_off_by_default_on_cpu_and_honoured_when_set(tmp_path, tokenizer, curriculum_path):  # noqa: F811

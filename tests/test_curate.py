@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.curate import ROLLOUT_SCHEMA, CurateConfig, build_curriculum, reference_text
+from data_tools.prompts import reference_text
+from stages.curate import ROLLOUT_SCHEMA, CurateConfig, build_curriculum
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,3 +88,42 @@ def test_real_curation_resumes(tmp_path):
     subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=900)
     assert (cur / "parts" / "teacher-00000.parquet").stat().st_mtime_ns == kept_teacher  # not redone
     assert pq.read_table(cur / "rollouts.parquet").num_rows == 30
+
+
+class _ChatTok:
+    """A tokenizer stand-in whose chat template writes ``<u>content</u>`` and the generation prompt ``<a>``."""
+
+    chat_template = "<u>{content}</u><a>"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt and len(messages) == 1 and messages[0]["role"] == "user"
+        return f"<u>{messages[0]['content']}</u><a>"
+
+
+def test_each_roles_prompts_come_from_one_call():
+    from data_tools.prompts import role_prompts
+
+    tok = _ChatTok()
+    rows = [{"problem": "What is 3+4?", "answer": "7", "solution": "3+4=7"}, {"problem": "2*5?", "answer": "10"}]
+    short = "Respond with just the final answer."
+    reasoning = "Please reason step by step, and put your final answer within \\boxed{}."
+    student = [f"<u>What is 3+4?\n{short}</u><a>", f"<u>2*5?\n{short}</u><a>"]
+    assert role_prompts(tok, "student", rows, style="short") == student
+    assert role_prompts(tok, "student", rows, style="short", teacher_context="privileged") == student
+    assert role_prompts(tok, "teacher", rows, style="short", teacher_context="teacher") == student  # a separate teacher
+    # the privileged teacher: the reference solution where the row has one, else the answer line
+    assert role_prompts(tok, "teacher", rows, style="short", teacher_context="privileged") == [
+        f"<u>What is 3+4?\n3+4=7\n{short}</u><a>", f"<u>2*5?\nThe correct answer is 10.\n{short}</u><a>"]
+    assert role_prompts(tok, "teacher", rows[:1], style="short", teacher_context="privileged", reference="answer") == [
+        f"<u>What is 3+4?\nThe correct answer is 7.\n{short}</u><a>"]
+    assert role_prompts(tok, "teacher", rows[:1], style="reasoning", teacher_context="privileged") == [
+        f"<u>What is 3+4?\n\nHere is a reference solution to this problem:\n3+4=7\n\nUse it to write your own "
+        f"solution. {reasoning}</u><a>"]
+    for kw, msg in (({"role": "judge"}, "role must be one of"), ({"teacher_context": "oracle"}, "teacher_context must"),
+                    ({"reference": "hint"}, "reference must be one of"), ({"style": "poem"}, "unknown prompt_style")):
+        args = {"role": "teacher", "teacher_context": "privileged", "reference": "solution", "style": "short"} | kw
+        with pytest.raises(ValueError, match=msg):
+            role_prompts(tok, args.pop("role"), rows, **args)
+    # the stage's config builds them with its own settings
+    cfg = CurateConfig(output_dir="/tmp/opd-test-prompts-unused", prompt_style="short", privileged_reference="answer")
+    assert cfg.role_prompts(tok, "teacher", rows[1:]) == [f"<u>2*5?\nThe correct answer is 10.\n{short}</u><a>"]

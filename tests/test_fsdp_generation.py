@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainers.generation import FSDPHooksNotFound, fast_path_unsupported, fsdp2_full_weights
+from trainers.fast_generation import FSDPHooksNotFound, fast_path_unsupported, fsdp2_full_weights
 
 PAD, EOS = 0, [1]
 
@@ -57,7 +57,7 @@ def rank_prompts(rank: int) -> list[list[int]]:
 
 def reference(dtype) -> dict[int, list[list[int]]]:
     """Greedy completions of the unsharded model in this process, per rank's prompts."""
-    from trainers.generation import FastGenerator, SamplingParams
+    from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
 
     model = tiny_model(dtype)
     gen = FastGenerator(PAD, EOS, len_bucket=16, check_every=4)
@@ -105,7 +105,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str):
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from torch.distributed.tensor import DTensor
 
-    from trainers.generation import FastGenerator, SamplingParams, fast_generate_single_turn
+    from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
+    from trainers.fast_generation import fast_generate_single_turn
 
     torch.set_num_threads(1)  # 2 processes on a small CPU: no oversubscription
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -224,7 +225,7 @@ def test_one_process_fsdp2_and_missing_hooks(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from trainers import generation
+    from trainers import fast_generation as generation
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process, no env vars
     try:

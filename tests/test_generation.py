@@ -1,12 +1,14 @@
-"""CPU tests of ``trainers.generation`` on a tiny random Qwen2: contract and greedy equality with HF generate."""
+"""CPU tests of the fast decoder (``data_tools.generation``) on a tiny random Qwen2: contract and greedy equality with
+HF generate."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainers.generation import (FastGenerator, SamplingParams, gqa_decode_attention, group_runs, sample_next,
-                                 sampling_params_from)
+from data_tools.generation.fast_decoder import (FastGenerator, SamplingParams, group_runs, sample_next,
+                                                sampling_params_from)
+from data_tools.generation.kv_cache import gqa_decode_attention
 
 
 def tiny_model(attn="sdpa", seed=0):

@@ -37,7 +37,7 @@ def _run(module: str, args: list[str], env: dict, timeout: int = 600) -> subproc
 @pytest.mark.parametrize("gqa", [True, False])
 def test_fast_decoder_equals_hf_generate_greedy_on_cuda(gqa):
     """CUDA-graph decode over the static cache = ``model.generate`` token for token (float32, greedy)."""
-    from trainers.generation import FastGenerator, SamplingParams
+    from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
 
     model = tiny_qwen().cuda()
     ps = prompts(n=6)
@@ -57,8 +57,8 @@ def test_compacting_decoder_equals_hf_generate_greedy_on_cuda(compile_step, kv_g
     graphs of a replaced storage are never replayed, and the tokens stay HF's.
     """
     from tests.test_decode_compaction import EOS, N, PAD, rows, small_vocab_model
-    from trainers.decode_kv import compiled_batch_sizes
-    from trainers.generation import FastGenerator, SamplingParams
+    from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
+    from data_tools.generation.kv_cache import compiled_batch_sizes
 
     model = small_vocab_model().cuda()
     ps = rows()
@@ -88,7 +88,7 @@ def test_hf_engine_greedy_matches_hf_generate_on_smollm2():
     from transformers import AutoModelForCausalLM
 
     from data_tools import prompts as P
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
     from data_tools.models import resolve_model
 
     path = resolve_model(None)
@@ -139,7 +139,7 @@ def test_curate_with_hf_engine(tmp_path):
 
 def test_compiled_layers_give_eager_loss_on_cuda(tokenizer):  # noqa: F811
     """Regional torch.compile of the decoder layers: the same loss and gradients as eager, on CUDA."""
-    from trainers.generation import compile_decoder_layers
+    from trainers.model_utils import compile_decoder_layers
 
     eager = tiny_model(tokenizer, seed=3).cuda()
     compiled = copy.deepcopy(eager)

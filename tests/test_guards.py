@@ -1,4 +1,4 @@
-"""trainers.guards: a broken vLLM colocate probe and a failing compile fall back with one line each (CPU).
+"""trainers.guards and data_tools.generation.fallback: a broken vLLM colocate probe and a failing compile fall back with one line each (CPU).
 
 vLLM colocate cannot run on a CPU, so the probe's engine is a stand-in with TRL's ``VLLMGeneration`` contract
 (``max_completion_length``, ``logprobs``, ``sync_weights``, ``generate`` returning prompt ids, completion ids and
@@ -14,17 +14,18 @@ import pytest
 import torch
 
 from tests.test_trainer import curriculum_path, make_trainer, tokenizer, tiny_model  # noqa: F401 - fixtures
+from data_tools.generation import fallback
 from trainers import guards
 
 
 @pytest.fixture(autouse=True)
 def _fresh_lines():
-    guards._said.clear()
+    fallback._said.clear()
     yield
-    guards._said.clear()
+    fallback._said.clear()
 
 
-def _lines(caplog, name="trainers.guards"):
+def _lines(caplog, name="data_tools.generation.fallback"):
     return [r.getMessage() for r in caplog.records if r.name == name and r.levelno >= logging.WARNING]
 
 
@@ -146,7 +147,7 @@ def _pair(tokenizer):
 @pytest.mark.parametrize("kind,what", [("at_compile", "torch.compile failed (RuntimeError: Dynamo is not supported"),
                                        ("first_call", "the compiled function failed (RuntimeError: BackendCompilerFailed")])
 def test_failing_compile_layers_falls_back_to_eager_with_one_line(tokenizer, monkeypatch, caplog, kind, what):
-    from trainers.generation import compile_decoder_layers
+    from trainers.model_utils import compile_decoder_layers
 
     model, ref = _pair(tokenizer)
     monkeypatch.setattr(torch, "compile", _raising_compile(kind))
@@ -164,7 +165,7 @@ def test_failing_compile_layers_falls_back_to_eager_with_one_line(tokenizer, mon
 
 
 def test_failing_decode_compile_falls_back_to_eager_with_one_line(tokenizer, monkeypatch, caplog):
-    from trainers.decode_kv import decode_layers_compiled
+    from data_tools.generation.kv_cache import decode_layers_compiled
 
     model, ref = _pair(tokenizer)
     monkeypatch.setattr(torch, "compile", _raising_compile("first_call"))
@@ -180,7 +181,7 @@ def test_failing_decode_compile_falls_back_to_eager_with_one_line(tokenizer, mon
 
 
 def test_out_of_memory_in_compiled_code_is_not_hidden(tokenizer, monkeypatch, caplog):
-    from trainers.generation import compile_decoder_layers
+    from trainers.model_utils import compile_decoder_layers
 
     model, _ = _pair(tokenizer)
     monkeypatch.setattr(torch, "compile", _raising_compile("oom"))

@@ -25,7 +25,7 @@ def stop_model_dir(tokenizer, tmp_path):  # noqa: F811
 
 
 def test_greedy_samples_match_hf_generate(stop_model_dir):
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
 
     path, texts, ids, model = stop_model_dir
     eng = HFEngine(path, device="cpu", max_model_len=256)
@@ -50,7 +50,7 @@ def test_greedy_samples_match_hf_generate(stop_model_dir):
 
 
 def test_sampling_keeps_groups_and_batches(stop_model_dir):
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
 
     path, texts, _, _ = stop_model_dir
     eng = HFEngine(path, device="cpu", max_model_len=256, max_batch=3)  # 3 // n=2: one prompt per decode call
@@ -62,7 +62,7 @@ def test_sampling_keeps_groups_and_batches(stop_model_dir):
 
 
 def test_make_engine_choice(monkeypatch, stop_model_dir):
-    from data_tools import engine as E
+    from data_tools.generation import engines as E
 
     with pytest.raises(ValueError, match="engine must be one of"):
         E.make_engine("sglang", "x")
@@ -80,3 +80,40 @@ def test_engine_field_validated():
     with pytest.raises(ValueError, match="engine must be one of"):
         EvalConfig(engine="tgi")
     assert CurateConfig(output_dir="/tmp/x").engine == EvalConfig().engine == "auto"
+
+
+def test_engine_settings_are_declared_once_with_the_same_flags_and_keys(tmp_path):
+    """``EngineSettings`` holds the engine's settings of stage one and evaluation: both configs inherit its fields
+    (not copies), take the same flags and YAML keys, and hand the same keyword arguments to ``make_engine``."""
+    from dataclasses import fields
+
+    from data_tools.config import parse_config
+    from data_tools.generation.engines import EngineSettings
+    from stages.curate import CurateConfig
+    from stages.evaluate import EvalConfig
+
+    shared = ["engine", "dtype", "gpu_memory_utilization", "tensor_parallel_size", "vllm_request_seeds"]
+    assert [f.name for f in fields(EngineSettings)] == shared
+    for cls in (CurateConfig, EvalConfig):
+        assert all(cls.__dataclass_fields__[n] is EngineSettings.__dataclass_fields__[n] for n in shared)
+    out = ["--output_dir", str(tmp_path / "run")]
+    flags = ["--engine", "hf", "--dtype", "float32", "--gpu_memory_utilization", "0.5", "--tensor_parallel_size", "2",
+             "--vllm_request_seeds", "false"]
+    want = {"dtype": "float32", "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2, "request_seeds": False}
+    (c,) = parse_config([CurateConfig], flags + out, env={})
+    (e,) = parse_config([EvalConfig], flags, env={})
+    assert c.engine == e.engine == "hf" and c.engine_kwargs() == e.engine_kwargs() == want
+    yml = tmp_path / "engine.yaml"
+    yml.write_text("engine: hf\ndtype: float32\ngpu_memory_utilization: 0.5\ntensor_parallel_size: 2\n"
+                   "vllm_request_seeds: false\n")
+    (c,) = parse_config([CurateConfig], ["--config", str(yml)] + out, env={})
+    (e,) = parse_config([EvalConfig], ["--config", str(yml)], env={})
+    assert c.engine == e.engine == "hf" and c.engine_kwargs() == e.engine_kwargs() == want
+    assert CurateConfig(output_dir=str(tmp_path / "run")).engine_kwargs() == EvalConfig().engine_kwargs() == {
+        "dtype": "auto", "gpu_memory_utilization": 0.85, "tensor_parallel_size": 1, "request_seeds": True}
+    for bad, msg in (({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+                     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+                     ({"dtype": "fp8"}, "dtype must be auto, float32 or bfloat16, got 'fp8'")):
+        for make in (lambda: CurateConfig(output_dir=str(tmp_path / "run"), **bad), lambda: EvalConfig(**bad)):
+            with pytest.raises(ValueError, match=msg):
+                make()

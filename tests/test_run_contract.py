@@ -265,7 +265,7 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
 
     from transformers import AutoTokenizer
 
-    from data_tools.engine import Sample
+    from data_tools.generation.engines import Sample
     from data_tools.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
@@ -293,14 +293,14 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
 
 
 def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, monkeypatch, capsys):
-    import data_tools.engine
+    import data_tools.generation.engines
     import stages.curate as C
     from data_tools.config import parse_config
 
     fake = _FakeClock(time.time())
     calls: list[str] = []
     monkeypatch.setattr(C, "time", fake)
-    monkeypatch.setattr(data_tools.engine, "Engine", _fake_engine(fake, 10.0, calls))
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     out = tmp_path / "run"
     argv = ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
@@ -349,7 +349,7 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
 
 
 def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypatch):
-    import data_tools.engine
+    import data_tools.generation.engines
     import stages.curate as C
     from data_tools.config import parse_config
     from data_tools.models import resolve_model
@@ -357,7 +357,7 @@ def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypa
     fake = _FakeClock(time.time())
     calls: list[str] = []
     monkeypatch.setattr(C, "time", fake)
-    monkeypatch.setattr(data_tools.engine, "Engine", _fake_engine(fake, 10.0, calls))
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     teacher = tmp_path / "teacher"  # another directory holding the same model's files: a second engine
     teacher.mkdir()
@@ -464,7 +464,7 @@ def test_run_sh_fits_the_whole_run_in_its_clock(demo_run):
 @pytest.mark.slow
 def test_final_export_loads_and_generates_in_vllm(demo_run):
     assert demo_run.rc == 0, demo_run.log[-3000:]
-    code = ("import json, sys\nfrom data_tools.engine import Engine\n"
+    code = ("import json, sys\nfrom data_tools.generation.engines import VLLMEngine\n"
             "e = Engine(sys.argv[1], max_model_len=256)\n"
             "s = [x for b in e.generate(['What is 2 + 3?'], n=2, max_tokens=8) for x in b]\n"
             "e.close()\nprint(json.dumps([[x.n_tokens, x.finish_reason] for x in s]))\n")

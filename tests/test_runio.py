@@ -95,7 +95,7 @@ def test_query_views(tmp_path):
 def test_stale_vllm_ipc_folders_of_dead_processes_are_swept(tmp_path):
     """A stage killed with SIGKILL skips its atexit, leaving its private vLLM socket folder: the next engine start
     removes folders whose pid is gone, and keeps its own process's and unnamed ones."""
-    from data_tools.engine import sweep_stale_ipc_dirs
+    from data_tools.generation.processes import sweep_stale_ipc_dirs
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"opd-vllm-ipc-{int(dead.stdout)}-abc"

@@ -79,7 +79,7 @@ def test_config_argv_rebuilds_the_config(tmp_path):
 
 
 def test_derive_seed_is_stable_and_per_part():
-    from data_tools.engine import derive_seed
+    from data_tools.generation.engines import derive_seed
 
     # sha256, not hash(): the same in every process (PYTHONHASHSEED) and on every machine
     assert derive_seed(0, "teacher", 3) == 1073119288
@@ -88,7 +88,7 @@ def test_derive_seed_is_stable_and_per_part():
 
 
 def test_hf_engine_seeds_make_a_call_independent_of_the_calls_before(tiny_model_dir):
-    from data_tools.hf_engine import HFEngine
+    from data_tools.generation.engines import HFEngine
 
     eng = HFEngine(tiny_model_dir, seed=0, max_model_len=128)
     prompts = ["What is 2 + 3?", "Count: 7, 8,"]
@@ -146,7 +146,7 @@ def test_workers_that_succeed_return(tmp_path):
 _PARENT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from data_tools.engine import exit_on_sigterm
+    from data_tools.generation.processes import exit_on_sigterm
     from data_tools.workers import Worker, run_workers
     exit_on_sigterm()
     tmp = Path(sys.argv[1])

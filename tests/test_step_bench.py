@@ -130,7 +130,7 @@ def test_realistic_tiny_generation_mode_and_merge(tmp_path):
     assert g["steps_done"] == 1 and g["extrapolation"].startswith("measured mean")
     assert g["generation"] == pytest.approx(g["generation_measured"] * g["steps_needed"], rel=1e-9)
     m = osr.main(["--merge", str(a), str(b)])
-    assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.generation"
+    assert m["pieces"]["trl_update"]["rows"][0]["generation_source"] == "trainers.fast_generation"
     assert m["pieces"]["trl_update"]["rows"][0]["mismatched"] == 0
     assert "ours/compact+grow@gen (generation)" in m["table"] and "TRL (own generate + update)" in m["table"]
 
@@ -156,8 +156,8 @@ def test_fast_hook_follows_row_ids_of_a_compacted_batch():
     """The FastGenerator hook forces EOS by original row (``row_ids``) and refuses a shrunk batch without them."""
     from types import SimpleNamespace
 
-    from trainers import generation as gen
-    from trainers.generation import SamplingParams
+    from data_tools.generation import fast_decoder as gen
+    from data_tools.generation.fast_decoder import SamplingParams
 
     sp = SamplingParams(max_new_tokens=8, do_sample=False)
     eos = torch.tensor([0])

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from trainers.generation import FastGenerator, SamplingParams, decode_options
+from data_tools.generation.fast_decoder import FastGenerator, SamplingParams, decode_options
 
 
 #: Held by the worker around each CUDA-graph capture (``FastGenerator(capture_lock=...)``: the ``torch.cuda.graph``
@@ -280,7 +280,7 @@ class AsyncGeneration:
                              f"{self.accelerator.num_processes} processes")
         if self.use_vllm:
             raise ValueError("async_generation decodes with trainers.generation's fast path, not vLLM")
-        from trainers.generation import sampling_params_from
+        from data_tools.generation.fast_decoder import sampling_params_from
 
         if not self._fast_generation or sampling_params_from(self.generation_config) is None:
             raise ValueError("async_generation needs the fast HF generator (trainers.generation), which is off here: "
@@ -328,7 +328,7 @@ class AsyncGeneration:
     def _async_generate(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """This step's completions: the prefetch if it holds these prompts, else a synchronous decode; then the
         next step's prefetch is launched on the weights as they are now (before this step's update)."""
-        from trainers.generation import sampling_params_from
+        from data_tools.generation.fast_decoder import sampling_params_from
 
         sp = sampling_params_from(self.generation_config)
         model = self.accelerator.unwrap_model(self.model)

@@ -1,7 +1,8 @@
-"""Start-up guards for the trainer's paths that have never run on a GPU here: vLLM colocate and compilation.
+"""Start-up guard for the trainer's path that has never run on a GPU here: vLLM colocate.
 
 A 12-hour run that raises in its first on-policy step scores nothing; a slower run scores. So a path that cannot be
-tested in advance is checked where it starts and, if it fails, replaced by the tested path with one line:
+tested in advance is checked where it starts and, if it fails, replaced by the tested path with one line
+(``data_tools.generation.fallback``, where the compile guard of ``compile_layers`` / ``decode_compile`` lives too):
 
 - **vLLM colocate** (``use_vllm: true``, ``vllm_mode: colocate``): ``probe_vllm`` generates ``PROBE_TOKENS`` tokens for
   ``PROBE_PROMPTS`` prompts of the training set through TRL's own path (``VLLMGeneration.sync_weights`` +
@@ -10,10 +11,8 @@ tested in advance is checked where it starts and, if it fails, replaced by the t
   importance weights). It fails if the generation raises, returns no tokens or ids outside the model's rows, or if the
   mean |log p_vLLM - log p_trainer| over the sampled tokens (the ``sampling/sampling_logp_difference/mean`` metric) is
   not finite or exceeds ``vllm_probe_tolerance`` (nats per token). ``OPDTrainer._guard_vllm_colocate`` then prints one
-  line, releases the engine (``release_vllm``) and generates with the fast decoder (``trainers.generation``).
-- **compilation** (``compile_layers``, ``decode_compile``): ``guarded_compile`` wraps a ``torch.compile``d function so
-  that an error while compiling it (``torch.compile`` itself, or dynamo / inductor at a call, where compilation
-  happens) logs one line and runs the eager function from then on; out-of-memory errors are re-raised, not hidden.
+  line (``say_once``), releases the engine (``release_vllm``) and generates with the fast decoder
+  (``data_tools.generation.fast_decoder``).
 """
 
 from __future__ import annotations
@@ -24,32 +23,20 @@ import logging
 import math
 
 import torch
+from trl.trainer.utils import pad
+
+# say_once: the guard's one line, also OPDTrainer's (``guards.say_once``)
+from data_tools.generation.fallback import first_line, say_once
 
 log = logging.getLogger(__name__)
 
 #: the probe's size: a few prompts, a few dozen tokens (seconds, at start-up)
 PROBE_PROMPTS, PROBE_TOKENS = 2, 32
 
-_said: set[str] = set()
-
-
-def say_once(message: str) -> None:
-    """Log ``message`` as a warning once per process (the guards' one line)."""
-    if message not in _said:
-        _said.add(message)
-        log.warning(message)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
 
 def probe_vllm(trainer, tolerance: float, n_prompts: int = PROBE_PROMPTS, max_tokens: int = PROBE_TOKENS) -> str | None:
     """Generate with ``trainer.vllm_generation`` and compare its log-probs with the trainer's; None if it passes,
     else the reason (one clause). ``trainer`` is an ``OPDTrainer`` with ``use_vllm`` on (see the module docstring)."""
-    from trl.trainer.utils import pad
-
     vg = trainer.vllm_generation
     texts = list(trainer.train_dataset[:n_prompts]["prompt"])
     if not texts:
@@ -61,7 +48,7 @@ def probe_vllm(trainer, tolerance: float, n_prompts: int = PROBE_PROMPTS, max_to
         vg.sync_weights()
         _, cids, lps, _ = vg.generate(prompts=prompt_ids, images=None, num_generations=1)
     except Exception as e:  # noqa: BLE001 - any failure of the engine is a failed probe
-        return f"raised {_first_line(e)}"
+        return f"raised {first_line(e)}"
     finally:
         vg.max_completion_length, vg.logprobs = saved
     rows = trainer.accelerator.unwrap_model(trainer.model).get_output_embeddings().weight.shape[0]
@@ -83,7 +70,7 @@ def probe_vllm(trainer, tolerance: float, n_prompts: int = PROBE_PROMPTS, max_to
         with ctx():
             mine = trainer._policy_logps(out).float().cpu()
     except Exception as e:  # noqa: BLE001 - the trainer's forward failing on vLLM's tokens is a failed probe too
-        return f"tokens could not be scored by the trainer ({_first_line(e)})"
+        return f"tokens could not be scored by the trainer ({first_line(e)})"
     diffs = []
     for i, seq in enumerate(lps):
         for j, lp in enumerate(seq):
@@ -119,34 +106,4 @@ def release_vllm(trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def guarded_compile(eager, what: str, compiled=None, **compile_kw):
-    """``torch.compile(eager, **compile_kw)`` (or ``compiled``) behind a fallback to ``eager``.
-
-    If ``torch.compile`` raises, or a call of the compiled function raises anything but an out-of-memory error,
-    ``what`` is named in one logged line and ``eager`` runs from then on (that call included). A genuine error of
-    the function then surfaces from the eager call. Returns the wrapper; ``wrapper.state["failed"]`` says whether it fell back.
-    """
-    state = {"fn": compiled, "failed": False}
-    if compiled is None:
-        try:
-            state["fn"] = torch.compile(eager, **compile_kw)
-        except Exception as e:  # noqa: BLE001
-            state["failed"] = True
-            say_once(f"{what}: torch.compile failed ({_first_line(e)}); running eagerly")
-
-    def call(*args, **kwargs):
-        if not state["failed"]:
-            try:
-                return state["fn"](*args, **kwargs)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # noqa: BLE001 - compile errors surface at the first call of a shape
-                state["failed"] = True
-                say_once(f"{what}: the compiled function failed ({_first_line(e)}); running eagerly from now on")
-        return eager(*args, **kwargs)
-
-    call.state = state
-    return call
-
-
-__all__ = ["probe_vllm", "release_vllm", "guarded_compile", "say_once", "PROBE_PROMPTS", "PROBE_TOKENS"]
+__all__ = ["probe_vllm", "release_vllm", "say_once", "PROBE_PROMPTS", "PROBE_TOKENS"]

@@ -190,7 +190,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             fast = torch.cuda.is_available() or args.async_generation or vllm_asked
         self._fast_generation = bool(fast) and not self.use_vllm
         if self._fast_generation:
-            from trainers.generation import fast_path_unsupported
+            from trainers.fast_generation import fast_path_unsupported
 
             why = fast_path_unsupported(self)
             if why:  # the engine name says what runs: TRL's HF generate
@@ -203,7 +203,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             compile_on = torch.cuda.is_available() and not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
         self.compiled_layers = False
         if compile_on:
-            from trainers.generation import compile_decoder_layers
+            from trainers.model_utils import compile_decoder_layers
 
             student_ok = compile_decoder_layers(self.accelerator.unwrap_model(self.model), only_with_grad=True)
             teacher_ok = compile_decoder_layers(self.accelerator.unwrap_model(self.teacher_model), only_with_grad=False)
@@ -256,7 +256,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         if not self.use_vllm or a.vllm_mode != "colocate" or a.vllm_probe_tolerance <= 0:
             return
         from trainers import guards
-        from trainers.generation import fast_path_unsupported
+        from trainers.fast_generation import fast_path_unsupported
 
         reason = guards.probe_vllm(self, a.vllm_probe_tolerance)
         failed = self._any_process(reason is not None) if self.accelerator.num_processes > 1 else reason is not None
@@ -376,7 +376,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         # Fast HF path (trainers.generation): same contract as TRL's HF branch; falls back to it for
         # multimodal inputs or generation settings the fast path lacks (e.g. repetition_penalty).
         if self._fast_generation and images is None and not multimodal_fields:
-            from trainers.generation import fast_generate_single_turn
+            from trainers.fast_generation import fast_generate_single_turn
 
             out = fast_generate_single_turn(self, prompt_ids)
             if out is not None:

@@ -138,9 +138,13 @@ def _announce(why: str) -> None:
 
 
 def _worker_loop(backend_name: str = "math_verify") -> None:  # pragma: no cover - runs in the child process
-    """Child side: read JSON requests on stdin, answer one JSON line each on stdout."""
+    """Child side: read JSON requests on stdin, answer one JSON line each on stdout.
+
+    Imports in this function and the checks it calls (sympy, math-verify, ``latex``) are made here, in the worker
+    process: the grading process never loads sympy or the optional math-verify.
+    """
     try:
-        import resource
+        import resource  # Unix only (the cap is skipped elsewhere)
 
         resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEM_BYTES, WORKER_MEM_BYTES))
     except (ImportError, ValueError, OSError):
@@ -151,13 +155,13 @@ def _worker_loop(backend_name: str = "math_verify") -> None:  # pragma: no cover
     ready: dict = {"ready": True, "backend": backend_name}
     if backend_name == "math_verify":
         try:
-            from math_verify import LatexExtractionConfig, parse, verify
+            from math_verify import LatexExtractionConfig, parse, verify  # optional; in the worker
         except Exception as e:  # noqa: BLE001 - a broken install: say so, serve with the sympy reader
             ready.update(backend="sympy", why=f"import math_verify failed: {type(e).__name__}: {e}"[:200])
         else:
             cfg = [LatexExtractionConfig(boxed_match_priority=0)]
     if ready["backend"] == "sympy":
-        from .latex import LatexError, read
+        from .latex import LatexError, read  # sympy: in the worker
 
     gold_cache: OrderedDict[str, object] = OrderedDict()
     out = sys.stdout
@@ -180,7 +184,7 @@ def _worker_loop(backend_name: str = "math_verify") -> None:  # pragma: no cover
 
 def _scalar_value(x):
     """High-precision complex value of a symbol-free sympy scalar, or None."""
-    import sympy
+    import sympy  # in the worker (see _worker_loop)
 
     if not isinstance(x, sympy.Expr) or x.free_symbols or not x.is_number:
         return None
@@ -193,7 +197,7 @@ def _scalar_value(x):
 
 
 def _set_size(x):
-    import sympy
+    import sympy  # in the worker (see _worker_loop)
     from latex2sympy2_extended.sets import FiniteSet
 
     if isinstance(x, (FiniteSet, sympy.FiniteSet)):
@@ -206,7 +210,7 @@ def _set_size(x):
 def _imaginary_unit(g: list, p: list) -> tuple[list, list]:
     """A gold with a free symbol ``i`` is complex: read ``i`` as the imaginary unit on both sides
     (latex2sympy keeps it a symbol, so ``14.0 + -1.0i`` != ``14 - i``: Math-Verify #69)."""
-    import sympy
+    import sympy  # in the worker (see _worker_loop)
 
     def named_i(x) -> list:  # latex2sympy gives the two sides symbols "i" with different assumptions
         return [s for s in x.free_symbols if s.name == "i"] if isinstance(x, sympy.Expr) else []
@@ -223,7 +227,7 @@ def _imaginary_unit(g: list, p: list) -> tuple[list, list]:
 def _complex_approx(gs, ps) -> bool:
     """A complex gold and a decimal complex answer equal to math-verify's own 6-place rounding, which
     its verify applies to real numbers only (``0.5 + 0.866025i`` for ``1/2 + sqrt(3)/2 i``)."""
-    import sympy
+    import sympy  # in the worker (see _worker_loop)
 
     gv, pv = _scalar_value(gs), _scalar_value(ps)
     if gv is None or pv is None or sympy.im(gv) == 0 or not ps.atoms(sympy.Float):
@@ -259,7 +263,7 @@ def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # 
         # two values below 5e-7 are "equal" (1/2004! == 1/2006!, math-verify #14).
         gv, pv = _scalar_value(gs), _scalar_value(ps)
         if gv is not None and pv is not None:
-            import sympy
+            import sympy  # in the worker (see _worker_loop)
 
             diff = abs(sympy.N(gv - pv, 30))
             scale = max(abs(gv), abs(pv))
@@ -277,7 +281,7 @@ def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # 
 
 def _sympy_check(gold: str, pred: str, read, LatexError, gold_cache) -> dict:  # pragma: no cover - in the worker
     """The grader's own reader + sympy (``latex.equivalent``); same reply shape as ``_mv_check``."""
-    from .latex import equivalent
+    from .latex import equivalent  # sympy: in the worker
 
     res: dict = {"by": "sympy"}
     g = gold_cache.get(gold)

@@ -1,4 +1,4 @@
-"""The decoder's KV cache, its length and batch buckets, and the compiled decode layers (``trainers.generation``).
+"""The decoder's KV cache, its length and batch buckets, and the compiled decode layers (``fast_decoder``).
 
 A static batch decoded to its longest member reads, at every step, the KV cache of every row over the whole
 static length ``L``, finished rows and unwritten positions included (masked, but read). With long-tailed
@@ -15,7 +15,7 @@ below), and a *window* ``(b, lb)``:
   (their paged caches free a finished sequence's blocks at once; refilling freed slots with new prompts is
   left out here: the trainer's batch is fixed per step).
 
-Each ``(b, lb)`` is one static shape: ``trainers.generation`` captures one CUDA graph per window met (one
+Each ``(b, lb)`` is one static shape: ``fast_decoder`` captures one CUDA graph per window met (one
 memory pool for all; the windows met form one path, the length growing and the batch shrinking), so the
 realistic call of ``bench/decode_bench.py`` (128 rows, prompts up to 512 tokens, cap 8,192) captures 27.
 
@@ -37,7 +37,7 @@ first compaction to 64 rows: 128 x 2,816 positions at step 2,305 in the timed ba
 adds one layer's old K or V (under 0.2 GiB). ``bench/opd_step_realistic.py`` records the expected and the measured
 peak per variant (``decode_kv``), ``bench/decode_bench.py`` per mode.
 Every reallocation gives the storage new addresses, so the CUDA graphs captured on the old one are retired
-(``epoch``), and it happens between two decode steps, outside any capture (``trainers.generation._decode``).
+(``epoch``), and it happens between two decode steps, outside any capture (``fast_decoder.FastGenerator._decode``).
 
 ``decode_layers_compiled``: the decode step's decoder layers run through one ``torch.compile``d function
 (``dynamic=False``, inductor's default mode: no cudagraph trees, the caller captures the graph). The
@@ -54,6 +54,8 @@ import logging
 import math
 
 import torch
+
+from data_tools.generation.fallback import guarded_compile
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class DecodeKV:
         b, lb: slots ``[:b]`` and positions ``[:lb]`` are read and written by the next forward (``lb <= cap``).
         cap: positions each storage tensor holds (``L`` without growth).
         epoch: changes whenever a storage tensor is allocated or replaced; a CUDA graph captured under another
-            epoch reads freed memory and must not be replayed (``trainers.generation``).
+            epoch reads freed memory and must not be replayed (``fast_decoder``).
         peak_bytes: most bytes the K/V storage held at once since ``begin``, counting the old and the new
             tensor of the layer being replaced (and the gathered rows of a compaction).
         pos: ``(q,)`` long positions the next forward writes (``arange(P)`` at prefill, the decode step's
@@ -257,6 +259,26 @@ def kv_peak_bytes(path: list[tuple[int, int, int, int]], B: int, growth: bool, k
     return max((b if growth else B) * cap for _, b, _, cap in path) * int(kv_token_bytes)
 
 
+def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of a few new queries over a static cache, grouped by KV head (no KV repeat).
+
+    query ``(B, H, q, D)``, key/value ``(B, KVH, L, D)``, attention_mask additive ``(B, 1, q, L)`` float.
+    Returns ``((B, q, H, D), None)`` like HF's attention functions.
+    """
+    B, H, q, D = query.shape
+    kvh = key.shape[1]
+    rep = H // kvh
+    scaling = D ** -0.5 if scaling is None else scaling
+    qg = query.reshape(B, kvh, rep * q, D)  # query head h = kvh_index * rep + r
+    s = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling  # (B, kvh, rep*q, L)
+    if attention_mask is not None:
+        m = attention_mask[:, :, :, : key.shape[-2]]
+        s = (s.view(B, kvh, rep, q, -1) + m.unsqueeze(2).float()).view(B, kvh, rep * q, -1)
+    p = torch.softmax(s, dim=-1).to(value.dtype)
+    o = torch.matmul(p, value).view(B, H, q, D).transpose(1, 2).contiguous()
+    return o, None
+
+
 #: the ``DecodeKV`` ``cache_attention`` reads; set only around a decode step's forward (``active_kv``)
 _ACTIVE: list = [None]
 
@@ -279,8 +301,6 @@ def cache_attention(module, query, key, value, attention_mask=None, scaling=None
     ``DecodeKV.mask`` (``attention_mask`` is ignored). Returns ``((b, 1, H, D), None)``. Not traced by
     ``torch.compile``: the window's shape stays out of the compiled code's guards.
     """
-    from trainers.generation import gqa_decode_attention
-
     kv = _ACTIVE[0]
     if kv is None:
         raise RuntimeError(f"{KV_ATTN_NAME} attention called outside a decode step (no active DecodeKV)")
@@ -289,7 +309,8 @@ def cache_attention(module, query, key, value, attention_mask=None, scaling=None
 
 
 def register_kv_attention() -> bool:
-    try:
+    """Register ``cache_attention`` with transformers as ``KV_ATTN_NAME``; False (and a warning) if it cannot."""
+    try:  # inside the try: a transformers without AttentionInterface keeps the model's own attention
         from transformers import AttentionInterface
 
         AttentionInterface.register(KV_ATTN_NAME, cache_attention)
@@ -319,15 +340,13 @@ def decode_layers_compiled(model, b: int):
     ``compiled_batch_sizes``); dynamo's recompile limit is raised to hold them all next to the training
     compile's entries. Raises ``ValueError`` if the model has no ``model.layers``.
     """
-    import torch._dynamo
+    import torch._dynamo  # ~1 s to import, only with decode_compile on
 
     layers = _layers(model)
     if not layers:
         raise ValueError("decode_compile: the model has no model.layers to compile")
     comp = getattr(model, "_opd_decode_compiled", None)
     if comp is None:
-        from trainers.guards import guarded_compile
-
         # a compile error (at torch.compile or a first call): one line, then the eager forward
         comp = guarded_compile(type(layers[0]).forward, "decode_compile", dynamic=False)
         model._opd_decode_compiled = comp
@@ -354,5 +373,5 @@ def decode_layers_compiled(model, b: int):
                 layer.forward = fwd
 
 
-__all__ = ["DecodeKV", "attn_len", "batch_buckets", "window_path", "kv_peak_bytes", "cache_attention", "active_kv",
+__all__ = ["DecodeKV", "gqa_decode_attention", "attn_len", "batch_buckets", "window_path", "kv_peak_bytes", "cache_attention", "active_kv",
            "register_kv_attention", "decode_layers_compiled", "compiled_batch_sizes", "KV_ATTN_NAME"]

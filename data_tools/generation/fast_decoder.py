@@ -1,4 +1,5 @@
-"""Fast HF-model generation for on-policy training when vLLM is absent.
+"""Fast HF-model generation: the trainer's rollouts when vLLM is absent, and the ``hf`` engine of stage one and
+evaluation (``data_tools.generation.engines.HFEngine``).
 
 TRL's ``DistillationTrainer._generate_single_turn`` (HF path) calls ``model.generate`` with a dynamic
 KV cache and ``disable_compile=True``: every decode step pays the Python overhead of the generate
@@ -11,7 +12,7 @@ the first EOS, EOS included) and decodes the whole batch in one call:
 
 - all samples of the batch (G per prompt, prompts repeated consecutively) share one prefill call
   and one decode loop;
-- a static KV cache (``trainers.decode_kv.DecodeKV``: one K and one V tensor per layer, written at a
+- a static KV cache (``kv_cache.DecodeKV``: one K and one V tensor per layer, written at a
   position buffer, so the same code serves every transformers version's cache protocol) whose length is
   rounded up to ``len_bucket``, so the decode step has fixed shapes across calls; the prefill runs the
   model's own attention (sdpa for flash-attention models) under an additive 4-D mask;
@@ -21,19 +22,18 @@ the first EOS, EOS included) and decodes the whole batch in one call:
   the model and reused while the weights keep their storage (in-place optimizer updates do);
 - decode attention over the static cache is a grouped-query kernel that reads each KV head once
   (HF's SDPA path with a mask repeats the KV heads to all query heads every step), called from
-  ``decode_kv.cache_attention``, which also writes the new token's K/V;
+  ``kv_cache.cache_attention``, which also writes the new token's K/V;
 - ``compaction`` (``OPDConfig.decode_compaction``): the decode attention reads only the written length
   rounded up to a bucket, and finished rows are dropped by moving the live ones into a smaller batch
-  bucket, one captured graph per (batch, length) window (``trainers.decode_kv``);
+  bucket, one captured graph per (batch, length) window (``data_tools.generation.kv_cache``);
 - ``compile_step`` (``OPDConfig.decode_compile``): the decode step's decoder layers are ``torch.compile``d
   (once per batch bucket) and captured inside the same CUDA graphs;
 - ``kv_growth`` (``OPDConfig.decode_kv_growth``, with ``compaction``): the KV cache holds only the window, its
   length grown with the length bucket and its rows shrunk at each compaction, so its memory peaks at
-  ``max over windows (b x cap) x bytes per token`` instead of ``B x L x bytes per token`` (``trainers.decode_kv``).
+  ``max over windows (b x cap) x bytes per token`` instead of ``B x L x bytes per token`` (``data_tools.generation.kv_cache``).
 
-Under FSDP2 (``fully_shard``, e.g. accelerate's ``fsdp_version: 2``) ``fsdp2_full_weights`` all-gathers
-the student's weights once per generation call and detaches FSDP's forward hooks for the call, so the
-decode loop (and its captured graph) runs on whole weights with no per-layer, per-token collectives.
+The trainer's side (the drop-in for TRL's HF branch, FSDP2's whole weights for the call) is in
+``trainers.fast_generation``.
 
 On CPU (tests) the same step function runs eagerly. Sampling follows HF's order (min-new-tokens
 EOS suppression, temperature, top-k, top-p, min-p); greedy decoding matches ``model.generate``.
@@ -47,9 +47,13 @@ import contextlib
 import inspect
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
+
+from data_tools.generation.kv_cache import (KV_ATTN_NAME, DecodeKV, active_kv, attn_len, batch_buckets,
+                                            compiled_batch_sizes, decode_layers_compiled, register_kv_attention)
 
 log = logging.getLogger(__name__)
 
@@ -86,24 +90,6 @@ def sampling_params_from(gc) -> SamplingParams | None:
                           top_p=1.0 if gc.top_p is None else float(gc.top_p), min_p=gc.min_p)
 
 
-def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of a few new queries over a static cache, grouped by KV head (no KV repeat).
-
-    query ``(B, H, q, D)``, key/value ``(B, KVH, L, D)``, attention_mask additive ``(B, 1, q, L)`` float.
-    Returns ``((B, q, H, D), None)`` like HF's attention functions.
-    """
-    B, H, q, D = query.shape
-    kvh = key.shape[1]
-    rep = H // kvh
-    scaling = D ** -0.5 if scaling is None else scaling
-    qg = query.reshape(B, kvh, rep * q, D)  # query head h = kvh_index * rep + r
-    s = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling  # (B, kvh, rep*q, L)
-    if attention_mask is not None:
-        m = attention_mask[:, :, :, : key.shape[-2]]
-        s = (s.view(B, kvh, rep, q, -1) + m.unsqueeze(2).float()).view(B, kvh, rep * q, -1)
-    p = torch.softmax(s, dim=-1).to(value.dtype)
-    o = torch.matmul(p, value).view(B, H, q, D).transpose(1, 2).contiguous()
-    return o, None
 
 
 def sample_next(logits: torch.Tensor, sp: SamplingParams, eos: torch.Tensor, allow_eos: torch.Tensor | None):
@@ -173,8 +159,6 @@ class _DecodeState:
     def __init__(self, model, B: int, L: int, N: int, sp: SamplingParams, eos: torch.Tensor, pad_id: int,
                  use_graph: bool, use_gqa: bool, compiled: bool, forcing: bool, record_logprobs: bool = False,
                  kv_growth: bool = False):
-        from trainers.decode_kv import DecodeKV
-
         dev = next(model.parameters()).device
         self.model, self.B, self.L, self.N, self.sp = model, B, L, N, sp
         self.use_graph, self.use_gqa, self.compiled, self.forcing = use_graph, use_gqa, compiled, forcing
@@ -214,8 +198,6 @@ class _DecodeState:
 
     # one decode step over the window (kv.b, kv.lb): everything on device, in place on the static buffers
     def step(self):
-        from trainers.decode_kv import KV_ATTN_NAME, active_kv, decode_layers_compiled
-
         m, kv = self.model, self.kv
         b = kv.b
         kv.pos = self.write_pos
@@ -325,7 +307,7 @@ class FastGenerator:
         len_bucket: the static cache length P + N is rounded up to a multiple of this, so calls with
             nearby prompt lengths reuse the captured step.
         use_cuda_graph: None = on CUDA devices.
-        gqa_attention: decode with ``gqa_decode_attention`` (True) or the model's own attention.
+        gqa_attention: decode with ``kv_cache.gqa_decode_attention`` (True) or the model's own attention.
         check_every: decode steps between "all sequences finished?" checks (the only host syncs; with
             ``compaction`` also where the batch is compacted).
         keep_cache: keep the static KV cache and captured graphs between calls (no re-capture, but the
@@ -333,7 +315,7 @@ class FastGenerator:
             update phase). False (default): free them after each call and capture again next call
             (one eager step + a capture per window, tens of milliseconds each), so training peaks no higher
             than TRL's.
-        compaction: stop paying for finished rows and unwritten positions (``trainers.decode_kv``): the
+        compaction: stop paying for finished rows and unwritten positions (``data_tools.generation.kv_cache``): the
             decode attention reads ``[:lb]`` (``attn_len`` buckets of ``attn_bucket``), and at a check the
             live rows are moved to the smallest batch bucket (halvings of B, down to ``min_batch_bucket``)
             that holds them. One CUDA graph per window ``(b, lb)`` met. Greedy tokens equal compaction off.
@@ -344,7 +326,7 @@ class FastGenerator:
             ``(b, KVH, cap, D)`` per layer with ``cap`` the window's length bucket (grown when a step needs more)
             and ``b`` its batch bucket (a compaction allocates the ``nb`` rows and frees the old storage), instead
             of ``(B, KVH, L, D)`` for the whole call. The cache then peaks at ``max over windows (b x cap) x
-            kv_token_bytes`` (``trainers.decode_kv``; 10.5 GiB instead of 28.9 GiB on issue 15's realistic
+            kv_token_bytes`` (``data_tools.generation.kv_cache``; 10.5 GiB instead of 28.9 GiB on issue 15's realistic
             batch), for one copy of the live rows' written KV per reallocation (about 30 a call) and an
             ``empty_cache`` after each. Reallocations happen between windows, never inside a capture; a graph
             captured on a replaced storage is never replayed. Same tokens as off (greedy and seeded sampling).
@@ -365,8 +347,6 @@ class FastGenerator:
                  compaction: bool = False, compile_step: bool = False, attn_bucket: int = 256,
                  min_batch_bucket: int = 8, capture_error_mode: str = "global", stop_event=None,
                  kv_growth: bool = False, capture_lock=None):
-        from trainers.decode_kv import register_kv_attention
-
         self.pad_id = int(pad_token_id)
         self.eos_ids = [int(e) for e in ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or [])]
         self.len_bucket = max(1, int(len_bucket))
@@ -452,8 +432,6 @@ class FastGenerator:
             return (empty, [[] for _ in prompt_ids]) if return_logprobs else empty
         if forced_lengths is not None and (len(forced_lengths) != B or not self.eos_ids):
             raise ValueError("forced_lengths needs one length per prompt and an EOS id")
-        from trainers.decode_kv import attn_len
-
         P = max(len(p) for p in prompt_ids)
         L = int(math.ceil((P + N) / self.len_bucket) * self.len_bucket)
         use_graph = dev.type == "cuda" if self.use_cuda_graph is None else (self.use_cuda_graph and dev.type == "cuda")
@@ -531,10 +509,6 @@ class FastGenerator:
 
     def _decode(self, st: _DecodeState, N: int, P: int) -> None:
         """Decode steps 1..N-1: a check every ``check_every`` steps (all finished? compact?), then one step."""
-        import time
-
-        from trainers.decode_kv import attn_len, batch_buckets, compiled_batch_sizes
-
         kv = st.kv
         buckets = batch_buckets(st.B, self.min_batch_bucket) if self.compaction else [st.B]
         last = {"steps": 0, "row_steps": 0, "attn_row_tokens": 0, "graphs": 0, "compactions": 0, "capture_s": 0.0,
@@ -618,182 +592,5 @@ def generator_for(model, pad_token_id: int, eos_token_ids, **kw) -> FastGenerato
     return g
 
 
-class FSDPHooksNotFound(RuntimeError):
-    """``fsdp2_full_weights`` could not identify FSDP2's forward hooks (an FSDP2 internal changed)."""
-
-
-def _fsdp2_modules(model) -> list:
-    """The modules of ``model`` sharded by FSDP2 ``fully_shard`` (root included), or [] without FSDP2."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _hook_of(hook, state) -> bool:
-    """True if ``hook`` is a bound method of ``state`` or a ``functools.wraps`` wrapper of one.
-
-    FSDP2 registers ``state._pre_forward`` / ``state._post_forward`` directly on a module sharded alone and
-    wrapped (``functools.wraps``, ``_dynamo_disable``) on the modules of a grouped ``fully_shard([a, b])``.
-    """
-    for _ in range(16):
-        if hook is None:
-            return False
-        if getattr(hook, "__self__", None) is state:
-            return True
-        hook = getattr(hook, "__wrapped__", None)
-    return False
-
-
-@contextlib.contextmanager
-def fsdp2_full_weights(model):
-    """Run an FSDP2-sharded ``model`` as a plain module on its full weights for the ``with`` block.
-
-    On entry: FSDP2's forward pre/post hooks are detached from every ``FSDPModule`` of ``model`` and each
-    one's parameters are all-gathered **once** (``FSDPModule.unshard()``, not recursive, so called on every
-    sharded module; the unsharded parameters follow the ``MixedPrecisionPolicy``, i.e. bf16 under
-    accelerate's bf16 config, and are registered on the modules as plain tensors). Inside, a forward runs
-    no FSDP code at all: no all-gather / reshard per layer per decode step, no stream syncs or input casts
-    (the weights already have the compute dtype), so every rank may run a different number of forwards
-    (its own decode length) without a collective. On exit (also on error): the hooks are put back in
-    their original order and every module is resharded (``FSDPModule.reshard()``: the gathered copies are
-    freed, the DTensor shards are registered again). Call it between optimizer steps, under ``no_grad``:
-    FSDP state between a forward and its backward is not preserved. Without FSDP2 modules it does nothing.
-
-    Raises ``FSDPHooksNotFound`` on entry (with nothing changed) if a module's FSDP hooks cannot be found.
-    """
-    mods = _fsdp2_modules(model)
-    if not mods:
-        yield model
-        return
-    detached: list[tuple[dict, list]] = []  # (a module's hook dict, its items before)
-    try:
-        for m in mods:
-            state = m._get_fsdp_state()
-            found = 0
-            for hooks in (m._forward_pre_hooks, m._forward_hooks):
-                before = list(hooks.items())
-                keep = [(k, h) for k, h in before if not _hook_of(h, state)]
-                if len(keep) < len(before):
-                    detached.append((hooks, before))
-                    hooks.clear()
-                    hooks.update(keep)  # same dict object: RemovableHandles keep a reference to it
-                    found += len(before) - len(keep)
-            if not found:
-                raise FSDPHooksNotFound(f"no FSDP2 forward hooks found on {type(m).__name__}")
-        for m in mods:  # one all-gather per FSDP parameter group (a grouped module's second call is a no-op)
-            m.unshard()
-        yield model
-    finally:
-        for hooks, before in reversed(detached):
-            added = [(k, h) for k, h in hooks.items() if k not in dict(before)]
-            hooks.clear()
-            hooks.update(before)
-            hooks.update(added)
-        for m in mods:  # no-op for a module whose parameters are already sharded
-            m.reshard()
-
-
-def fast_path_unsupported(trainer) -> str | None:
-    """Why ``fast_generate_single_turn`` cannot run under ``trainer``'s distributed setup; None if it can.
-
-    FSDP1 can only materialise full weights with ``summon_full_params``, inside which no forward may run
-    (its wrappers' forward is the sharding logic), and ZeRO-3 gathers inside each module's hooks: both
-    keep TRL's HF generate. FSDP2 (``fsdp2_full_weights``), DDP and ZeRO-1/2 take the fast path.
-    """
-    state = trainer.accelerator.state
-    ds = getattr(state, "deepspeed_plugin", None)
-    if ds is not None and getattr(ds, "zero_stage", 0) == 3:
-        return "DeepSpeed ZeRO-3"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        version = getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1)
-        if version != 2:
-            return f"FSDP version {version} (only FSDP2 is supported)"
-    return None
-
-
-_warned_hooks = False
-
-
-def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list[int]] | None:
-    """Drop-in for ``DistillationTrainer._generate_single_turn``'s HF branch (text-only prompts).
-
-    Returns None when the fast path does not apply (then call TRL's path): a generation config feature
-    ``FastGenerator`` lacks, or a setup ``fast_path_unsupported`` names (FSDP1, ZeRO-3).
-
-    Under FSDP2 the student's weights are gathered once for the call (``fsdp2_full_weights``) instead of
-    per layer per decode token in FSDP's hooks. The CUDA graph stays on: the gathered weights live at new
-    addresses after every all-gather, but the captured step is only replayed while ``_weights_key`` (the
-    parameters' ``data_ptr``s) matches the capture, and the default ``keep_cache=False`` re-captures on
-    every call anyway; the graph contains no FSDP code (hooks detached) and no collective, so each rank
-    replays it independently. DDP and ZeRO-1/2 keep whole weights at fixed addresses.
-    """
-    global _warned_hooks
-    from trl.models.utils import unwrap_model_for_generation
-
-    sp = sampling_params_from(trainer.generation_config)
-    if sp is None or fast_path_unsupported(trainer) is not None:
-        return None
-    with contextlib.ExitStack() as stack:
-        unwrapped = stack.enter_context(unwrap_model_for_generation(
-            trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=trainer.generation_kwargs,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs))
-        stack.enter_context(torch.no_grad())
-        try:
-            stack.enter_context(fsdp2_full_weights(unwrapped))
-        except FSDPHooksNotFound as e:
-            if not _warned_hooks:
-                log.warning("fast generation off under FSDP2 (%s): using TRL's HF generate", e)
-                _warned_hooks = True
-            return None
-        args = trainer.args
-        gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
-                            **decode_options(getattr(args, "decode_compaction", False),
-                                             getattr(args, "decode_compile", False),
-                                             getattr(args, "decode_kv_growth", False)))
-        return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
-
-
-__all__ = ["SamplingParams", "sampling_params_from", "FastGenerator", "decode_options", "generator_for",
-           "fast_generate_single_turn", "fast_path_unsupported", "fsdp2_full_weights", "FSDPHooksNotFound", "gqa_decode_attention", "sample_next",
-           "sampled_logprob", "group_runs"]
-
-
-def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
-    """Regional ``torch.compile`` of a causal LM's decoder layers (one compiled function, all layers).
-
-    Compiling the repeated block rather than the whole model keeps compile time to one layer's
-    graph (~8 s on an H200 for Qwen2.5-1.5B) and works with gradient checkpointing. Measured in
-    ``bench/RESULTS.md`` (run 2): update phase 1.21x TRL's tokens/s at 0.91x its peak memory.
-
-    Args:
-        model: a transformers causal LM whose layers are ``model.model.layers``.
-        only_with_grad: run eagerly under ``no_grad`` (the student's generation keeps its own
-            CUDA-graph decode path) and compiled when gradients are on (training forward and the
-            checkpoint recompute); ``False`` for the frozen teacher, which only ever scores.
-
-    Returns:
-        True if the layers were wrapped, False if the model has no ``model.layers`` to compile. A compile error
-        (``torch.compile`` or the first call of a shape) is not raised: one line, then the eager forward
-        (``trainers.guards.guarded_compile``).
-    """
-    import torch._dynamo
-
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not layers:
-        return False
-    # one guard set per layer instance (distinct `self`): raise the cache so 28+ layers all fit
-    torch._dynamo.config.cache_size_limit = max(64, 2 * len(layers), torch._dynamo.config.cache_size_limit)
-    fn = type(layers[0]).forward
-    from trainers.guards import guarded_compile
-
-    comp = guarded_compile(fn, "compile_layers", dynamic=False)  # a compile error: one line, then eager
-    for layer in layers:
-        def fwd(*a, _layer=layer, **k):
-            if only_with_grad and not torch.is_grad_enabled():
-                return fn(_layer, *a, **k)
-            return comp(_layer, *a, **k)
-        layer.forward = fwd
-    return True
+__all__ = ["SamplingParams", "sampling_params_from", "FastGenerator", "decode_options", "generator_for", "sample_next",
+           "sampled_logprob", "group_runs", "attn_implementation"]

@@ -1,0 +1,61 @@
+"""One-line fallbacks: a path that cannot be tested in advance is checked where it starts and, if it fails, replaced
+by the tested path with one logged line (``say_once``).
+
+``guarded_compile`` (the decoder's ``decode_compile``, the trainer's ``compile_layers``) wraps a ``torch.compile``d
+function so that an error while compiling it (``torch.compile`` itself, or dynamo / inductor at a call, where
+compilation happens) logs one line and runs the eager function from then on; out-of-memory errors are re-raised, not
+hidden. The trainer's vLLM colocate probe (``trainers.guards``) says its fallback with ``say_once`` too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_said: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """Log ``message`` as a warning once per process (a fallback's one line)."""
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+def first_line(e: BaseException) -> str:
+    """``"<type>: <first line of the message>"`` (200 characters at most): an error named in one line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def guarded_compile(eager, what: str, compiled=None, **compile_kw):
+    """``torch.compile(eager, **compile_kw)`` (or ``compiled``) behind a fallback to ``eager``.
+
+    If ``torch.compile`` raises, or a call of the compiled function raises anything but an out-of-memory error,
+    ``what`` is named in one logged line and ``eager`` runs from then on (that call included). A genuine error of
+    the function then surfaces from the eager call. Returns the wrapper; ``wrapper.state["failed"]`` says whether it fell back.
+    """
+    state = {"fn": compiled, "failed": False}
+    if compiled is None:
+        try:
+            state["fn"] = torch.compile(eager, **compile_kw)
+        except Exception as e:  # noqa: BLE001
+            state["failed"] = True
+            say_once(f"{what}: torch.compile failed ({first_line(e)}); running eagerly")
+
+    def call(*args, **kwargs):
+        if not state["failed"]:
+            try:
+                return state["fn"](*args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - compile errors surface at the first call of a shape
+                state["failed"] = True
+                say_once(f"{what}: the compiled function failed ({first_line(e)}); running eagerly from now on")
+        return eager(*args, **kwargs)
+
+    call.state = state
+    return call
