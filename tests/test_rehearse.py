@@ -132,7 +132,7 @@ def test_cpu_miniature_of_the_formal_rehearsal(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "OPD_NUM_PROCESSES", "CKPT_DIR",
                                                              "EVAL_PROTOCOLS", "OPD_REHEARSAL_VERIFIED")}
     env.update(STUDENT_MODEL=str(models / "student"), TEACHER_MODEL=str(models / "teacher"),
-               TRAIN_DATA="synth:train:200", OUTPUT_DIR=str(tmp_path / "run"), REHEARSAL_SECONDS="720")
+               TRAIN_DATA="synth:train:200", OUTPUT_DIR=str(tmp_path / "run"), REHEARSAL_SECONDS="600")
     r = subprocess.run(["bash", "run.sh", "r1_distill_1p5b", "--rehearse"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=1500)
     log = r.stdout + r.stderr
