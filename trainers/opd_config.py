@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from trl import DistillationConfig
 
+from data_tools.clock import DEFAULT_MAX_WALL_S, DEFAULT_RESERVE_S
 from trainers.heads import HEAD_KERNELS, liger_unavailable
 from trainers.sampler import MODES as CURRICULUM_MODES
 
@@ -50,9 +51,9 @@ class OPDConfig(DistillationConfig):
     curriculum_path: str | None = field(default=None, metadata={
         "help": "Stage one's curriculum parquet; default <output_dir>/curate/curriculum.parquet. (TRAIN_DATA names the "
                 "raw problems that stage one reads, so it does not set this.)"})
-    max_wall_time_seconds: float = field(default=43200.0, metadata={
+    max_wall_time_seconds: float = field(default=DEFAULT_MAX_WALL_S, metadata={
         "help": "Contract MAX_WALL_TIME_SECONDS: wall-clock budget of the whole process, counted from its start."})
-    deadline_reserve_seconds: float = field(default=600.0, metadata={
+    deadline_reserve_seconds: float = field(default=DEFAULT_RESERVE_S, metadata={
         "help": "Contract DEADLINE_RESERVE_SECONDS: kept free at the end for the final checkpoint; training stops "
                 "at max_wall_time_seconds - deadline_reserve_seconds."})
     ckpt_dir: str | None = field(default=None, metadata={
