@@ -119,7 +119,7 @@ def build_data(cfg: LearningConfig) -> dict[str, Path]:
     write_parquet(train, paths["train"])
     write_parquet(test, paths["test"])
 
-    def curriculum(rows: list[dict]) -> list[dict]:  # stage one's schema (trainers.opd_trainer.load_curriculum)
+    def curriculum(rows: list[dict]) -> list[dict]:  # stage one's schema (trainers.data.load_curriculum)
         return [dict(problem_id=r["problem_id"], problem=r["problem"], answer=r["answer"], reference=r["solution"],
                      bucket=int(r.get("level") or 0) if str(r.get("level") or "").isdigit() else 0,
                      curriculum_index=i, prompt_style=cfg.prompt_style, source=r.get("source") or cfg.task)

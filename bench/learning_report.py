@@ -1,7 +1,7 @@
 """Reports of bench/learning.py: per-mark summaries, paired differences, results.md, the plot.
 
 Reads ``<out>/evals/*.parquet`` (one row per mark x problem x sample); ``cfg`` is a
-``bench.learning.LearningConfig`` (its ``label`` names arms, its marks and filters shape the tables).
+``bench.learning_config.LearningConfig`` (its ``label`` names arms, its marks and filters shape the tables).
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ import os
 import re
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from bench.learning_config import ARM_SPECS, HANDOVER_MARK
+from bench.learning_config import ARM_SPECS, HANDOVER_MARK, LearningConfig
 
-if TYPE_CHECKING:
-    from bench.learning import LearningConfig
 
 def summarize_mark(rows: list[dict], answer_filter: str | None = None) -> dict:
     """avg@k, its standard error over problems, clip rate and mean completion tokens of one mark's rows.

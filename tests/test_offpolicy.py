@@ -54,7 +54,7 @@ def test_sft_share_and_time_share():
 
 
 def test_dataset_carries_teacher_solution(tmp_path, tokenizer):  # noqa: F811
-    from trainers.opd_trainer import build_train_dataset, load_curriculum
+    from trainers.data import build_train_dataset, load_curriculum
 
     ds = build_train_dataset(load_curriculum(solved_curriculum(tmp_path)), tokenizer)
     assert ds["teacher_solution"][0].endswith("\\boxed{1}.") and ds["teacher_solution"][1] == ""

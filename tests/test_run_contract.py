@@ -240,7 +240,7 @@ def test_one_long_step_crossing_both_hedges_saves_once():
 
 
 def test_hedge_fractions_validated_against_ckpt_keep(tmp_path):
-    from trainers.opd_trainer import OPDConfig
+    from trainers.opd_config import OPDConfig
 
     with pytest.raises(ValueError, match="ckpt_keep"):
         OPDConfig(output_dir=str(tmp_path), ckpt_keep=2, ckpt_hedge_fractions=[0.8, 0.9], report_to="none")

@@ -1,7 +1,7 @@
 """``OPDConfig``: the configuration of ``OPDTrainer`` and ``python -m stages.train`` (fields, help, checks).
 
 Extends TRL 1.16's ``DistillationConfig``; every field has help text (``python -m stages.train --help``)
-and is checked in ``_validate``. Re-exported by ``trainers.opd_trainer``.
+and is checked in ``_validate``.
 """
 
 from __future__ import annotations

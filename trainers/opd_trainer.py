@@ -28,7 +28,7 @@ What this subclass adds (issue 3, design.md section 5):
   per-step metrics, rollout parquet files, a non-finite guard.
 
 ``OPDConfig`` lives in ``trainers.opd_config``, the curriculum loading and the rollout schema in
-``trainers.data``, the model loading and checks in ``trainers.model_utils``; all are re-exported here.
+``trainers.data``, the model loading and checks in ``trainers.model_utils``; import each from its module.
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ from data_tools.runio import write_json
 from trainers import async_rollouts, heads, losses, offpolicy
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
-from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  # noqa: F401 - re-exported
-from trainers.model_utils import (  # noqa: F401
-    StepMemory, check_same_tokenizer, load_models, logit_transform, vllm_usable)
+from trainers.data import ROLLOUT_SCHEMA
+from trainers.model_utils import StepMemory, check_same_tokenizer, logit_transform, vllm_usable
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
 from trainers.schedules import adam_update_sumsq
@@ -815,5 +814,4 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         return dest
 
 
-__all__ = ["OPDConfig", "OPDTrainer", "build_train_dataset", "load_curriculum", "check_same_tokenizer",
-           "load_models", "NonFiniteError"]
+__all__ = ["OPDTrainer", "NonFiniteError", "CLOCK_STATE"]
