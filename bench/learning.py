@@ -25,10 +25,10 @@ evaluated at the same marks on the same held-out problems:
     h  combined, full KL        as f with the full-vocabulary reverse KL (kl_mode full)
     i  combined, hint teacher   as f with g's teacher: off-policy verified solutions early, then on-policy
                                 distillation from the self-teacher that reads the solution and the stated answer
-    j  sequential               SFT on stage one's verified solutions for seq_sft_epochs passes
-                                (OPDConfig.sft_max_epochs), then distillation + reward for the rest of the clock
+    j  sequential               SFT on stage one's verified solutions for sft_max_epochs passes,
+                                then distillation + reward for the rest of the clock
 
-An arm runs at ``lr`` unless ``--arm_lr`` or an ``x@lr`` entry of ``--arms`` says otherwise, once per
+An arm runs at ``learning_rate`` unless ``--arm_lr`` or an ``x@lr`` entry of ``--arms`` says otherwise, once per
 ``--seeds`` entry; the run's name (``f@3e-05-s1``) names its files. The start is the raw student, or with
 ``start_sft_s`` / ``start_sft_steps`` a mid-trained one; the teacher is the start plus more SFT on the
 reference solutions (of ``teacher_n_train`` problems when set: the arms' training problems and more that no arm
@@ -75,7 +75,8 @@ from bench.learning_report import report, summarize_mark  # noqa: E402 - after t
 
 from bench.learning_clock import _free, train  # noqa: E402
 from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
-    ARM_SPECS, ARMS, HANDOVER_MARK, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings)
+    ARM_SPECS, ARMS, HANDOVER_MARK, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings,
+    refuse_renamed_flags, upgrade_settings)
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -119,7 +120,7 @@ def build_data(cfg: LearningConfig) -> dict[str, Path]:
     write_parquet(train, paths["train"])
     write_parquet(test, paths["test"])
 
-    def curriculum(rows: list[dict]) -> list[dict]:  # stage one's schema (trainers.opd_trainer.load_curriculum)
+    def curriculum(rows: list[dict]) -> list[dict]:  # stage one's schema (trainers.data.load_curriculum)
         return [dict(problem_id=r["problem_id"], problem=r["problem"], answer=r["answer"], reference=r["solution"],
                      bucket=int(r.get("level") or 0) if str(r.get("level") or "").isdigit() else 0,
                      curriculum_index=i, prompt_style=cfg.prompt_style, source=r.get("source") or cfg.task)
@@ -151,8 +152,8 @@ def _yaml(recipe: dict, dest: Path) -> Path:
     return write_text(yaml.safe_dump(recipe, sort_keys=False), dest)
 
 
-def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Path, out_dir: Path, lr: float,
-                 seed: int) -> dict:
+def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Path, out_dir: Path,
+                 learning_rate: float, seed: int) -> dict:
     """The ``stages.train`` config (``OPDConfig`` fields) of an arm (``ARM_SPECS``); ``arm="sft"`` is SFT only on
     the reference solutions (``SFT_REFERENCE``: the start, the teacher).
 
@@ -167,8 +168,9 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
              curriculum_path=str(curriculum), output_dir=str(out_dir), experiment_name=f"learning-{out_dir.name}",
              teacher_context="privileged" if spec.teacher == "self" else "teacher", kl_mode=spec.kl_mode,
              w_kl=spec.w_kl, w_reward=spec.w_reward, num_generations=cfg.num_generations,
-             per_device_train_batch_size=cfg.completions_per_step, gradient_accumulation_steps=1, learning_rate=lr,
-             lr_scheduler_type="constant", max_completion_length=cfg.max_new_tokens, temperature=cfg.train_temperature,
+             per_device_train_batch_size=cfg.per_device_train_batch_size, gradient_accumulation_steps=1,
+             learning_rate=learning_rate, lr_scheduler_type="constant", max_completion_length=cfg.max_completion_length,
+             temperature=cfg.temperature,
              prompt_style=cfg.prompt_style, curriculum="shuffled", seed=seed, model_dtype="float32",
              answer_filter=cfg.answer_filter, sft_batch_size=cfg.sft_batch_size, max_grad_norm=1.0,
              # the arm's own clock (MarkClock) ends training; the product's deadline never fires
@@ -182,8 +184,8 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
     if spec.off_policy == "mix":
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if spec.off_policy == "seq":  # SFT steps until the cap, then on-policy (the cap ends the off-policy steps)
-        r.update(sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=cfg.seq_sft_epochs,
-                 sft_learning_rate=cfg.seq_sft_lr or None, sft_handover_reset=cfg.seq_handover_reset or None)
+        r.update(sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=cfg.sft_max_epochs,
+                 sft_learning_rate=cfg.sft_learning_rate or None, sft_handover_reset=cfg.sft_handover_reset or None)
     if not torch.cuda.is_available():
         r["use_cpu"] = True
     return {k: v for k, v in r.items() if v is not None}
@@ -195,7 +197,7 @@ def protocol(cfg: LearningConfig) -> Path:
     n = len(read_rows(cfg.dir / "data" / "test.parquet"))
     return _yaml(dict(protocol="learning_heldout", version=1, description=f"bench/learning.py held-out set ({cfg.task})",
                       eval_data=str(cfg.dir / "data" / "test.parquet"), n_samples=cfg.eval_samples,
-                      max_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, top_p=1.0, seed=cfg.seed + 7919,
+                      max_tokens=cfg.max_completion_length, temperature=cfg.eval_temperature, top_p=1.0, seed=cfg.seed + 7919,
                       prompt_style=cfg.prompt_style, n_problems=n, answer_filter=f"opd_{cfg.answer_filter}_grader"),
                  cfg.dir / "protocol.yaml")
 
@@ -294,7 +296,7 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     shutil.rmtree(work, ignore_errors=True)
     cur = [{**r, "teacher_solution": r["reference"]} for r in read_rows(data[curriculum])]
     recipe = train_recipe(cfg, "sft", student=src, curriculum=write_parquet(cur, work / "curriculum.parquet"),
-                          out_dir=work, lr=cfg.teacher_lr, seed=cfg.seed)
+                          out_dir=work, learning_rate=cfg.teacher_lr, seed=cfg.seed)
     t0 = time.time()
     (s,) = train(cfg, _yaml(recipe, work / "train.yaml"), [seconds], max_steps=steps)
     shutil.rmtree(dest, ignore_errors=True)
@@ -377,7 +379,7 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
     from data_tools.runio import write_text
 
     arm, lr, seed = cfg.parse_run(name)
-    cfg = dataclasses.replace(cfg, lr=lr, seed=seed)
+    cfg = dataclasses.replace(cfg, learning_rate=lr, seed=seed)
     student_path = start_path(cfg)
     out = cfg.dir / "arms" / name
     shutil.rmtree(out, ignore_errors=True)  # a run cut short starts again
@@ -433,7 +435,8 @@ def arm_recipe(cfg: LearningConfig, name: str) -> dict:
     student = start_path(cfg)
     own = ARM_SPECS[arm].off_policy or ARM_SPECS[arm].stated_answer
     cur = cfg.dir / "arms" / name / "curriculum.parquet" if own else cfg.dir / "data" / "curriculum.parquet"
-    return train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name, lr=lr, seed=seed)
+    return train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name, learning_rate=lr,
+                        seed=seed)
 
 
 def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict] | None) -> Path:
@@ -493,7 +496,7 @@ def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
     recipe = _yaml(dict(train_data=str(cfg.dir / "data" / "train.parquet"), limit=cfg.stage_one_problems,
                         student_model=start_path(cfg), teacher_model=str(cfg.dir / "teacher"),
                         teacher_context="teacher", prompt_style=cfg.prompt_style, teacher_samples=k, student_samples=1,
-                        max_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, top_p=1.0,
+                        max_tokens=cfg.max_completion_length, temperature=cfg.eval_temperature, top_p=1.0,
                         answer_filter=cfg.answer_filter, seed=settings["seed"] + 104729, engine=cfg.engine,
                         dtype="float32", max_model_len=1024, chunk_size=max(1, cfg.eval_batch // k),
                         zero_pass_share=1.0, output_dir=str(work)), work / "curate.yaml")
@@ -557,6 +560,7 @@ def _parse(argv):
     parser.add_argument("--pool_from", default="",
                         help="--stage pool: comma-separated run directories (e.g. packed tables of a later lease) "
                              "whose arm runs join --out's.")
+    refuse_renamed_flags(argv)
     cfg, extra = parser.parse_args_into_dataclasses(args=argv)
     return cfg, extra
 
@@ -596,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(kept, dict):
             print(f"bench.learning: {saved} cannot be read as the run's settings (a JSON object): {kept}",
                   file=sys.stderr)
+            return 2
+        try:
+            kept = upgrade_settings(kept, saved)  # a run recorded under the settings' old names
+        except ValueError as e:
+            print(f"bench.learning: {e}", file=sys.stderr)
             return 2
         # runs made before these settings existed graded rewards with math-verify equivalence only
         kept.setdefault("answer_filter", "math")

@@ -98,7 +98,7 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
     from data_tools.config import parse_config
     from stages.train import run as train_stage
     from trainers.callbacks import export_checkpoint
-    from trainers.opd_trainer import OPDConfig
+    from trainers.opd_config import OPDConfig
 
     (args,) = parse_config([OPDConfig], ["--config", str(recipe)], env={})  # env={}: the recipe alone decides
     saved: list[dict] = []

@@ -24,8 +24,8 @@ class Arm:
     start reading the reference solution (``teacher_context="privileged"``), None = no teacher. ``off_policy``:
     ``""`` none; ``"sft"`` every step is cross-entropy on stage one's verified teacher solutions (SFT); ``"mix"``
     ``w_sft`` in on-policy steps plus the off-policy share schedule (``LearningConfig.w_sft``, ``sft_share_*``);
-    ``"seq"`` every step off-policy until ``LearningConfig.seq_sft_epochs`` passes over the solutions, then every
-    step on-policy (``OPDConfig.sft_max_epochs``).
+    ``"seq"`` every step off-policy until ``LearningConfig.sft_max_epochs`` passes over the solutions, then every
+    step on-policy.
     Either needs stage one, which samples the trained teacher. ``stated_answer``: the privileged context's
     reference ends with the final answer stated.
     """
@@ -66,18 +66,18 @@ ARM_SPECS: dict[str, Arm] = {
              kl_mode="full"),
     "i": Arm("combined as f, with g's privileged self-teacher (solution and final answer)", 1.0, 1.0, "self",
              off_policy="mix", stated_answer=True),
-    "j": Arm("sequential: SFT on verified solutions for seq_sft_epochs passes, then OPD + reward", 1.0, 1.0, "trained",
+    "j": Arm("sequential: SFT on verified solutions for sft_max_epochs passes, then OPD + reward", 1.0, 1.0, "trained",
              off_policy="seq"),
     # j's order with one on-policy term each: which of j's two terms costs what after the hand-over
-    "k": Arm("sequential: SFT on verified solutions for seq_sft_epochs passes, then OPD only (w_reward=0)", 1.0, 0.0,
+    "k": Arm("sequential: SFT on verified solutions for sft_max_epochs passes, then OPD only (w_reward=0)", 1.0, 0.0,
              "trained", off_policy="seq"),
-    "l": Arm("sequential: SFT on verified solutions for seq_sft_epochs passes, then reward only (w_kl=0)", 0.0, 1.0,
+    "l": Arm("sequential: SFT on verified solutions for sft_max_epochs passes, then reward only (w_kl=0)", 0.0, 1.0,
              None, off_policy="seq"),
 }
 #: SFT on the reference solutions: how the mid-trained start and the teacher are made (not an arm)
 SFT_REFERENCE = Arm("SFT on reference solutions", 0.0, 0.0, None, off_policy="sft")
 ARMS = {k: v.label for k, v in ARM_SPECS.items()}
-#: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``lr``, then ``-s<seed>`` when its
+#: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``learning_rate``, then ``-s<seed>`` when its
 #: seed is not ``seed`` (``f@3e-05-s1``). The name is the file name of its evaluations.
 ARM_RUN = re.compile(r"([a-z])(?:@([0-9.]+(?:e[+-]?[0-9]+)?))?(?:-s([0-9]+))?")
 TASKS = ("ladder", "gsm8k")
@@ -85,8 +85,8 @@ TASKS = ("ladder", "gsm8k")
 #: (4 s of SFT, 16-token cap) verifies nothing, so arm d fine-tunes on all of its samples.
 PRESETS: dict[str, dict] = {
     "": {},
-    "cpu_smoke": dict(n_train=48, n_test=6, budget_s=6.0, marks="3,6", teacher_sft_s=4.0, completions_per_step=8,
-                      num_generations=4, max_new_tokens=16, eval_samples=2, stage_one_problems=16, sft_batch_size=8,
+    "cpu_smoke": dict(n_train=48, n_test=6, budget_s=6.0, marks="3,6", teacher_sft_s=4.0,
+                      per_device_train_batch_size=8, num_generations=4, max_completion_length=16, eval_samples=2, stage_one_problems=16, sft_batch_size=8,
                       eval_batch=64, sft_filter="none"),
 }
 SHARED = Path(os.environ.get("OPD_SHARED_DIR", ROOT.parent / "shared"))
@@ -101,25 +101,25 @@ class LearningConfig:
     arms: str = field(default="a,b,c,d,e", metadata={
         "help": "Comma-separated arms to run, in this order (see ARMS); 'f@3e-5' runs arm f at that learning rate."})
     arm_lr: str = field(default="", metadata={
-        "help": "Learning rates per arm, e.g. 'd=5e-5,f=3e-5' (arms not named, and not given as x@lr, use lr)."})
+        "help": "Learning rates per arm, e.g. 'd=5e-5,f=3e-5' (arms not named, and not given as x@lr, use learning_rate)."})
     seeds: str = field(default="", metadata={
         "help": "Comma-separated seeds: every arm runs once per seed (same data, start, teacher); empty = seed."})
     start_sft_s: float = field(default=0.0, metadata={
         "help": "Training seconds of SFT on the reference solutions that make the starting student (0 = the raw "
                 "model): regime (i) ~15 (in the teacher's format, about half its score), regime (ii) until SFT "
                 "gains little. The teacher is this start + teacher_sft_s more."})
-    w_sft: float = field(default=1.0, metadata={"help": "Arms f, h, i: OPDConfig.w_sft (cross-entropy on verified solutions in on-policy steps)."})
+    w_sft: float = field(default=1.0, metadata={"help": "Arms f, h, i: weight of the cross-entropy on verified solutions in on-policy steps (OPDConfig's)."})
     sft_share_start: float = field(default=0.8, metadata={"help": "Arms f, h, i: share of training seconds in off-policy steps at 0 s."})
     sft_share_end: float = field(default=0.2, metadata={"help": "Arms f, h, i: the same share at budget_s (linear in between)."})
-    seq_sft_epochs: float = field(default=2.0, metadata={
-        "help": "Arms j, k, l: passes of off-policy steps over stage one's verified solutions before every step is on-policy "
-                "(OPDConfig.sft_max_epochs)."})
-    seq_handover_reset: int = field(default=0, metadata={
-        "help": "Arms j, k, l: OPDConfig.sft_handover_reset (> 0: clear the optimizer's moments at the hand-over and "
-                "warm the rate up again over this many steps; 0 = carry them)."})
-    seq_sft_lr: float = field(default=0.0, metadata={
-        "help": "Arms j, k, l: the rate of their SFT passes (OPDConfig.sft_learning_rate, on the arm's schedule); 0 = the arm's "
-                "own rate for both phases. The formal recipe runs its SFT passes at 10x its on-policy rate."})
+    sft_max_epochs: float = field(default=2.0, metadata={
+        "help": "Arms j, k, l: passes of off-policy steps over stage one's verified solutions before every step is "
+                "on-policy (OPDConfig's; > 0 here)."})
+    sft_handover_reset: int = field(default=0, metadata={
+        "help": "Arms j, k, l (OPDConfig's): > 0: clear the optimizer's moments at the hand-over and warm the rate up "
+                "again over this many steps; 0 = carry them."})
+    sft_learning_rate: float = field(default=0.0, metadata={
+        "help": "Arms j, k, l (OPDConfig's): the rate of their SFT passes, on the arm's schedule; 0 = the arm's own rate "
+                "for both phases."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
@@ -150,7 +150,7 @@ class LearningConfig:
                 "<out>/arms/<run>/final, kept by --keep_final: a teacher above an SFT-saturated start for regime (ii)): "
                 "copied to <out>/teacher and evaluated. Excludes teacher_sft_steps."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
-    lr: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW; constant, after warmup_steps if set)."})
+    learning_rate: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW; constant, after warmup_steps if set)."})
     warmup_steps: int = field(default=0, metadata={
         "help": "> 0: every arm's rate rises linearly over its first N optimizer steps, then stays constant "
                 "(transformers' constant_with_warmup), so that Adam's first updates (about lr x sign(g) on every "
@@ -158,9 +158,9 @@ class LearningConfig:
                 "warm-up."})
     sft_batch_size: int = field(default=64, metadata={"help": "Solutions per off-policy (SFT) step: the start, the teacher, arm d, and the SFT steps of f, h, i, j."})
     num_generations: int = field(default=8, metadata={"help": "G: samples per prompt in on-policy steps (every arm but d)."})
-    completions_per_step: int = field(default=128, metadata={"help": "Completions per on-policy optimizer step (every arm but d)."})
-    train_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of on-policy rollouts."})
-    max_new_tokens: int = field(default=96, metadata={"help": "Completion cap in training rollouts, stage one and evaluation."})
+    per_device_train_batch_size: int = field(default=128, metadata={"help": "Completions per on-policy optimizer step (every arm but d; one process, no accumulation)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of on-policy rollouts."})
+    max_completion_length: int = field(default=96, metadata={"help": "Completion cap in tokens: training rollouts, stage one and evaluation."})
     eval_samples: int = field(default=4, metadata={"help": "k of avg@k."})
     eval_temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of evaluation and stage one."})
     eval_batch: int = field(default=1200, metadata={"help": "Sequences per generation call in evaluation / stage one."})
@@ -181,10 +181,10 @@ class LearningConfig:
                 "the late mean, which moves less between runs than one mark. 0 = off; all marks if there are fewer."})
     seed: int = field(default=0, metadata={"help": "Seed of every arm (data order, sampling, evaluation)."})
     engine: str = field(default="hf", metadata={
-        "help": "Engine of stage one and evaluation (data_tools.engine): hf (the fast decoder of the training "
+        "help": "Engine of stage one and evaluation (data_tools.generation.engines): hf (the fast decoder of the training "
                 "rollouts), vllm, or auto (vllm where it imports)."})
     fast_generation: bool = field(default=True, metadata={
-        "help": "trainers.generation's static-cache / CUDA-graph generation for rollouts and evaluation."})
+        "help": "data_tools.generation.fast_decoder's static-cache / CUDA-graph generation for rollouts and evaluation."})
     deadline_s: float = field(default=0.0, metadata={
         "help": "Whole-run wall-clock limit (0 = none): an arm that cannot finish before it is skipped and reported."})
     arm_overhead_s: float = field(default=90.0, metadata={
@@ -239,12 +239,12 @@ class LearningConfig:
                              f"{self.teacher_n_train}{', and a given teacher_model' if self.teacher_model else ''})")
         if self.teacher_n_train == self.n_train:
             self.teacher_n_train = 0  # the same teacher data as 0: recorded alike, so a resume accepts either
-        if not 0 < self.seq_sft_epochs < math.inf:  # NaN fails too
-            raise ValueError(f"seq_sft_epochs must be a finite number > 0, got {self.seq_sft_epochs}")
-        if self.seq_handover_reset < 0:
-            raise ValueError(f"seq_handover_reset must be >= 0, got {self.seq_handover_reset}")
-        if not 0 <= self.seq_sft_lr < math.inf:
-            raise ValueError(f"seq_sft_lr must be a finite number >= 0, got {self.seq_sft_lr}")
+        if not 0 < self.sft_max_epochs < math.inf:  # NaN fails too
+            raise ValueError(f"sft_max_epochs must be a finite number > 0, got {self.sft_max_epochs}")
+        if self.sft_handover_reset < 0:
+            raise ValueError(f"sft_handover_reset must be >= 0, got {self.sft_handover_reset}")
+        if not 0 <= self.sft_learning_rate < math.inf:
+            raise ValueError(f"sft_learning_rate must be a finite number >= 0, got {self.sft_learning_rate}")
         if self.start_sft_s < 0 or self.w_sft < 0 or not (0 <= self.sft_share_start <= 1 and 0 <= self.sft_share_end <= 1):
             raise ValueError("need start_sft_s >= 0, w_sft >= 0 and sft shares in [0, 1]")
         m = self.mark_list
@@ -252,17 +252,18 @@ class LearningConfig:
             raise ValueError(f"marks must be increasing positive seconds <= budget_s ({self.budget_s}), got {self.marks!r}")
         if self.late_marks < 0:
             raise ValueError(f"late_marks must be >= 0, got {self.late_marks}")
-        for name in ("n_train", "n_test", "eval_samples", "num_generations", "completions_per_step", "max_new_tokens",
+        for name in ("n_train", "n_test", "eval_samples", "num_generations", "per_device_train_batch_size",
+                     "max_completion_length",
                      "sft_batch_size", "eval_batch", "stage_one_problems", "stage_one_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.completions_per_step % self.num_generations:
-            raise ValueError(f"completions_per_step ({self.completions_per_step}) must be a multiple of "
+        if self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(f"per_device_train_batch_size ({self.per_device_train_batch_size}) must be a multiple of "
                              f"num_generations ({self.num_generations})")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if min(self.budget_s, self.teacher_sft_s, self.lr, self.teacher_lr) <= 0:
-            raise ValueError("budget_s, teacher_sft_s, lr and teacher_lr must be > 0")
+        if min(self.budget_s, self.teacher_sft_s, self.learning_rate, self.teacher_lr) <= 0:
+            raise ValueError("budget_s, teacher_sft_s, learning_rate and teacher_lr must be > 0")
         from data_tools.grader import ANSWER_FILTERS
 
         for name in ("answer_filter", "report_filter"):
@@ -274,7 +275,7 @@ class LearningConfig:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.sft_filter not in ("verified", "none"):
             raise ValueError(f"sft_filter must be 'verified' or 'none', got {self.sft_filter!r}")
-        if self.eval_temperature <= 0 or self.train_temperature <= 0:
+        if self.eval_temperature <= 0 or self.temperature <= 0:
             raise ValueError("temperatures must be > 0 (sampling)")
 
     @property
@@ -290,7 +291,7 @@ class LearningConfig:
         return [int(x) for x in self.seeds.split(",") if x.strip()] or [self.seed]
 
     def run_name(self, arm: str, lr: float, seed: int) -> str:
-        return arm + (f"@{lr:g}" if lr != self.lr else "") + (f"-s{seed}" if seed != self.seed else "")
+        return arm + (f"@{lr:g}" if lr != self.learning_rate else "") + (f"-s{seed}" if seed != self.seed else "")
 
     @property
     def instances(self) -> list[str]:
@@ -298,7 +299,7 @@ class LearningConfig:
         out = []
         for spec in self.arm_list:
             arm, lr, _ = ARM_RUN.fullmatch(spec).groups()
-            rate = float(lr) if lr else self.arm_lr_table.get(arm, self.lr)
+            rate = float(lr) if lr else self.arm_lr_table.get(arm, self.learning_rate)
             out += [self.run_name(arm, rate, s) for s in self.seed_list]
         return list(dict.fromkeys(out))
 
@@ -307,7 +308,7 @@ class LearningConfig:
         m = ARM_RUN.fullmatch(name)
         if not m or m.group(1) not in ARMS:
             raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1')")
-        return m.group(1), float(m.group(2)) if m.group(2) else self.lr, int(m.group(3)) if m.group(3) else self.seed
+        return m.group(1), float(m.group(2)) if m.group(2) else self.learning_rate, int(m.group(3)) if m.group(3) else self.seed
 
     def label(self, group: str) -> str:
         """Label of an arm (a run name without its seed) for tables and the plot."""
@@ -315,11 +316,11 @@ class LearningConfig:
         text = ("off-policy SFT on all teacher samples (sft_filter=none)" if arm == "d" and self.sft_filter == "none"
                 else ARMS[arm])
         if ARM_SPECS[arm].off_policy == "seq":
-            n = self.seq_sft_epochs
-            text = text.replace("seq_sft_epochs passes", "1 pass" if n == 1 else f"{n:g} passes")
+            n = self.sft_max_epochs
+            text = text.replace("sft_max_epochs passes", "1 pass" if n == 1 else f"{n:g} passes")
             if self.sft_filter == "none":
                 text = text.replace("verified solutions", "all teacher samples (sft_filter=none)")
-        return text + (f", lr {lr:g}" if lr != self.lr else "")
+        return text + (f", lr {lr:g}" if lr != self.learning_rate else "")
 
     @property
     def mark_list(self) -> list[float]:
@@ -353,6 +354,47 @@ def check_given_models(cfg: "LearningConfig") -> None:
                                     "or no *.safetensors); an arm's <out>/arms/<run>/final is kept only with --keep_final")
 
 
+#: Settings renamed to ``OPDConfig``'s field names: old name -> new. A ``settings.json`` written under an old name
+#: is read with the new one (:func:`upgrade_settings`); a command-line flag of an old name is refused naming the new.
+RENAMED = {
+    "lr": "learning_rate",
+    "completions_per_step": "per_device_train_batch_size",
+    "train_temperature": "temperature",
+    "max_new_tokens": "max_completion_length",
+    "seq_sft_epochs": "sft_max_epochs",
+    "seq_sft_lr": "sft_learning_rate",
+    "seq_handover_reset": "sft_handover_reset",
+}
+
+
+def upgrade_settings(settings: dict, source: str | Path) -> dict:
+    """``settings`` (a run directory's recorded ``settings.json``, read from ``source``) under today's names: each
+    old name of :data:`RENAMED` becomes its new one, values unchanged.
+
+    Raises:
+        ValueError: ``source`` records a setting under both its old and its new name, with different values (the
+            message names both).
+    """
+    out = dict(settings)
+    for old, new in RENAMED.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if new in out and out[new] != value:
+            raise ValueError(f"{source}: {old!r} is the old name of {new!r}, and it records both, with different "
+                             f"values ({value!r} and {out[new]!r}): keep {new!r} only")
+        out[new] = value
+    return out
+
+
+def refuse_renamed_flags(argv: list[str]) -> None:
+    """Raise ValueError naming the new flag for any ``--<old name>`` of :data:`RENAMED` in ``argv``."""
+    for arg in argv:
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+        if name in RENAMED:
+            raise ValueError(f"--{name} is now --{RENAMED[name]} (the trainer's own name, OPDConfig.{RENAMED[name]})")
+
+
 #: Settings that may differ between invocations on one run directory: the arms asked for this time,
 #: the deadline and its overhead estimate, what the fast-generation check decided, where the directory lives,
 #: and whether arm exports are kept.
@@ -362,16 +404,17 @@ LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fa
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:
     """The settings to record for a (re)started run: ``new``, with the arms and the requested runs of ``old`` kept
-    and its ``fast_generation_used`` decision reused.
+    and its ``fast_generation_used`` decision reused (``old`` read under today's names: :func:`upgrade_settings`).
 
     Raises:
         ValueError: ``old`` records other values for a setting outside ``LOOSE_SETTINGS`` (a different
-            experiment: mixing its results would be wrong); the message names them.
+            experiment: mixing its results would be wrong), or one setting under two names; the message names them.
     """
     out = dict(new)
     if old is None:
         out["fast_generation_used"] = bool(new.get("fast_generation", True))
         return out
+    old = upgrade_settings(old, "the run directory's settings.json")
     defaults = {f.name: f.default for f in dataclasses.fields(LearningConfig)}
     # a setting added after the old run was recorded had its default there
     keys = (old.keys() | new.keys()) - set(LOOSE_SETTINGS)

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.learning_config import parse_marks, upgrade_settings
+
 # Settings that may differ between the directories pooled: where things live, what one command ran, its clock.
 SETTINGS_FREE = frozenset({
     "out", "arms", "seeds", "runs", "deadline_s", "arm_overhead_s", "keep_final", "preset", "report_filter",
@@ -73,12 +75,12 @@ def _json(path: Path, what: str):
 
 
 def _settings(d: Path, defaults: dict | None = None) -> dict:
-    """``d/settings.json`` with what an older file lacks filled in: ``defaults`` (the config's), then
-    :data:`SETTINGS_DEFAULTS` (what such files meant)."""
+    """``d/settings.json`` under today's names (``upgrade_settings``), with what an older file lacks filled in:
+    ``defaults`` (the config's), then :data:`SETTINGS_DEFAULTS` (what such files meant)."""
     s = _json(d / "settings.json", f"{d} is not a bench.learning run directory")
     if not isinstance(s, dict):
         raise ValueError(f"{d / 'settings.json'} is not a JSON object")
-    return {**(defaults or {}), **SETTINGS_DEFAULTS, **s}
+    return {**(defaults or {}), **SETTINGS_DEFAULTS, **upgrade_settings(s, d / "settings.json")}
 
 
 def _table(path: Path, columns=SETUP_COLUMNS) -> list[dict]:
@@ -127,8 +129,6 @@ def _setup_rows(path: Path) -> dict[tuple, dict]:
 def _setting(key: str, value):
     """A setting as compared: ``marks`` by value ("10" and "10.0" are one mark list)."""
     if key == "marks" and isinstance(value, str):
-        from bench.learning_config import parse_marks
-
         try:
             return tuple(parse_marks(value))
         except ValueError:

@@ -1,7 +1,7 @@
 """Reports of bench/learning.py: per-mark summaries, paired differences, results.md, the plot.
 
 Reads ``<out>/evals/*.parquet`` (one row per mark x problem x sample); ``cfg`` is a
-``bench.learning.LearningConfig`` (its ``label`` names arms, its marks and filters shape the tables).
+``bench.learning_config.LearningConfig`` (its ``label`` names arms, its marks and filters shape the tables).
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         for n, h in col["handover"].items():
             if not h["reached"]:
                 lines.append(f"- {n}: hand-over not reached: every step to {last} (step {h['last_step']}) was "
-                             f"off-policy, an SFT run (raise --budget_s or lower --seq_sft_epochs to measure it)")
+                             f"off-policy, an SFT run (raise --budget_s or lower --sft_max_epochs to measure it)")
                 continue
             after = (f"; at {last} (step {h['last_step']}) {h['last_avg_at_k']:.3f}, on-policy steps' effect "
                      f"{h['last_minus_handover']:+.3f} ± {_fmt(h['last_minus_handover_stderr'])}"
@@ -435,7 +435,7 @@ def _seed_lines(col: dict, cfg: LearningConfig) -> list[str]:
 def results_markdown(res: dict, cfg: LearningConfig) -> str:
     k = cfg.eval_samples
     lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
-             f"{cfg.max_new_tokens}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
+             f"{cfg.max_completion_length}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
              f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`. A mark is evaluated "
              f"at the first optimizer step that ends past it (\"last mark at s\"; 0 steps: no update in time)."
              + (f" The arms trained on problems {cfg.n_train + 1}-{2 * cfg.n_train} of the teacher's, which the start "

@@ -272,7 +272,8 @@ def matmul_tflops(device) -> float:
 def opd_subclass():
     """OPDTrainer routed through trainers.fast_generation (unless the trainer already has a fast-path flag)."""
     from trainers import fast_generation as generation
-    from trainers.opd_trainer import OPDConfig, OPDTrainer
+    from trainers.opd_config import OPDConfig
+    from trainers.opd_trainer import OPDTrainer
 
     if "fast_generation" in OPDConfig.__dataclass_fields__:
         return OPDTrainer, True
@@ -292,7 +293,7 @@ def build_trainers(opts, tok, student, teacher, prompts, out_dir):
     from datasets import Dataset
     from trl import DistillationConfig, DistillationTrainer
 
-    from trainers.opd_trainer import OPDConfig
+    from trainers.opd_config import OPDConfig
 
     N, B, G = opts.new_tokens, opts.prompts, opts.G
     common = dict(per_device_train_batch_size=B, gradient_accumulation_steps=1, max_completion_length=N,
@@ -446,7 +447,7 @@ def run_trainer(opts):
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
-    from trainers.opd_trainer import OPDConfig
+    from trainers.opd_config import OPDConfig
 
     hf_logging.set_verbosity_error()
     shape = TINY if opts.tiny else QWEN15

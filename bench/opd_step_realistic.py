@@ -174,7 +174,8 @@ def build_trl(opts, tok, student, teacher, prompts, out_dir):
 def build_ours(opts, tok, student, teacher, prompts, out_dir, overrides: dict):
     from datasets import Dataset
 
-    from trainers.opd_trainer import OPDConfig, OPDTrainer
+    from trainers.opd_config import OPDConfig
+    from trainers.opd_trainer import OPDTrainer
 
     P = opts.completions // opts.G
     rows = {"prompt": [], "teacher_prompt": [], "answer": [], "problem_id": [], "bucket": [], "curriculum_index": []}

@@ -57,7 +57,8 @@ def build(opts):
     from transformers.utils import logging as hf_logging
 
     from opd_step_bench import QWEN15, SPECIALS, TINY, build_model, build_tokenizer, make_prompts
-    from trainers.opd_trainer import OPDConfig, OPDTrainer
+    from trainers.opd_config import OPDConfig
+    from trainers.opd_trainer import OPDTrainer
 
     hf_logging.set_verbosity_error()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

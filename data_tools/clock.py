@@ -43,9 +43,13 @@ RUN_START_ENV = "OPD_RUN_START"
 #: that revisit a row about every 36 steps; each further 0.1 costs ~100 steps (7% of training) for
 #: ~580 rows, diversity that on-policy steps, which sample afresh at every visit, need less than steps.
 DEFAULT_CURATE_SHARE = 0.2
-#: OPDConfig's own defaults, used when a recipe's train YAML does not set the clock.
+#: The clock's defaults, owned here: ``OPDConfig`` (training) and ``resolve_clock`` (run.sh, when a recipe's
+#: train YAML does not set the clock) read these. Seconds.
 DEFAULT_MAX_WALL_S = 43200.0
 DEFAULT_RESERVE_S = 600.0
+#: ``CurateConfig``'s default clock and reserve: none. Stage one without a clock measures every problem and ends on
+#: its own; training has no end but its clock, hence its 12 h default. run.sh gives both stages the run's clock.
+NO_CLOCK = 0.0
 #: Evaluation estimates: safety factor on the measured rates, and the report's allowance (seconds).
 EVAL_SAFETY = 1.25
 REPORT_S = 15.0

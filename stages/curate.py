@@ -66,7 +66,7 @@ import pyarrow.parquet as pq
 
 from data_tools import prompts as P
 from data_tools import rehearsal
-from data_tools.clock import DEFAULT_CURATE_SHARE, RUN_START_ENV, run_start_time
+from data_tools.clock import DEFAULT_CURATE_SHARE, NO_CLOCK, RUN_START_ENV, run_start_time
 from data_tools.config import parse_config
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
@@ -136,8 +136,8 @@ class CurateConfig(EngineSettings):
     order: str = field(default="easy_to_hard", metadata={"help": "Curriculum order: easy_to_hard, hard_to_easy or mixed."})
     output_dir: str = field(default="", metadata={"help": "Run scratch directory (env OUTPUT_DIR); default under ~/.cache/opd/runs/."})
     experiment_name: str = field(default="default", metadata={"help": "Run name (env EXPERIMENT_NAME)."})
-    max_wall_time_seconds: float = field(default=0.0, metadata={"help": "The run's clock T in seconds, counted from run.sh's start (OPD_RUN_START) or this process's (env MAX_WALL_TIME_SECONDS); 0 = no clock: measure every problem."})
-    deadline_reserve_seconds: float = field(default=0.0, metadata={"help": "Seconds of the clock kept after training (env DEADLINE_RESERVE_SECONDS; run.sh adds the evaluation reserve)."})
+    max_wall_time_seconds: float = field(default=NO_CLOCK, metadata={"help": "The run's clock T in seconds, counted from run.sh's start (OPD_RUN_START) or this process's (env MAX_WALL_TIME_SECONDS); 0 = no clock: measure every problem."})
+    deadline_reserve_seconds: float = field(default=NO_CLOCK, metadata={"help": "Seconds of the clock kept after training (env DEADLINE_RESERVE_SECONDS; run.sh adds the evaluation reserve)."})
     time_share: float = field(default=DEFAULT_CURATE_SHARE, metadata={"help": "Stage one ends at time_share x (max_wall_time_seconds - deadline_reserve_seconds) on the run's clock, set-up included: it starts no chunk it expects to finish later, keeps every finished chunk and builds the curriculum from the problems measured. In (0, 1]."})
 
     def __post_init__(self):

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from data_tools.clock import DEFAULT_CURATE_SHARE, DEFAULT_MAX_WALL_S, DEFAULT_RESERVE_S
 
 DEFAULT_SECONDS = 1200
 DEFAULT_VERIFIED = "0.5"
@@ -67,11 +68,12 @@ def plan(curate_cfg: str | Path, train_cfg: str | Path, seconds: float, workers:
     batch, passes = int(t.get("sft_batch_size", 64)), float(t.get("sft_max_epochs", 0) or 0)
     rows = math.ceil(2 * batch / passes / KEPT_WITH_SOLUTION) if sft and passes else 8
     chunk = max(8, math.ceil(rows / max(workers, 1)))
-    reserve = min(float(t.get("deadline_reserve_seconds", 600)), max(60.0, round(0.1 * seconds)))
+    reserve = min(float(t.get("deadline_reserve_seconds", DEFAULT_RESERVE_S)), max(60.0, round(0.1 * seconds)))
     warmup = float(t.get("lr_warmup_time", 0) or 0)
     if warmup >= 1:  # seconds: the same share of the real run's training window
-        rt, rr, re = real or (float(t.get("max_wall_time_seconds", 43200)), float(t.get("deadline_reserve_seconds", 600)), 0.0)
-        window = (1 - float(c.get("time_share", 0.2))) * (rt - rr - re)
+        rt, rr, re = real or (float(t.get("max_wall_time_seconds", DEFAULT_MAX_WALL_S)),
+                              float(t.get("deadline_reserve_seconds", DEFAULT_RESERVE_S)), 0.0)
+        window = (1 - float(c.get("time_share", DEFAULT_CURATE_SHARE))) * (rt - rr - re)
         warmup = min(warmup / max(window, 1.0), 0.5)
     return {"R_CHUNK": chunk, "R_SHARE": 0.001, "R_RESERVE": int(reserve), "R_WARMUP": round(warmup, 6),
             "R_NOTE": f"stage one: one chunk of {chunk} problems a role per worker ({workers}); clock {seconds:g}s, "
@@ -306,7 +308,7 @@ def load_back(ckpt_dir: Path, vllm_on: bool = True) -> list[Phase]:
 def project(rates: dict, med: dict, ex: dict, curate: dict, train: dict, real_t: float, real_r: float,
             real_e: float, setup_s: float) -> list[tuple[str, str]]:
     """The real clock's counts from the rehearsal's measured rates (each row says what it assumes)."""
-    share = float(curate.get("time_share", 0.2))
+    share = float(curate.get("time_share", DEFAULT_CURATE_SHARE))
     budget = share * (real_t - real_r - real_e)
     per_problem = (rates.get("teacher") or 0.0) + (rates.get("student") or 0.0)
     startup = rates.get("startup_s") or 0.0

@@ -50,7 +50,9 @@ def run(args, on_trainer=None) -> dict:
 
     from data_tools.runio import write_json
     from trainers.callbacks import HardStopCallback, HorizonReached, find_resume_checkpoint, process_start_time
-    from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum, load_models
+    from trainers.data import build_train_dataset, load_curriculum
+    from trainers.model_utils import load_models
+    from trainers.opd_trainer import OPDTrainer
 
     start = process_start_time()
     main_process = int(os.environ.get("RANK", "0")) == 0  # under a launcher every rank runs this; rank 0 speaks
@@ -193,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from data_tools.config import parse_config
     from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
-    from trainers.opd_trainer import NonFiniteError, OPDConfig
+    from trainers.opd_config import OPDConfig
+    from trainers.opd_trainer import NonFiniteError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     check_only = "--check_config" in argv  # run.sh: parse and check the config before stage one, run nothing

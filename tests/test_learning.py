@@ -96,12 +96,13 @@ def test_paired_difference_matches_plain_formula():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(arms="a,z"), "arms"), (dict(marks="30,20"), "marks"), (dict(marks="10,200", budget_s=180), "marks"),
-    (dict(task="math"), "task"), (dict(completions_per_step=100, num_generations=8), "multiple"),
+    (dict(task="math"), "task"), (dict(per_device_train_batch_size=100, num_generations=8), "multiple"),
     (dict(sft_filter="some"), "sft_filter"), (dict(out=""), "--out"), (dict(preset="gpu"), "preset"),
     (dict(eval_temperature=0.0), "temperature"), (dict(n_test=0), "n_test"), (dict(answer_filter="x"), "answer_filter"),
     (dict(report_filter="exact"), "report_filter"), (dict(late_marks=-1), "late_marks"),
-    (dict(seq_sft_epochs=0), "seq_sft_epochs"), (dict(seq_sft_epochs=float("nan")), "seq_sft_epochs"),
-    (dict(seq_sft_epochs=float("inf")), "seq_sft_epochs"), (dict(seq_sft_lr=-1.0), "seq_sft_lr"),
+    (dict(sft_max_epochs=0), "sft_max_epochs"), (dict(sft_max_epochs=float("nan")), "sft_max_epochs"),
+    (dict(sft_max_epochs=float("inf")), "sft_max_epochs"), (dict(sft_learning_rate=-1.0), "sft_learning_rate"),
+    (dict(sft_handover_reset=-1), "sft_handover_reset"),
     (dict(n_train=100, teacher_n_train=50), "teacher_n_train"),
     (dict(teacher_n_train=9000, teacher_model="/m"), "teacher_n_train"),
     (dict(n_train=100, teacher_n_train=199, start_sft_steps=1, fresh_arm_problems=True),
@@ -142,14 +143,14 @@ def test_given_start_and_teacher_are_checked(tmp_path):
 def test_preset_fills_defaults_but_flags_win(tmp_path):
     cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke")
     assert (cfg.budget_s, cfg.marks, cfg.sft_filter, cfg.n_test) == (6.0, "3,6", "none", 6)
-    cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", n_test=9, lr=3e-5)
-    assert (cfg.n_test, cfg.lr, cfg.budget_s) == (9, 3e-5, 6.0)
+    cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", n_test=9, learning_rate=3e-5)
+    assert (cfg.n_test, cfg.learning_rate, cfg.budget_s) == (9, 3e-5, 6.0)
     with pytest.raises(ValueError, match="marks"):  # an explicit flag is kept, then checked against the preset's budget
         LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", marks="3,60")
 
 
 def test_merge_settings_resume_rules():
-    base = dict(out="/a", arms="a,b", task="ladder", lr=1e-5, fast_generation=True, deadline_s=0.0)
+    base = dict(out="/a", arms="a,b", task="ladder", learning_rate=1e-5, fast_generation=True, deadline_s=0.0)
     first = merge_settings(None, base, ["a", "b"])
     assert first["fast_generation_used"] is True
     first["fast_generation_used"] = False  # the pre-flight check fell back on that machine
@@ -159,12 +160,53 @@ def test_merge_settings_resume_rules():
     # the runs each command asked for accumulate (other seeds of other arms are no new experiment)
     runs = merge_settings({**first, "runs": ["a", "b"]}, {**base, "runs": ["c-s1"], "seeds": "1"}, ["c"])["runs"]
     assert runs == ["a", "b", "c-s1"]
-    with pytest.raises(ValueError, match=r"other settings \(\['lr', 'task'\]\)"):
-        merge_settings(first, {**base, "lr": 3e-5, "task": "gsm8k"}, ["a"])
+    with pytest.raises(ValueError, match=r"other settings \(\['learning_rate', 'task'\]\)"):
+        merge_settings(first, {**base, "learning_rate": 3e-5, "task": "gsm8k"}, ["a"])
     # a setting added since the old run was recorded: its default is what the old run had
     assert merge_settings(first, {**base, "teacher_model": ""}, ["a"])["teacher_model"] == ""
     with pytest.raises(ValueError, match=r"other settings \(\['teacher_model'\]\)"):
         merge_settings(first, {**base, "teacher_model": "/m"}, ["a"])
+
+
+def test_settings_under_their_old_names_are_read_and_old_flags_refused(tmp_path, capsys):
+    """The bench's settings carry OPDConfig's names; a settings.json recorded under the old ones is read under the new
+    (resume, --stage recipe), and a command line with an old flag is refused naming the new one."""
+    from bench.learning import main
+    from bench.learning_config import RENAMED, upgrade_settings
+
+    old = {"arms": "j", "lr": 3e-5, "seq_sft_epochs": 8, "seq_sft_lr": 1e-4, "seq_handover_reset": 10,
+           "completions_per_step": 64, "train_temperature": 0.9, "max_new_tokens": 48}
+    new = {"arms": "j", "learning_rate": 3e-5, "sft_max_epochs": 8, "sft_learning_rate": 1e-4, "sft_handover_reset": 10,
+           "per_device_train_batch_size": 64, "temperature": 0.9, "max_completion_length": 48}
+    assert upgrade_settings(old, "s.json") == new and upgrade_settings(new, "s.json") == new
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(LearningConfig)}
+    assert set(RENAMED.values()) <= fields and not set(RENAMED) & fields
+    assert upgrade_settings({"lr": 1e-5, "learning_rate": 1e-5}, "s.json") == {"learning_rate": 1e-5}
+    with pytest.raises(ValueError, match=r"s.json: 'lr' is the old name of 'learning_rate'.*1e-05 and 3e-05"):
+        upgrade_settings({"lr": 1e-5, "learning_rate": 3e-5}, "s.json")
+    # a resume on a directory recorded under the old names: the same experiment, recorded under the new names
+    merged = merge_settings({**old, "out": "/a"}, {**new, "out": "/a"}, ["j"])
+    assert merged["learning_rate"] == 3e-5 and not set(RENAMED) & set(merged)
+    with pytest.raises(ValueError, match=r"other settings \(\['sft_max_epochs'\]\)"):
+        merge_settings({**old, "out": "/a"}, {**new, "out": "/a", "sft_max_epochs": 2}, ["j"])
+    # --stage recipe reads an old settings.json: arm j's recipe has its recorded values
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "settings.json").write_text(json.dumps({**old, "start_path": str(tmp_path / "start"), "out": str(out)}))
+    assert main(["--out", str(out), "--stage", "recipe", "--arm", "j"]) == 0
+    recipe = yaml.safe_load(capsys.readouterr().out)
+    assert (recipe["learning_rate"], recipe["sft_max_epochs"], recipe["sft_learning_rate"], recipe["sft_handover_reset"],
+            recipe["per_device_train_batch_size"], recipe["temperature"], recipe["max_completion_length"]) == (
+        3e-5, 8, 1e-4, 10, 64, 0.9, 48)
+    (out / "settings.json").write_text(json.dumps({"seq_sft_epochs": 8, "sft_max_epochs": 2, "start_path": "/s"}))
+    assert main(["--out", str(out), "--stage", "recipe", "--arm", "j"]) == 2
+    assert "'seq_sft_epochs' is the old name of 'sft_max_epochs'" in capsys.readouterr().err
+    for flag in ("--seq_sft_epochs", "--lr=3e-5"):
+        assert main(["--out", str(out), flag, "2"]) == 2
+        name = flag[2:].split("=")[0]
+        assert f"--{name} is now --{RENAMED[name]}" in capsys.readouterr().err
 
 
 def test_report_tables_and_comparisons(tmp_path):
@@ -293,7 +335,7 @@ def test_cpu_smoke_run_all_arms_and_resume(tmp_path):
     p2b = subprocess.run(cmd[:-1] + ["a"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p2b.returncode == 0 and set(json.loads((out / "results.json").read_text())["arms"]) == {"a", "c", "d", "f"}
     # other settings in the same directory are refused (exit 2), nothing overwritten
-    p3 = subprocess.run(cmd + ["--lr", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p3 = subprocess.run(cmd + ["--learning_rate", "3e-5"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p3.returncode == 2 and "other settings" in p3.stderr
     # a second experiment on this one's start and teacher (regime (ii)'s teacher from an earlier run): copied, and
     # scored exactly as they were (same weights, same seeded evaluation)
@@ -319,7 +361,7 @@ def test_cpu_sequential_arm_is_evaluated_at_its_hand_over(tmp_path):
 
     out = tmp_path / "learn"
     cmd = [sys.executable, "-m", "bench.learning", "--out", str(out), "--preset", "cpu_smoke", "--start_sft_steps", "2",
-           "--teacher_sft_steps", "3", "--arms", "j", "--seq_sft_epochs", "1", "--budget_s", "60", "--marks", "30,60"]
+           "--teacher_sft_steps", "3", "--arms", "j", "--sft_max_epochs", "1", "--budget_s", "60", "--marks", "30,60"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cfg = LearningConfig(out=str(out), preset="cpu_smoke")
@@ -582,20 +624,20 @@ def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
         got = (args.w_kl, args.w_reward, args.w_sft, args.sft_share_start, args.sft_share_end, args.teacher_model,
                args.teacher_context, args.kl_mode, args.curriculum_path.startswith(str(cfg.dir / "arms" / name)))
         assert got == w, arm
-        assert args.sft_max_epochs == (cfg.seq_sft_epochs if arm in "jkl" else 0), arm  # j, k, l: SFT, then on-policy
-        assert args.sft_learning_rate == 0, arm  # one rate for both phases unless --seq_sft_lr
+        assert args.sft_max_epochs == (cfg.sft_max_epochs if arm in "jkl" else 0), arm  # j, k, l: SFT, then on-policy
+        assert args.sft_learning_rate == 0, arm  # one rate for both phases unless --sft_learning_rate
         assert (args.learning_rate, args.seed, args.student_model) == (3e-5, 2, str(tmp_path / "start"))
         assert (args.output_dir, args.num_generations, args.per_device_train_batch_size) == (
-            str(cfg.dir / "arms" / name), cfg.num_generations, cfg.completions_per_step)
+            str(cfg.dir / "arms" / name), cfg.num_generations, cfg.per_device_train_batch_size)
         assert (args.max_completion_length, args.temperature, args.answer_filter) == (
-            cfg.max_new_tokens, cfg.train_temperature, cfg.answer_filter)
-    # --seq_sft_lr: arm j's SFT passes at their own rate (the formal recipe's sft_learning_rate), on-policy at the arm's
-    cfg_j = LearningConfig(out=str(tmp_path / "r"), arms="a", seq_sft_lr=1e-4)
+            cfg.max_completion_length, cfg.temperature, cfg.answer_filter)
+    # --sft_learning_rate: arm j's SFT passes at their own rate, on-policy at the arm's
+    cfg_j = LearningConfig(out=str(tmp_path / "r"), arms="a", sft_learning_rate=1e-4)
     (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg_j, "j@3e-05"), tmp_path / "j2.yaml"))],
                            env={})
-    assert (args.sft_learning_rate, args.learning_rate, args.sft_max_epochs) == (1e-4, 3e-5, cfg_j.seq_sft_epochs)
-    assert args.sft_handover_reset == 0  # moments carried unless --seq_handover_reset
-    cfg_r = LearningConfig(out=str(tmp_path / "r"), arms="a", seq_handover_reset=10)
+    assert (args.sft_learning_rate, args.learning_rate, args.sft_max_epochs) == (1e-4, 3e-5, 2.0)
+    assert args.sft_handover_reset == 0  # moments carried unless --sft_handover_reset
+    cfg_r = LearningConfig(out=str(tmp_path / "r"), arms="a", sft_handover_reset=10)
     (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg_r, "k"), tmp_path / "k.yaml"))], env={})
     assert (args.sft_handover_reset, args.w_reward) == (10, 0.0)
 
@@ -614,7 +656,8 @@ def test_warmup_steps_reach_every_arm_but_not_the_start(tmp_path):
         (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, arm), tmp_path / f"{arm}.yaml"))], env={})
         assert (getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type), args.warmup_steps) == (
             "constant_with_warmup", 10), arm
-    sft = train_recipe(cfg, "sft", student="s", curriculum=tmp_path / "c.parquet", out_dir=tmp_path / "o", lr=1e-5, seed=0)
+    sft = train_recipe(cfg, "sft", student="s", curriculum=tmp_path / "c.parquet", out_dir=tmp_path / "o",
+                       learning_rate=1e-5, seed=0)
     assert sft["lr_scheduler_type"] == "constant" and "warmup_steps" not in sft
     import torch
     from transformers import get_scheduler
@@ -643,9 +686,9 @@ def test_teacher_n_train_widens_only_the_teachers_problems(tmp_path):
         assert read_rows(plain[k]) == read_rows(wide[k]), k
     # n_train itself means the arms' own problems: recorded as 0, so a resume accepts either spelling
     assert LearningConfig(out=str(tmp_path / "s"), n_train=30, teacher_n_train=30).teacher_n_train == 0
-    assert LearningConfig(out=str(tmp_path / "s"), arms="j", seq_sft_epochs=1.5).label("j") == (
+    assert LearningConfig(out=str(tmp_path / "s"), arms="j", sft_max_epochs=1.5).label("j") == (
         "sequential: SFT on verified solutions for 1.5 passes, then OPD + reward")
-    assert LearningConfig(out=str(tmp_path / "s"), arms="k", seq_sft_epochs=8).label("k@1e-06") == (
+    assert LearningConfig(out=str(tmp_path / "s"), arms="k", sft_max_epochs=8).label("k@1e-06") == (
         "sequential: SFT on verified solutions for 8 passes, then OPD only (w_reward=0), lr 1e-06")
     teach = read_rows(wide["teacher_curriculum"])
     ids = [r["problem_id"] for r in teach]
@@ -725,7 +768,8 @@ def _pool_dir(root: Path, runs: dict[str, dict[str, list[bool]]], *, student_tex
     """A run directory as a lease leaves it: settings.json, the setup's evaluations and some arm runs."""
     from data_tools.runio import write_json
 
-    write_json({"budget_s": 10.0, "marks": "10", "lr": 1e-5, "deadline_s": 540.0, **settings}, root / "settings.json")
+    write_json({"budget_s": 10.0, "marks": "10", "learning_rate": 1e-5, "deadline_s": 540.0, **settings},
+               root / "settings.json")
     probs = {"p1": [0, 1], "p2": [0, 0]}
     student = _rows("student", probs)
     for r in student:
@@ -850,15 +894,32 @@ def test_pool_compares_sources_with_each_other_and_rows_not_bytes(tmp_path):
     assert (dest / "evals" / "c-s2.parquet").exists() and (dest / "arms" / "c-s2" / "metrics").is_dir()
 
 
+def test_pool_reads_a_source_recorded_under_the_old_setting_names(tmp_path):
+    """A lease's settings.json written before the settings took OPDConfig's names pools beside one written after;
+    the same setting at another value under its old name is still a difference, named by its new name."""
+    from bench.learning_pool import plan
+
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}}, sft_max_epochs=8.0)
+    src = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}}, seq_sft_epochs=8.0)
+    s = json.loads((src / "settings.json").read_text())
+    s["lr"] = s.pop("learning_rate")
+    (src / "settings.json").write_text(json.dumps(s))
+    assert plan(dest, src).copy == ["c-s1"]
+    s["lr"] = 3e-5
+    (src / "settings.json").write_text(json.dumps(s))
+    with pytest.raises(ValueError, match=r"settings differ: learning_rate 1e-05 vs 3e-05"):
+        plan(dest, src)
+
+
 def test_pool_reads_older_settings_with_the_config_defaults_and_undoes_an_interrupted_copy(tmp_path, monkeypatch):
     import dataclasses
 
     import bench.learning_pool as lp
 
-    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}}, seq_handover_reset=0)
+    dest = _pool_dir(tmp_path / "a", {"c": {"p1": [1, 1], "p2": [0, 0]}}, sft_handover_reset=0)
     src = _pool_dir(tmp_path / "b", {"c-s1": {"p1": [1, 0], "p2": [1, 0]}})  # written before that setting existed
     defaults = {f.name: f.default for f in dataclasses.fields(LearningConfig) if f.default is not dataclasses.MISSING}
-    with pytest.raises(ValueError, match=r"seq_handover_reset 0 vs None"):
+    with pytest.raises(ValueError, match=r"sft_handover_reset 0 vs None"):
         lp.plan(dest, src)
     p = lp.plan(dest, src, defaults=defaults)
     real = lp._copy_atomic

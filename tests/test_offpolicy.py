@@ -53,8 +53,45 @@ def test_sft_share_and_time_share():
         assert off_s / (off_s + on_s) == pytest.approx(share, abs=2.5 / (off_s + on_s) + 1e-9), share
 
 
+def test_schedule_without_a_trainer(tmp_path):
+    """OffPolicySchedule takes what it reads as parameters: step kinds, the solution stream split over processes,
+    the hand-over (once), the rate scale of each step, its metrics and its resume state, all without a trainer."""
+    from tests.test_trainer import make_args
+    from trainers.offpolicy import OffPolicySchedule
+
+    args = make_args(tmp_path, sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4, sft_max_epochs=2.0,
+                     sft_handover_reset=2, learning_rate=1e-3, sft_learning_rate=1e-2, gradient_accumulation_steps=1)
+    sols = ["s0", None, "s2", "s3", "", "s5"]
+    op = OffPolicySchedule(args, sols, world_size=2)
+    assert op.pool == [0, 2, 3, 5] and not op.phase_done()
+    votes = []
+    assert op.choose(0.0, 0, agree=lambda off: votes.append(off) or True) and votes == [True] and op.off_policy
+    assert op.rate_scale(0) == pytest.approx(10.0)
+    mine = op.next_rows(0, 2)
+    op.pos -= 4  # process 1 reads the same batch (each process advances the stream by the whole batch)
+    theirs = op.next_rows(1, 2)
+    assert sorted(mine + theirs) == [0, 2, 3, 5] and len(mine) == len(theirs) == 2  # one epoch, split over 2 processes
+    assert op.finish_step(2.0, 5.0, 40.0) == {"loss/sft": 5.0, "sft/tokens": 40.0, "sft/share": 1.0,
+                                              "sft/off_policy_step": 1.0, "sft/epoch": 1.0, "sft/weight": 1.0,
+                                              "sft/lr_scale": 1.0}
+    assert op.choose(0.5, 1) and not op.handover_now
+    assert sorted(op.next_rows(0, 1)) == [0, 2, 3, 5] and op.phase_done()  # 2 passes: nothing left under the cap
+    assert not op.choose(0.6, 2) and op.handover_now and op.handover_step == 2 and op.share == 0.0
+    assert [op.rate_scale(s) for s in (2, 3, 4)] == [0.5, 1.0, 1.0]  # re-warmed over 2 steps after the hand-over
+    assert not op.choose(0.7, 3) and not op.handover_now and op.handover_step == 2
+    state = op.state_dict()
+    assert {k: state[k] for k in ("sft_pos", "handover_step")} == {"sft_pos": 8, "handover_step": 2}
+    fresh = OffPolicySchedule(args, sols, world_size=2)
+    fresh.load_state_dict(state)
+    assert (fresh.pos, fresh.handover_step, fresh.time_share.credit) == (8, 2, op.time_share.credit)
+    with pytest.raises(ValueError, match=r"world size x gradient_accumulation_steps \(4 x 1 = 4\)"):
+        OffPolicySchedule(make_args(tmp_path, sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=6,
+                                    gradient_accumulation_steps=1), sols, world_size=4)
+    assert OffPolicySchedule(make_args(tmp_path), None, world_size=1).finish_step(1.0, 0.0, 0.0) == {}  # terms off
+
+
 def test_dataset_carries_teacher_solution(tmp_path, tokenizer):  # noqa: F811
-    from trainers.opd_trainer import build_train_dataset, load_curriculum
+    from trainers.data import build_train_dataset, load_curriculum
 
     ds = build_train_dataset(load_curriculum(solved_curriculum(tmp_path)), tokenizer)
     assert ds["teacher_solution"][0].endswith("\\boxed{1}.") and ds["teacher_solution"][1] == ""
@@ -150,26 +187,26 @@ def test_resume_under_other_objective_settings_says_which(tmp_path, tokenizer, c
     new one, and each changed setting is named (the run goes on under the new settings)."""
     tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
                       sft_max_epochs=1, sft_batch_size=4)
-    same = tr._offpolicy_state()
+    same = tr.offpolicy.state_dict()
     assert same["objective"]["sft_max_epochs"] == 1.0 and same["objective"]["w_kl"] == tr.args.w_kl
     with caplog.at_level("WARNING", logger="trainers.offpolicy"):
-        tr._load_offpolicy_state(same)
+        tr.offpolicy.load_state_dict(same)
         assert not caplog.records
         before = {**same["objective"], "sft_share_start": 0.0, "sft_share_end": 0.0, "sft_max_epochs": 0.0}
-        tr._load_offpolicy_state({**same, "sft_pos": 4, "objective": before})
+        tr.offpolicy.load_state_dict({**same, "sft_pos": 4, "objective": before})
     [rec] = caplog.records
     assert ("sft_share_start 0.0 -> 1.0, sft_share_end 0.0 -> 1.0, sft_max_epochs 0.0 -> 1.0" in rec.getMessage()
-            and tr._sft_pos == 4)
+            and tr.offpolicy.pos == 4)
     # past the hand-over (one pass over the 4 solutions done): the saved hand-over step stands
-    tr._load_offpolicy_state({**same, "sft_pos": 4, "handover_step": 1})
-    assert tr.sft_phase_done() and tr._handover_step == 1
+    tr.offpolicy.load_state_dict({**same, "sft_pos": 4, "handover_step": 1})
+    assert tr.sft_phase_done() and tr.offpolicy.handover_step == 1
     # settings that reopen the SFT phase (the stream short of the new cap): the hand-over is to come again
-    tr._load_offpolicy_state({**same, "sft_pos": 0, "handover_step": 1})
-    assert not tr.sft_phase_done() and tr._handover_step is None
+    tr.offpolicy.load_state_dict({**same, "sft_pos": 0, "handover_step": 1})
+    assert not tr.sft_phase_done() and tr.offpolicy.handover_step is None
     # a checkpoint saved before the settings were recorded: said too, since this run trains on the solutions
     caplog.clear()
     with caplog.at_level("WARNING", logger="trainers.offpolicy"):
-        tr._load_offpolicy_state({"sft_pos": 0, "sft_credit": 0.0, "handover_step": None})
+        tr.offpolicy.load_state_dict({"sft_pos": 0, "sft_credit": 0.0, "handover_step": None})
     [rec] = caplog.records
     assert "does not record its objective settings" in rec.getMessage() and "sft_max_epochs 1" in rec.getMessage()
 
@@ -185,7 +222,7 @@ def test_sft_max_epochs_hands_later_steps_to_on_policy(tmp_path, tokenizer):  # 
     would pass the cap), then on-policy for good."""
     tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
                       sft_batch_size=4, sft_max_epochs=2.5, debug_max_steps=4)
-    assert len(tr._sft_pool) == 4
+    assert len(tr.offpolicy.pool) == 4
     done_at_end = []  # sft_phase_done() after each step: True from the step after which the next is on-policy
 
     class Probe(TrainerCallback):
@@ -231,11 +268,11 @@ def test_sft_handover_reset_clears_moments_and_rewarms_the_rate(tmp_path, tokeni
         return tr, seen, recs
 
     tr, seen, recs = run("reset", sft_handover_reset=2)
-    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0, 0.0] and tr._handover_step == 2
+    assert [r["sft/off_policy_step"] for r in recs] == [1.0, 1.0, 0.0, 0.0] and tr.offpolicy.handover_step == 2
     assert [lr for lr, _ in seen] == pytest.approx([1e-2, 1e-2, 0.5e-3, 1e-3])
     assert [n for _, n in seen] == [0, 1, 0, 1]  # Adam's mean step count before each step: reset at the hand-over
     assert [r["sft/lr_scale"] for r in recs] == pytest.approx([10.0, 10.0, 0.5, 1.0])
-    assert tr._offpolicy_state()["handover_step"] == 2
+    assert tr.offpolicy.state_dict()["handover_step"] == 2
     # optim/update_rms: Adam's first step moves each element by at most lr (|m_hat| = sqrt(v_hat) there), and the
     # reset makes the first on-policy step a first step again
     rms = [r["optim/update_rms"] for r in recs]
@@ -286,15 +323,15 @@ def test_resumed_run_continues_the_solution_stream(tmp_path, tokenizer):  # noqa
     a = make_trainer(tmp_path / "a", tokenizer, solved_curriculum(tmp_path / "a"), **kw)
     for _ in range(3):  # 3 batches of 2 from a pool of 4: into the second (reshuffled) epoch
         a._offpolicy_batch()
-    a._time_share.record(0.5, True, 4.0)
-    state = json.loads(json.dumps(a._offpolicy_state()))  # as written to opd_clock.json
+    a.offpolicy.time_share.record(0.5, True, 4.0)
+    state = json.loads(json.dumps(a.offpolicy.state_dict()))  # as written to opd_clock.json
     assert {k: v for k, v in state.items() if k != "objective"} == {"sft_pos": 6, "sft_credit": -2.0, "handover_step": None}
     assert (state["objective"]["sft_share_start"], state["objective"]["sft_batch_size"]) == (0.5, 2.0)
     b = make_trainer(tmp_path / "b", tokenizer, solved_curriculum(tmp_path / "b"), **kw)
-    b._load_offpolicy_state(state)
+    b.offpolicy.load_state_dict(state)
     nxt_a, nxt_b = a._offpolicy_batch(), b._offpolicy_batch()
     assert torch.equal(nxt_a["sft_completion_ids"], nxt_b["sft_completion_ids"])
-    assert b._time_share.credit == -2.0 and not b._time_share.choose(0.5)  # owes off-policy seconds back
+    assert b.offpolicy.time_share.credit == -2.0 and not b.offpolicy.time_share.choose(0.5)  # owes off-policy seconds back
     fresh = make_trainer(tmp_path / "c", tokenizer, solved_curriculum(tmp_path / "c"), **kw)
     assert not torch.equal(fresh._offpolicy_batch()["sft_completion_ids"], nxt_a["sft_completion_ids"])
 
@@ -323,14 +360,14 @@ def test_sft_learning_rate_scales_off_policy_steps_only(tmp_path, tokenizer):  #
     assert rec["sft/off_policy_step"] == 1.0 and rec["sft/lr_scale"] == pytest.approx(10.0)
     # the hooks scale only a step whose batch is off-policy
     opt = getattr(tr_a.optimizer, "optimizer", tr_a.optimizer)  # the torch optimizer inside accelerate's wrapper
-    tr_a._off_policy_step = False
+    tr_a.offpolicy.off_policy = False
     grads = [torch.zeros_like(p) for p in tr_a.model.parameters()]
     for p, g in zip(tr_a.model.parameters(), grads):
         p.grad = g
     seen = []
     h = opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
     opt.step()
-    tr_a._off_policy_step = True
+    tr_a.offpolicy.off_policy = True
     opt.step()
     h.remove()
     assert seen == [pytest.approx(1e-3), pytest.approx(1e-2)] and opt.param_groups[0]["lr"] == pytest.approx(1e-3)

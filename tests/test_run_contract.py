@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from dataclasses import fields
 from types import SimpleNamespace
 
 import pyarrow.parquet as pq
@@ -68,6 +69,29 @@ def test_resolve_clock_env_wins_over_yaml(tmp_path):
         clock.resolve_clock(y, {"MAX_WALL_TIME_SECONDS": "50"})
     with pytest.raises(ValueError, match="number"):
         clock.resolve_clock(y, {"MAX_WALL_TIME_SECONDS": "ten"})
+
+
+def test_clock_defaults_have_one_owner(tmp_path):
+    """Training, stage one and run.sh read the clock's defaults from data_tools.clock: 12 h and 600 s for training
+    (and for run.sh when the recipe sets none), no clock for stage one."""
+    import stages.curate as C
+    from trainers.opd_config import OPDConfig
+
+    defaults = lambda cls: {f.name: f.default for f in fields(cls)}  # noqa: E731
+    t, c = defaults(OPDConfig), defaults(C.CurateConfig)
+    assert (t["max_wall_time_seconds"], t["deadline_reserve_seconds"]) == (43200.0, 600.0)
+    assert (c["max_wall_time_seconds"], c["deadline_reserve_seconds"], c["time_share"]) == (0.0, 0.0, 0.2)
+    (tmp_path / "t.yaml").write_text("learning_rate: 1.0e-6\n")
+    assert clock.resolve_clock(tmp_path / "t.yaml", {}) == (43200.0, 600.0)
+    # each config's default is data_tools.clock's name, not a copy of its value
+    import ast
+
+    for path, cls, want in (("trainers/opd_config.py", "OPDConfig", ("DEFAULT_MAX_WALL_S", "DEFAULT_RESERVE_S")),
+                            ("stages/curate.py", "CurateConfig", ("NO_CLOCK", "NO_CLOCK"))):
+        body = next(n for n in ast.parse((REPO / path).read_text()).body if getattr(n, "name", "") == cls).body
+        got = {n.target.id: kw.value.id for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.value, ast.Call)
+               for kw in n.value.keywords if kw.arg == "default" and isinstance(kw.value, ast.Name)}
+        assert (got.get("max_wall_time_seconds"), got.get("deadline_reserve_seconds")) == want, path
 
 
 def test_eval_estimate_from_measured_rates():
@@ -216,7 +240,7 @@ def test_one_long_step_crossing_both_hedges_saves_once():
 
 
 def test_hedge_fractions_validated_against_ckpt_keep(tmp_path):
-    from trainers.opd_trainer import OPDConfig
+    from trainers.opd_config import OPDConfig
 
     with pytest.raises(ValueError, match="ckpt_keep"):
         OPDConfig(output_dir=str(tmp_path), ckpt_keep=2, ckpt_hedge_fractions=[0.8, 0.9], report_to="none")

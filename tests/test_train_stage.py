@@ -24,7 +24,7 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
     import transformers.training_args as ta
 
     from data_tools.config import parse_config
-    from trainers.opd_trainer import OPDConfig
+    from trainers.opd_config import OPDConfig
 
     path = REPO / "configs" / name
     first = path.read_text().splitlines()[0]
@@ -194,13 +194,13 @@ def test_sft_recipe_without_teacher_solution_column_fails_before_loading_models(
     """SFT for the whole clock on a curriculum without stage one's solutions fails before the models load; a recipe
     that only starts with them (sft_max_epochs > 0: the demo's, the formal one's) goes on-policy from step 1."""
     import stages.train as st
-    import trainers.opd_trainer as ot
+    import trainers.model_utils as mu
 
     env = _env(tmp_path, tiny_model_dir, curriculum_path)  # the plain curriculum: no teacher_solution column
     for k in ("OUTPUT_DIR", "STUDENT_MODEL", "TRAIN_DATA"):
         monkeypatch.setenv(k, env[k])
-    load_models = ot.load_models
-    monkeypatch.setattr(ot, "load_models", lambda args: pytest.fail("models loaded before the curriculum was checked"))
+    load_models = mu.load_models
+    monkeypatch.setattr(mu, "load_models", lambda args: pytest.fail("models loaded before the curriculum was checked"))
     rc = st.main(["--config", str(REPO / "configs" / "opd_r1_distill_1p5b.yaml"), *TINY_FLAGS, "--use_vllm", "false",
                   "--bf16", "false", "--sft_max_epochs", "0"])
     assert rc == 2
@@ -217,7 +217,7 @@ def test_sft_recipe_without_teacher_solution_column_fails_before_loading_models(
                                         "false", "--use_vllm", "false", *flags], env={"OUTPUT_DIR": str(tmp_path / "o")})
     assert not off.trains_on_teacher_solutions
 
-    monkeypatch.setattr(ot, "load_models", load_models)
+    monkeypatch.setattr(mu, "load_models", load_models)
     assert st.main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, "--debug_max_steps", "1",
                     "--ckpt_every_minutes", "0"]) == 0
     [rec] = [json.loads(x) for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]

@@ -69,7 +69,7 @@ def curriculum_path(tmp_path):
 
 
 def make_args(tmp_path, **kw):
-    from trainers.opd_trainer import OPDConfig
+    from trainers.opd_config import OPDConfig
 
     base = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 num_generations=4, max_completion_length=6, learning_rate=1e-2, debug_max_steps=2,
@@ -80,7 +80,8 @@ def make_args(tmp_path, **kw):
 
 
 def make_trainer(tmp_path, tokenizer, curriculum_path, *, model=None, teacher=None, **kw):
-    from trainers.opd_trainer import OPDTrainer, build_train_dataset, load_curriculum
+    from trainers.data import build_train_dataset, load_curriculum
+    from trainers.opd_trainer import OPDTrainer
 
     args = make_args(tmp_path, **kw)
     ds = build_train_dataset(load_curriculum(curriculum_path), tokenizer, prompt_style=args.prompt_style)
@@ -381,7 +382,7 @@ def test_self_teacher_honours_teacher_dtype(tmp_path, tokenizer, curriculum_path
 
 
 def test_different_tokenizers_fail_at_start(tokenizer):
-    from trainers.opd_trainer import check_same_tokenizer
+    from trainers.model_utils import check_same_tokenizer
 
     other = copy.deepcopy(tokenizer)
     other.add_tokens(["<brand_new_token>"])

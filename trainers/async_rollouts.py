@@ -9,6 +9,11 @@ verl's one-step off-policy recipe, NeMo-RL and slime ship the same idea with sep
                    run the update theta_{k-1} -> theta_k, all in the main thread.
     step k+1:      trains theta_k on R_{k+1} sampled by theta_{k-1}: staleness 1.
 
+``OPDTrainer`` owns one ``AsyncRollouts`` (``trainer._async``) and drives it from its generation step: it takes the
+prefetch of the step's prompts or decodes them now, and launches the next step's decode on the weights as they are
+(``OPDTrainer._async_generate``); it reads the dataloader one step ahead for the next step's prompts
+(``OPDTrainer.get_batch_samples``) and stops the decode when training stops (``AsyncStop``).
+
 The generator decodes a *snapshot copy* of the student (same dtype, fixed addresses, so its CUDA graph is
 captured once and kept) and records the log-prob of every sampled token (``FastGenerator``'s
 ``return_logprobs``). The trainer weights each token by the truncated importance ratio
@@ -35,11 +40,12 @@ import copy
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import TrainerCallback
 
-from data_tools.generation.fast_decoder import FastGenerator, SamplingParams, decode_options
+from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
 
 
 #: Held by the worker around each CUDA-graph capture (``FastGenerator(capture_lock=...)``: the ``torch.cuda.graph``
@@ -238,118 +244,19 @@ class AsyncRollouts:
         self._stop.clear()
 
 
-class _AsyncStop(TrainerCallback):
-    """Cancels the prefetch as soon as training is to stop (deadline, max steps, signal), before the final save."""
+class AsyncStop(TrainerCallback):
+    """Calls ``shutdown`` (the owner's: cancel the prefetch, drop its lookahead) as soon as training is to stop
+    (deadline, max steps, signal), before the final save, and at the end of training."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, shutdown: Callable[[], None]):
+        self.shutdown = shutdown
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_training_stop:
-            self.trainer._async_shutdown()
+            self.shutdown()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._async_shutdown()
+        self.shutdown()
 
 
-class AsyncGeneration:
-    """``OPDTrainer``'s async-generation methods (a mixin; reads ``args``, ``accelerator``, ``model``, ``state``,
-    ``generation_config``, ``_tokenize_prompts``, ``_metrics``, ``_fast_generation``, ``use_vllm``).
-
-    The trainer calls ``_init_async`` at the end of ``__init__`` and ``_async_generate`` from
-    ``_generate_single_turn``; ``get_batch_samples`` (one optimizer step's dataloader batches, here plus the
-    next step's, kept as a lookahead) and ``train`` (shutdown on any exit) wrap transformers' own.
-
-    Ordering: the dataloader is read one step ahead *within* an epoch, so each batch is still trained
-    exactly once, at the step it has without async; the first step of every epoch (and of a resumed run)
-    decodes synchronously (staleness 0). A prefetch in flight when training stops is cancelled and dropped:
-    its batch was never trained, and a resumed run (which skips ``global_step`` steps of batches) decodes it
-    again from the saved weights.
-    """
-
-    def _init_async(self) -> None:
-        a = self.args
-        self._async: AsyncRollouts | None = None
-        self._async_is = False
-        self._behaviour_step: int | None = None
-        self._lookahead: tuple | None = None
-        if not a.async_generation:
-            return
-        if self.accelerator.num_processes != 1:
-            raise ValueError("async_generation runs one background decode on one device; it does not support "
-                             f"{self.accelerator.num_processes} processes")
-        if self.use_vllm:
-            raise ValueError("async_generation decodes with trainers.generation's fast path, not vLLM")
-        from data_tools.generation.fast_decoder import sampling_params_from
-
-        if not self._fast_generation or sampling_params_from(self.generation_config) is None:
-            raise ValueError("async_generation needs the fast HF generator (trainers.generation), which is off here: "
-                             "fast_generation=False, a sharded setup (FSDP1 / ZeRO-3), or a generation setting it "
-                             "lacks (repetition_penalty, beams, suppress_tokens, ...)")
-        model = self.accelerator.unwrap_model(self.model)
-        self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
-                                    **decode_options(self.args.decode_compaction, self.args.decode_compile,
-                                                     getattr(self.args, "decode_kv_growth", False)))
-        self._async_is = bool(a.vllm_importance_sampling_correction)
-        self.add_callback(_AsyncStop(self))
-
-    def _async_shutdown(self) -> None:
-        if getattr(self, "_async", None) is not None:
-            self._async.cancel()
-        self._lookahead = None
-
-    def train(self, *args, **kwargs):
-        try:
-            return super().train(*args, **kwargs)
-        finally:  # also on HorizonReached / errors: no decode outlives train()
-            self._async_shutdown()
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        if getattr(self, "_async", None) is None:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        la, self._lookahead = self._lookahead, None
-        if la is not None and la[0] is epoch_iterator:
-            batches = la[1]
-        else:
-            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        nxt, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._lookahead = (epoch_iterator, nxt) if nxt else None
-        return batches, self._get_num_items_in_batch(batches, device)
-
-    def _next_prompt_ids(self) -> list[list[int]] | None:
-        """Token ids of the next optimizer step's generation batch, or None (epoch end, last debug step)."""
-        a = self.args
-        if self._lookahead is None or (a.debug_max_steps and self.state.global_step + 1 >= a.debug_max_steps):
-            return None
-        # the first of a step's GA dataloader batches is the whole local generation batch (RepeatSampler contract)
-        prompts = [x["prompt"] for x in self._lookahead[1][0]]
-        return self._tokenize_prompts(copy.deepcopy(prompts))[0]
-
-    def _async_generate(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """This step's completions: the prefetch if it holds these prompts, else a synchronous decode; then the
-        next step's prefetch is launched on the weights as they are now (before this step's update)."""
-        from data_tools.generation.fast_decoder import sampling_params_from
-
-        sp = sampling_params_from(self.generation_config)
-        model = self.accelerator.unwrap_model(self.model)
-        step = self.state.global_step
-        job = self._async.take(prompt_ids)
-        overlap = 0.0
-        if job is None:
-            job = self._async.generate_now(model, prompt_ids, sp, step)
-        else:
-            overlap = max(job.generate_s - job.wait_s, 0.0)
-        nxt = self._next_prompt_ids()
-        if nxt is not None:
-            self._async.launch(model, nxt, sp, step)
-        m = self._metrics["train"]
-        m["async/staleness"].append(float(step - job.version))
-        m["async/overlap_s"].append(overlap)  # decode seconds hidden behind the previous step's main thread
-        m["async/wait_s"].append(job.wait_s)
-        m["async/generate_s"].append(job.generate_s)
-        self._behaviour_step = job.version
-        self._sampling_logps = job.logprobs if self._async_is else None
-        return job.completions
-
-
-__all__ = ["AsyncRollouts", "AsyncGeneration", "Rollouts", "make_snapshot"]
+__all__ = ["AsyncRollouts", "AsyncStop", "Rollouts", "make_snapshot"]

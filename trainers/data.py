@@ -1,7 +1,4 @@
-"""Stage two's data: stage one's curriculum parquet in, the trainer's dataset out, the rollout table's schema.
-
-Re-exported by ``trainers.opd_trainer``.
-"""
+"""Stage two's data: stage one's curriculum parquet in, the trainer's dataset out, the rollout table's schema."""
 
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ objective two ways (issue 13, run 2 of bench/LEARNING.md):
   type is chosen by error diffusion on measured step seconds (``TimeShare``), so the share holds even
   though an off-policy step is ~10x cheaper than an on-policy one.
 
+``OffPolicySchedule`` keeps this state (step kinds, the solution stream, the hand-over, the rate scale, the resume
+state); the trainer owns one and passes it what it needs, and computes the loss itself (``OPDTrainer._sft_loss``).
+
 GKD (Agarwal et al. 2024, arXiv:2306.13649) mixes teacher-written and student-written sequences by a
 per-step coin with probability lambda; here the mix is over seconds rather than steps because the
 arms of bench/learning.py are compared at equal training seconds.
@@ -22,12 +25,12 @@ arms of bench/learning.py are compared at equal training seconds.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from typing import Any
+from typing import Callable
 
 import torch
+from trl.trainer.utils import pad
 
-from trainers import losses
+from data_tools.prompts import prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +81,8 @@ def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *
         ``sft_prompt_ids``/``sft_prompt_mask`` ``(n, P)``, ``sft_completion_ids``/``sft_completion_mask``
         ``(n, K)``, int64, on ``device``.
     """
-    from trl.trainer.utils import pad
-
     eos = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    from data_tools.prompts import prompt_ids
-
     p_ids = [torch.tensor(x) for x in prompt_ids(tokenizer, list(prompts))]
     c_ids, c_mask = [], []
     for s in solutions:
@@ -98,171 +97,112 @@ def solution_batch(tokenizer, prompts: list[str], solutions: list[str | None], *
     }
 
 
-class OffPolicyTerm:
-    """``OPDTrainer``'s methods for the off-policy signal (a mixin: it reads the trainer's ``args``
-    (``OPDConfig``: w_sft, sft_share_start/end, sft_batch_size, sft_max_epochs, sft_learning_rate, seed), ``accelerator``,
-    ``train_dataset``, ``processing_class``, ``_metrics``, ``_heads``, ``_get_last_hidden_state``, ``time_fraction``).
+class OffPolicySchedule:
+    """The off-policy signal's state across optimizer steps, kept apart from the trainer: which kind each step is,
+    which teacher solutions an off-policy step trains on, the rate scale of each step, and what a checkpoint keeps.
 
-    The trainer calls ``_init_offpolicy`` in ``__init__``, ``_choose_off_policy`` / ``_offpolicy_batch``
-    where it would generate, ``_solution_rows`` when it builds an on-policy batch, ``_sft_loss`` in its
-    loss, ``_finish_offpolicy`` at each step's end, ``_offpolicy_state`` when it saves a checkpoint and
-    ``_load_offpolicy_state`` when it resumes from one.
+    ``OPDTrainer`` owns one (``trainer.offpolicy``) and is its only caller; everything it needs comes in as
+    parameters. The trainer does the rest: the forward and the cross-entropy (``OPDTrainer._sft_loss``), the
+    tokenised batches (``solution_batch``), the processes' agreement and the metrics.
+
+    Args:
+        args: ``OPDConfig``; read: w_kl, w_reward, w_sft, sft_share_start, sft_share_end, sft_batch_size,
+            sft_max_epochs, sft_learning_rate, sft_handover_reset, learning_rate, gradient_accumulation_steps, seed.
+        solutions: the train dataset's ``teacher_solution`` column (None: the dataset has no such column).
+        world_size: the number of training processes.
+
+    Raises:
+        ValueError: the off-policy terms are on but there is no solution to train on, or ``sft_batch_size`` is not a
+            multiple of world size x gradient_accumulation_steps.
     """
 
-    def _init_offpolicy(self) -> None:
-        a = self.args
-        self._time_share = TimeShare()
-        self._off_policy_step = False
-        self._share_now = 0.0
-        self._sft_pool: list[int] = []
-        self._sft_pos = 0
-        self._sft_lr_applied = 1.0  # the rate scale the step hook applied this step (sft/lr_scale)
+    def __init__(self, args, solutions: list[str | None] | None, world_size: int) -> None:
+        self.args = args
+        self.time_share = TimeShare()
+        self.off_policy = False  # the current step's kind, as every process agreed (``choose``)
+        self.share = 0.0  # the off-policy share in force this step
+        self.pool: list[int] = []  # dataset rows with a verified solution
+        self.pos = 0  # solutions taken so far (over every process), across epochs of the pool
         # global_step when the hand-over was decided: the last off-policy step (the first on-policy step is the next)
-        self._handover_step: int | None = None
-        self._sft_epoch: tuple[int, list[int]] = (-1, [])
-        self._acc_sft: dict[str, float] = defaultdict(float)
+        self.handover_step: int | None = None
+        self.handover_now = False  # ``choose`` decided the hand-over this step
+        self.lr_applied = 1.0  # the rate scale the step hook applied this step (sft/lr_scale)
+        self._epoch: tuple[int, list[int]] = (-1, [])
+        a = args
         if not a.trains_on_teacher_solutions:
             return
-        ds = self.train_dataset
-        if ds is None or "teacher_solution" not in ds.column_names:  # build_train_dataset always adds it
+        if solutions is None:  # build_train_dataset always adds the column
             raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the train "
                              "dataset has no 'teacher_solution' column (build it with build_train_dataset)")
-        self._sft_pool = [i for i, s in enumerate(ds["teacher_solution"]) if s]
+        self.pool = [i for i, s in enumerate(solutions) if s]
         # "sft_max_epochs passes, then on-policy" over no solution is an empty first phase (warned below); every
         # other use of the solutions (a share for the whole clock, the w_sft term) has nothing to train on
-        if not self._sft_pool and a.needs_teacher_solutions:
+        if not self.pool and a.needs_teacher_solutions:
             raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum's "
-                             f"'teacher_solution' column is empty in all {len(ds)} rows (no teacher sample verified: "
-                             "run stage one with teacher_samples >= 1, or turn the off-policy terms off: --w_sft 0 "
-                             "--sft_share_start 0 --sft_share_end 0 --sft_learning_rate 0 --sft_max_epochs 0)")
-        world = self.accelerator.num_processes
-        unit = world * a.gradient_accumulation_steps
+                             f"'teacher_solution' column is empty in all {len(solutions)} rows (no teacher sample "
+                             "verified: run stage one with teacher_samples >= 1, or turn the off-policy terms off: "
+                             "--w_sft 0 --sft_share_start 0 --sft_share_end 0 --sft_learning_rate 0 --sft_max_epochs 0)")
+        unit = world_size * a.gradient_accumulation_steps
         if a.sft_batch_size % unit:
             lo, hi = max(unit, a.sft_batch_size // unit * unit), (a.sft_batch_size // unit + 1) * unit
             raise ValueError(f"sft_batch_size ({a.sft_batch_size}) must be a multiple of world size x "
-                             f"gradient_accumulation_steps ({world} x {a.gradient_accumulation_steps} = {unit}): "
+                             f"gradient_accumulation_steps ({world_size} x {a.gradient_accumulation_steps} = {unit}): "
                              f"e.g. {lo} or {hi}")
-        if a.sft_max_epochs and a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool):
+        if a.sft_max_epochs and a.sft_batch_size > a.sft_max_epochs * len(self.pool):
             log.warning("sft_max_epochs=%g over %d verified solutions is less than one batch of %d: no off-policy "
-                        "step will run, every step is on-policy", a.sft_max_epochs, len(self._sft_pool), a.sft_batch_size)
+                        "step will run, every step is on-policy", a.sft_max_epochs, len(self.pool), a.sft_batch_size)
 
-    def _choose_off_policy(self) -> bool:
-        """This optimizer step's kind: off-policy (teacher solutions only) or on-policy, by ``TimeShare``;
-        on-policy whenever one more batch would take the solution stream past ``sft_max_epochs`` passes."""
+    def choose(self, fraction: float, step: int, agree: Callable[[bool], bool] | None = None) -> bool:
+        """The kind of the optimizer step after ``step`` at time fraction ``fraction``: off-policy (teacher solutions
+        only) by ``TimeShare``, or on-policy; on-policy whenever one more batch would take the solution stream past
+        ``sft_max_epochs`` passes (the first such step sets ``handover_step`` and ``handover_now``). ``agree``: the
+        processes' vote (True if any process chose off-policy); None for one process. Kept as ``off_policy``."""
         a = self.args
-        self._share_now = sft_share(self.time_fraction(), a.sft_share_start, a.sft_share_end)
-        if self.sft_phase_done():
-            self._share_now = 0.0  # recorded as the share in force: TimeShare then counts these seconds as on-policy
-            if self._handover_step is None:  # the hand-over (a resume past it restores the step, and no reset)
-                self._handover_step = int(self.state.global_step)
-                if a.sft_handover_reset:
-                    self._reset_optimizer_moments()
-        off = self._time_share.choose(self._share_now)
-        return self._any_process(off) if self.accelerator.num_processes > 1 else off
+        self.share = sft_share(fraction, a.sft_share_start, a.sft_share_end)
+        self.handover_now = False
+        if self.phase_done():
+            self.share = 0.0  # recorded as the share in force: TimeShare then counts these seconds as on-policy
+            if self.handover_step is None:  # the hand-over (a resume past it restores the step, and no reset)
+                self.handover_step, self.handover_now = int(step), True
+        off = self.time_share.choose(self.share)
+        self.off_policy = agree(off) if agree is not None else off
+        return self.off_policy
 
-    def sft_phase_done(self) -> bool:
+    def phase_done(self) -> bool:
         """True once the solution stream has no batch left under ``sft_max_epochs`` passes, so every later step
-        is on-policy; always False without a cap (``sft_max_epochs = 0``). Read at a step's end, it says whether
-        the next step is past the hand-over (bench/learning.py exports the model there)."""
+        is on-policy; always False without a cap (``sft_max_epochs = 0``)."""
         a = self.args
-        return bool(a.sft_max_epochs) and self._sft_pos + a.sft_batch_size > a.sft_max_epochs * len(self._sft_pool)
+        return bool(a.sft_max_epochs) and self.pos + a.sft_batch_size > a.sft_max_epochs * len(self.pool)
 
-    def _offpolicy_batch(self) -> dict[str, Any]:
-        """``sft_batch_size`` teacher solutions (this process's share), each epoch of the pool in a seeded order."""
-        a = self.args
-        n, pool = a.sft_batch_size, self._sft_pool
+    def next_rows(self, process_index: int, num_processes: int) -> list[int]:
+        """The dataset rows of this process's share of the next ``sft_batch_size`` solutions (each epoch of the pool
+        in an order seeded by ``seed`` + epoch); advances the stream by the whole batch."""
+        n, pool = self.args.sft_batch_size, self.pool
         idx = []
-        for j in range(self._sft_pos, self._sft_pos + n):
+        for j in range(self.pos, self.pos + n):
             epoch = j // len(pool)
-            if self._sft_epoch[0] != epoch:
-                g = torch.Generator().manual_seed(a.seed + epoch)
-                self._sft_epoch = (epoch, torch.randperm(len(pool), generator=g).tolist())
-            idx.append(pool[self._sft_epoch[1][j % len(pool)]])
-        self._sft_pos += n
-        mine = idx[self.accelerator.process_index :: self.accelerator.num_processes]
-        rows = self.train_dataset.select(mine)
-        batch = solution_batch(self.processing_class, rows["prompt"], rows["teacher_solution"],
-                                         device=self.accelerator.device)
-        batch["sft_num_items"] = self.accelerator.gather(batch["sft_completion_mask"].sum()).sum().float()
-        batch["off_policy"] = torch.ones(len(mine), device=self.accelerator.device)
-        self._last_gen_tokens = int(batch["sft_num_items"].item())
-        return batch
+            if self._epoch[0] != epoch:
+                g = torch.Generator().manual_seed(self.args.seed + epoch)
+                self._epoch = (epoch, torch.randperm(len(pool), generator=g).tolist())
+            idx.append(pool[self._epoch[1][j % len(pool)]])
+        self.pos += n
+        return idx[process_index::num_processes]
 
-    def _solution_rows(self, inputs: list[dict[str, Any]], B: int) -> dict[str, torch.Tensor]:
-        """The ``w_sft`` term's data in an on-policy batch: each prompt's teacher solution on its group's first row."""
-        G, first = self.args.num_generations, self.accelerator.process_index * B
-        sols = [x.get("teacher_solution") if (first + i) % G == 0 else None for i, x in enumerate(inputs)]
-        out = solution_batch(self.processing_class, [x["prompt"] for x in inputs], sols,
-                                       device=self.accelerator.device)
-        out["sft_num_items"] = self.accelerator.gather(out["sft_completion_mask"].sum()).sum().float()
-        return out
-
-    def _sft_loss(self, unwrapped_student, inputs, weight: float):
-        """``(weight * CE, entropy sum, token count)`` of the micro-batch's teacher solutions.
-
-        CE = -sum_t log pi_theta(y_t | x, y_<t) over solution tokens / the step's global solution-token
-        count (per process under DDP averaging, as TRL divides ``num_items_in_batch``), at temperature 1
-        (TRL ``SFTTrainer``'s completion-only loss). A micro-batch without solution tokens gives 0.
-        """
-        from trainers.model_utils import logit_transform
-
-        cids, cmask = inputs["sft_completion_ids"], inputs["sft_completion_mask"]
-        rows = cmask.bool().any(dim=1)
-        if not bool(rows.any()):
-            return cids.new_zeros((), dtype=torch.float32), cids.new_zeros((), dtype=torch.float32), rows.sum()
-        cids, cmask = cids[rows], cmask[rows]
-        ids = torch.cat([inputs["sft_prompt_ids"][rows], cids], dim=1)
-        mask = torch.cat([inputs["sft_prompt_mask"][rows], cmask], dim=1)
-        h = self._get_last_hidden_state(unwrapped_student, ids, mask, cids.size(1))
-        (w, b), _ = self._heads(unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
-        scale, cap = logit_transform(unwrapped_student.config)
-        valid = cmask.bool().to(w.device)
-        lp, entropy = losses.token_logprobs(h.to(w.device)[valid], w, b, cids.to(w.device)[valid], logit_scale=scale,
-                                            softcap=cap, with_entropy=True)
-        N = inputs["sft_num_items"].clamp(min=1.0).to(lp.device) / self.accelerator.num_processes
-        ce = -lp.sum() / N
-        self._acc_sft["loss"] += float(ce.detach())
-        self._acc_sft["tokens"] += float(valid.sum())
-        return weight * ce, entropy.detach().sum(), valid.sum()
-
-    def _objective(self) -> dict[str, float]:
-        """The settings that decide each step's kind and loss, saved so that a resume can say when they changed."""
-        return {k: float(getattr(self.args, k)) for k in OBJECTIVE_SETTINGS}
-
-    def _offpolicy_state(self) -> dict:
-        """What a resumed run needs to continue the mix where it stopped (saved beside the clock's fraction):
-        the position in the solution stream (its epochs, hence ``sft_max_epochs``), the time-share credit, and
-        the objective's settings."""
-        return {"sft_pos": self._sft_pos, "sft_credit": self._time_share.credit, "handover_step": self._handover_step,
-                "objective": self._objective()}
-
-    def _reset_optimizer_moments(self) -> None:
-        """``sft_handover_reset``: forget every parameter's optimizer state (Adam's step count and moments), so the
-        on-policy steps' statistics start fresh, with bias correction, as in a new run. Raises RuntimeError for an
-        optimizer that is not a torch one (DeepSpeed keeps its state elsewhere)."""
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's wrapper
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise RuntimeError(f"sft_handover_reset needs a torch optimizer, got {type(opt).__name__}: set it to 0")
-        opt.state.clear()
-        log.info("hand-over at step %d: optimizer moments cleared, rate warming up over %d steps",
-                 self._handover_step, self.args.sft_handover_reset)
-
-    def _rate_scale(self) -> float:
-        """The factor the step hook applies to the scheduled rate this step: ``sft_learning_rate / learning_rate``
-        on an off-policy step; ``min(1, (k + 1) / sft_handover_reset)`` on the k-th on-policy step after a reset
-        hand-over (k = 0 first); else 1."""
+    def rate_scale(self, step: int) -> float:
+        """The factor the step hook applies to the scheduled rate of the optimizer step after ``step``:
+        ``sft_learning_rate / learning_rate`` on an off-policy step; ``min(1, (k + 1) / sft_handover_reset)`` on the
+        k-th on-policy step after a reset hand-over (k = 0 first); else 1."""
         a = self.args
-        if self._off_policy_step:
+        if self.off_policy:
             return a.sft_learning_rate / a.learning_rate if a.sft_learning_rate else 1.0
-        if a.sft_handover_reset and self._handover_step is not None:
-            return min(1.0, (self.state.global_step - self._handover_step + 1) / a.sft_handover_reset)
+        if a.sft_handover_reset and self.handover_step is not None:
+            return min(1.0, (step - self.handover_step + 1) / a.sft_handover_reset)
         return 1.0
 
-    def _install_rate_hooks(self, optimizer) -> None:
+    def install_rate_hooks(self, optimizer, step: Callable[[], int]) -> None:
         """``sft_learning_rate > 0`` or ``sft_handover_reset > 0``: torch optimizer step hooks scale every group's
-        rate by ``_rate_scale()`` (``sft_learning_rate / learning_rate`` for the step of an off-policy batch, the
-        re-warm-up after a reset hand-over) and restore it after, so the schedule (warm-up, decay over the clock)
-        applies to both kinds of step and checkpoints hold the plain rate."""
+        rate by ``rate_scale(step())`` (``step``: the trainer's global step) and restore it after, so the schedule
+        (warm-up, decay over the clock) applies to both kinds of step and checkpoints hold the plain rate."""
         a = self.args
         optimizer = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside accelerate's wrapper
         if ((not a.sft_learning_rate or a.sft_learning_rate == a.learning_rate) and not a.sft_handover_reset
@@ -271,12 +211,12 @@ class OffPolicyTerm:
         optimizer._opd_sft_lr_hooks = True
 
         def pre(opt, args, kwargs):
-            scale = self._rate_scale()
+            scale = self.rate_scale(step())
             if scale != 1.0:
                 for g in opt.param_groups:
                     g["opd_scheduled_lr"] = g["lr"]
                     g["lr"] = g["lr"] * scale
-                self._sft_lr_applied = scale  # set only when the hook fires: sft/lr_scale shows it was applied
+                self.lr_applied = scale  # set only when the hook fires: sft/lr_scale shows it was applied
 
         def post(opt, args, kwargs):
             for g in opt.param_groups:
@@ -286,13 +226,24 @@ class OffPolicyTerm:
         optimizer.register_step_pre_hook(pre)
         optimizer.register_step_post_hook(post)
 
-    def _load_offpolicy_state(self, state: dict) -> None:
-        """Restore ``_offpolicy_state()`` (a checkpoint written before it existed restarts the stream at 0). A resume
+    def objective(self) -> dict[str, float]:
+        """The settings that decide each step's kind and loss, saved so that a resume can say when they changed."""
+        return {k: float(getattr(self.args, k)) for k in OBJECTIVE_SETTINGS}
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue the mix where it stopped (saved beside the clock's fraction):
+        the position in the solution stream (its epochs, hence ``sft_max_epochs``), the time-share credit, the
+        hand-over step and the objective's settings."""
+        return {"sft_pos": self.pos, "sft_credit": self.time_share.credit, "handover_step": self.handover_step,
+                "objective": self.objective()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` (a checkpoint written before it existed restarts the stream at 0). A resume
         under other objective settings than the save's goes on under the new ones, with a warning naming them (a
         run begun on-policy and resumed under a config with SFT first runs SFT steps from here)."""
         saved = state.get("objective")
         if saved is not None:
-            now = self._objective()
+            now = self.objective()
             changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
             if changed:
                 log.warning("resuming under other objective settings than the checkpoint's (saved -> now): %s",
@@ -300,30 +251,34 @@ class OffPolicyTerm:
         elif self.args.trains_on_teacher_solutions:  # saved before the settings were recorded (2026-12-04)
             log.warning("resuming from a checkpoint that does not record its objective settings: this run's "
                         "off-policy settings (%s) apply from here, whatever the checkpoint's steps were",
-                        ", ".join(f"{k} {v:g}" for k, v in self._objective().items() if k.startswith(("w_sft", "sft_"))))
-        self._sft_pos = int(state.get("sft_pos", 0))
-        self._time_share.credit = float(state.get("sft_credit", 0.0))
+                        ", ".join(f"{k} {v:g}" for k, v in self.objective().items() if k.startswith(("w_sft", "sft_"))))
+        self.pos = int(state.get("sft_pos", 0))
+        self.time_share.credit = float(state.get("sft_credit", 0.0))
         h = state.get("handover_step")
         # a hand-over the new settings undo (more passes than the save's) happens again, at its new step
-        self._handover_step = None if h is None or not self.sft_phase_done() else int(h)
+        self.handover_step = None if h is None or not self.phase_done() else int(h)
 
-    def _finish_offpolicy(self, step_s: float) -> None:
-        """Step metrics of the off-policy signal; feeds the step's seconds to the time-share chooser."""
+    def finish_step(self, seconds: float, loss_sum: float, tokens: float) -> dict[str, float]:
+        """The step's metrics of the off-policy signal (empty when no off-policy term is on), given its seconds and
+        its cross-entropy sum and solution-token count over every process; feeds the seconds to ``TimeShare``."""
         a = self.args
         if not a.trains_on_teacher_solutions:
-            return
-        self._time_share.record(self._share_now, self._off_policy_step, step_s)
-        vec = torch.tensor([self._acc_sft["loss"], self._acc_sft["tokens"]], dtype=torch.float64,
-                           device=self.accelerator.device)
-        self._acc_sft.clear()
-        loss_sft, tokens = self.accelerator.reduce(vec, reduction="sum").tolist()
-        m = self._metrics["train"]
-        m["loss/sft"].append(loss_sft)  # mean CE per solution token (the term before its weight)
-        m["sft/tokens"].append(tokens)
-        m["sft/share"].append(self._share_now)
-        m["sft/off_policy_step"].append(float(self._off_policy_step))
-        m["sft/epoch"].append(self._sft_pos / max(1, len(self._sft_pool)))  # passes over the pool (0 when it is empty)
-        m["sft/weight"].append(1.0 if self._off_policy_step else a.w_sft)
-        m["sft/lr_scale"].append(self._sft_lr_applied)  # set by the rate hook of this step, if any
-        self._sft_lr_applied = 1.0
+            return {}
+        self.time_share.record(self.share, self.off_policy, seconds)
+        out = {"loss/sft": loss_sum,  # mean CE per solution token (the term before its weight)
+               "sft/tokens": tokens, "sft/share": self.share, "sft/off_policy_step": float(self.off_policy),
+               "sft/epoch": self.pos / max(1, len(self.pool)),  # passes over the pool (0 when it is empty)
+               "sft/weight": 1.0 if self.off_policy else a.w_sft,
+               "sft/lr_scale": self.lr_applied}  # set by the rate hook of this step, if any
+        self.lr_applied = 1.0
+        return out
 
+
+def clear_optimizer_moments(optimizer) -> None:
+    """Forget every parameter's optimizer state (Adam's step count and moments), so the next steps' statistics
+    start fresh, with bias correction, as in a new run (``sft_handover_reset``). Raises RuntimeError for an
+    optimizer that is not a torch one (DeepSpeed keeps its state elsewhere)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside accelerate's wrapper
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise RuntimeError(f"sft_handover_reset needs a torch optimizer, got {type(opt).__name__}: set it to 0")
+    opt.state.clear()

@@ -1,7 +1,7 @@
 """``OPDConfig``: the configuration of ``OPDTrainer`` and ``python -m stages.train`` (fields, help, checks).
 
 Extends TRL 1.16's ``DistillationConfig``; every field has help text (``python -m stages.train --help``)
-and is checked in ``_validate``. Re-exported by ``trainers.opd_trainer``.
+and is checked in ``_validate``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from trl import DistillationConfig
 
+from data_tools.clock import DEFAULT_MAX_WALL_S, DEFAULT_RESERVE_S
 from trainers.heads import HEAD_KERNELS, liger_unavailable
 from trainers.sampler import MODES as CURRICULUM_MODES
 
@@ -50,9 +51,9 @@ class OPDConfig(DistillationConfig):
     curriculum_path: str | None = field(default=None, metadata={
         "help": "Stage one's curriculum parquet; default <output_dir>/curate/curriculum.parquet. (TRAIN_DATA names the "
                 "raw problems that stage one reads, so it does not set this.)"})
-    max_wall_time_seconds: float = field(default=43200.0, metadata={
+    max_wall_time_seconds: float = field(default=DEFAULT_MAX_WALL_S, metadata={
         "help": "Contract MAX_WALL_TIME_SECONDS: wall-clock budget of the whole process, counted from its start."})
-    deadline_reserve_seconds: float = field(default=600.0, metadata={
+    deadline_reserve_seconds: float = field(default=DEFAULT_RESERVE_S, metadata={
         "help": "Contract DEADLINE_RESERVE_SECONDS: kept free at the end for the final checkpoint; training stops "
                 "at max_wall_time_seconds - deadline_reserve_seconds."})
     ckpt_dir: str | None = field(default=None, metadata={
@@ -175,7 +176,7 @@ class OPDConfig(DistillationConfig):
         "help": "Non-finite loss/gradient steps are skipped; this many in a row stop the run with an error."})
     fast_generation: bool | None = field(default=None, metadata={
         "help": "HF-generate path (no vLLM): decode all samples in one call with a static KV cache and a CUDA-graph "
-                "decode step (trainers.generation). Empty = on with CUDA and no vLLM, and wherever use_vllm asked for "
+                "decode step (data_tools.generation.fast_decoder). Empty = on with CUDA and no vLLM, and wherever use_vllm asked for "
                 "a vLLM that cannot run here (CPU included). Under FSDP2 the weights are gathered once a call; FSDP1 "
                 "and ZeRO-3 keep TRL's HF generate."})
     async_generation: bool = field(default=False, metadata={
@@ -186,7 +187,7 @@ class OPDConfig(DistillationConfig):
                 "Logged as async/*, sampling/*."})
     decode_compaction: bool = field(default=True, metadata={
         "help": "fast_generation only: the decoder stops paying for finished rows and unwritten cache positions "
-                "(trainers.decode_kv): decode attention reads the written length rounded up to a bucket, and the live "
+                "(data_tools.generation.kv_cache): decode attention reads the written length rounded up to a bucket, and the live "
                 "rows move into the smallest halving of the batch that holds them; one CUDA graph per (batch, length) "
                 "bucket met. Same greedy tokens as off."})
     decode_compile: bool = field(default=False, metadata={
@@ -370,7 +371,7 @@ class OPDConfig(DistillationConfig):
              f"per_device_train_batch_size x gradient_accumulation_steps ({gen}) must be a multiple of "
              f"num_generations ({self.num_generations}) so each prompt's group fits in a generation batch")
         if self.async_generation:
-            why = ("use_vllm (the async decode runs trainers.generation's fast path on a weight snapshot)" if self.use_vllm
+            why = ("use_vllm (the async decode runs the fast decoder on a weight snapshot)" if self.use_vllm
                    else "fast_generation=False (it decodes with the fast path)" if self.fast_generation is False
                    else "num_iterations > 1 (a reused batch already carries its PPO pi_old)" if self.num_iterations > 1
                    else "sft_share_start / sft_share_end > 0 (off-policy steps would leave a prefetch waiting)"

@@ -20,15 +20,15 @@ What this subclass adds (issue 3, design.md section 5):
 - Vocabulary-size mismatch with one tokenizer (Qwen2.5 1.5B 151,936 rows vs 7B 152,064): both heads
   are sliced to the shared range; different tokenizers are an error at start-up.
 - An off-policy term on stage one's verified teacher solutions (curriculum column ``teacher_solution``):
-  ``w_sft`` cross-entropy in on-policy steps and a clock-scheduled share of cross-entropy-only steps
-  (``trainers.offpolicy.OffPolicyTerm``).
-- Optional one-step off-policy generation (``async_generation``, ``trainers.async_rollouts.AsyncGeneration``):
-  the next batch is decoded on a weight snapshot while the current update runs, with rollout IS.
+  ``w_sft`` cross-entropy in on-policy steps and a clock-scheduled share of cross-entropy-only steps; its state
+  across steps is a ``trainers.offpolicy.OffPolicySchedule`` (``self.offpolicy``).
+- Optional one-step off-policy generation (``async_generation``): the next batch is decoded on a weight snapshot
+  (``trainers.async_rollouts.AsyncRollouts``, ``self._async``) while the current update runs, with rollout IS.
 - Run-contract plumbing: resume state under ``<output_dir>/resume``, HF exports under ``ckpt_dir``,
   per-step metrics, rollout parquet files, a non-finite guard.
 
 ``OPDConfig`` lives in ``trainers.opd_config``, the curriculum loading and the rollout schema in
-``trainers.data``, the model loading and checks in ``trainers.model_utils``; all are re-exported here.
+``trainers.data``, the model loading and checks in ``trainers.model_utils``; import each from its module.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from data_tools.runio import write_json
-from trainers import async_rollouts, heads, losses, offpolicy
+from trainers import heads, losses
+from trainers.async_rollouts import AsyncRollouts, AsyncStop
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
-from trainers.data import ROLLOUT_SCHEMA, build_train_dataset, load_curriculum  # noqa: F401 - re-exported
-from trainers.model_utils import (  # noqa: F401
-    StepMemory, check_same_tokenizer, load_models, logit_transform, vllm_usable)
+from trainers.data import ROLLOUT_SCHEMA
+from trainers.model_utils import StepMemory, check_same_tokenizer, logit_transform, vllm_usable
+from trainers.offpolicy import OffPolicySchedule, clear_optimizer_moments, solution_batch
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
 from trainers.schedules import adam_update_sumsq
@@ -88,7 +89,7 @@ class _StepHooks(TrainerCallback):
         self.trainer._finish_step()
 
 
-class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, DistillationTrainer):
+class OPDTrainer(DistillationTrainer):
     """On-policy distillation + verifier reward (see the module docstring and ``OPDConfig``).
 
     Args:
@@ -123,7 +124,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         vllm_asked = bool(args.use_vllm)
         if args.use_vllm and not vllm_usable():
             log.warning("use_vllm is set but vLLM colocate needs CUDA and an importable vllm: generating with the fast decoder "
-                        "(trainers.generation) where it applies, else HF generate")
+                        "(data_tools.generation.fast_decoder) where it applies, else HF generate")
             args.use_vllm = False
         if isinstance(model, str):
             model = create_model_from_path(model, dtype=DTYPES[args.model_dtype])
@@ -221,7 +222,10 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         self._bad_loss = False
         self._skipped_steps = 0
         self._nonfinite_streak = 0
-        self._init_offpolicy()
+        ds = self.train_dataset
+        solutions = (ds["teacher_solution"] if args.trains_on_teacher_solutions and ds is not None
+                     and "teacher_solution" in ds.column_names else None)
+        self.offpolicy = OffPolicySchedule(args, solutions, world_size=self.accelerator.num_processes)
         if args.head_kernel == "liger":  # say which terms Liger computes; TRL's kernels keep the others
             (_, bs), (_, bt) = self._heads(self.accelerator.unwrap_model(self.model), teacher_model)
             tf = [logit_transform(m.config) for m in (self.accelerator.unwrap_model(self.model), teacher_model)]
@@ -249,6 +253,34 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
                                                        "truncated_completions": args.truncated_completions}))
         self._init_async()  # last: its stop callback must follow the deadline's
 
+    def _init_async(self) -> None:
+        """``async_generation``: the weight snapshot and its background decoder (``AsyncRollouts``), and the callback
+        that stops it when training stops; nothing otherwise. Raises ValueError where it cannot run."""
+        a = self.args
+        self._async: AsyncRollouts | None = None
+        self._async_is = False  # rollout IS weights from the snapshot's log-probs
+        self._behaviour_step: int | None = None  # global_step of the weights that sampled this step's rollouts
+        self._lookahead: tuple | None = None  # (epoch iterator, the next step's dataloader batches)
+        if not a.async_generation:
+            return
+        if self.accelerator.num_processes != 1:
+            raise ValueError("async_generation runs one background decode on one device; it does not support "
+                             f"{self.accelerator.num_processes} processes")
+        if self.use_vllm:
+            raise ValueError("async_generation decodes with the fast decoder's path, not vLLM")
+        from data_tools.generation.fast_decoder import decode_options, sampling_params_from
+
+        if not self._fast_generation or sampling_params_from(self.generation_config) is None:
+            raise ValueError("async_generation needs the fast HF generator (data_tools.generation.fast_decoder), which is off here: "
+                             "fast_generation=False, a sharded setup (FSDP1 / ZeRO-3), or a generation setting it "
+                             "lacks (repetition_penalty, beams, suppress_tokens, ...)")
+        model = self.accelerator.unwrap_model(self.model)
+        self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
+                                    **decode_options(a.decode_compaction, a.decode_compile,
+                                                     getattr(a, "decode_kv_growth", False)))
+        self._async_is = bool(a.vllm_importance_sampling_correction)
+        self.add_callback(AsyncStop(self._async_shutdown))
+
     def _guard_vllm_colocate(self) -> None:
         """``use_vllm`` colocate: ``trainers.guards.probe_vllm`` at start-up; if it fails (on any process), one line,
         the engine released, and generation with the fast decoder (``fast_generation``) or TRL's HF generate."""
@@ -268,8 +300,14 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         self._fast_generation = (a.fast_generation is not False) and fast_path_unsupported(self) is None
         self.engine = "hf-generate-fast" if self._fast_generation else "hf-generate"
         guards.say_once(f"use_vllm: the vLLM colocate probe {reason or 'failed on another process'}; generating with "
-                        f"{'the fast decoder (trainers.generation)' if self._fast_generation else 'HF generate'} "
+                        f"{'the fast decoder (data_tools.generation.fast_decoder)' if self._fast_generation else 'HF generate'} "
                         f"instead, use_vllm off for this run")
+
+    def sft_phase_done(self) -> bool:
+        """True once every later step is on-policy (the solution stream has no batch left under ``sft_max_epochs``
+        passes); always False without a cap. Read at a step's end, it says whether the next step is past the
+        hand-over (bench/learning.py exports the model there)."""
+        return self.offpolicy.phase_done()
 
     def time_fraction(self) -> float:
         """Fraction of the training window used, in [0, 1]: 0 when training starts, 1 at the horizon.
@@ -286,7 +324,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         """TRL's / transformers' optimizer, plus the off-policy steps' rate (``sft_learning_rate``) and the re-warm-up
         after a reset hand-over (``sft_handover_reset``) as step hooks."""
         opt = super().create_optimizer(model)
-        self._install_rate_hooks(opt)
+        self.offpolicy.install_rate_hooks(opt, step=lambda: int(self.state.global_step))
         torch_opt = getattr(opt, "optimizer", opt)
         if isinstance(torch_opt, torch.optim.Optimizer) and not getattr(torch_opt, "_opd_update_probe", False):
             torch_opt._opd_update_probe = True
@@ -327,7 +365,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         if checkpoint is not None and (Path(checkpoint) / CLOCK_STATE).exists():
             state = json.loads((Path(checkpoint) / CLOCK_STATE).read_text())
             self._fraction0 = float(state["time_fraction"])
-            self._load_offpolicy_state(state)
+            self.offpolicy.load_state_dict(state)
             self._check_resumed_processes(state, checkpoint)
         # The optimizer state brings back the learning rate of the save; the schedule is the clock's now.
         if checkpoint is not None and self.lr_scheduler is not None and self.args.lr_scheduler_type in TIME_SCHEDULES:
@@ -360,6 +398,72 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         return bool(self.accelerator.reduce(t, reduction="max").item())
 
     # ---- generation ----
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # also on HorizonReached / errors: no background decode outlives train()
+            self._async_shutdown()
+
+    def _async_shutdown(self) -> None:
+        if getattr(self, "_async", None) is not None:
+            self._async.cancel()
+        self._lookahead = None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers' one optimizer step of dataloader batches; under ``async_generation`` also the next step's,
+        kept as a lookahead whose prompts the background decode starts on.
+
+        Ordering: the dataloader is read one step ahead *within* an epoch, so each batch is still trained exactly
+        once, at the step it has without async; the first step of every epoch (and of a resumed run) decodes
+        synchronously (staleness 0). A prefetch in flight when training stops is cancelled and dropped: its batch
+        was never trained, and a resumed run (which skips ``global_step`` steps of batches) decodes it again."""
+        if getattr(self, "_async", None) is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        la, self._lookahead = self._lookahead, None
+        if la is not None and la[0] is epoch_iterator:
+            batches = la[1]
+        else:
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        nxt, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._lookahead = (epoch_iterator, nxt) if nxt else None
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _next_prompt_ids(self) -> list[list[int]] | None:
+        """Token ids of the next optimizer step's generation batch, or None (epoch end, last debug step)."""
+        a = self.args
+        if self._lookahead is None or (a.debug_max_steps and self.state.global_step + 1 >= a.debug_max_steps):
+            return None
+        # the first of a step's GA dataloader batches is the whole local generation batch (RepeatSampler contract)
+        prompts = [x["prompt"] for x in self._lookahead[1][0]]
+        return self._tokenize_prompts(copy.deepcopy(prompts))[0]
+
+    def _async_generate(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """This step's completions under ``async_generation``: the prefetch if it holds these prompts, else a
+        synchronous decode; then the next step's prefetch is launched on the weights as they are now (before this
+        step's update)."""
+        from data_tools.generation.fast_decoder import sampling_params_from
+
+        sp = sampling_params_from(self.generation_config)
+        model = self.accelerator.unwrap_model(self.model)
+        step = self.state.global_step
+        job = self._async.take(prompt_ids)
+        overlap = 0.0
+        if job is None:
+            job = self._async.generate_now(model, prompt_ids, sp, step)
+        else:
+            overlap = max(job.generate_s - job.wait_s, 0.0)
+        nxt = self._next_prompt_ids()
+        if nxt is not None:
+            self._async.launch(model, nxt, sp, step)
+        m = self._metrics["train"]
+        m["async/staleness"].append(float(step - job.version))
+        m["async/overlap_s"].append(overlap)  # decode seconds hidden behind the previous step's main thread
+        m["async/wait_s"].append(job.wait_s)
+        m["async/generate_s"].append(job.generate_s)
+        self._behaviour_step = job.version
+        self._sampling_logps = job.logprobs if self._async_is else None
+        return job.completions
+
     def _tokenize_prompts(self, prompts: list):
         # TRL tokenizes string prompts with processing_class(text=...), which lets a post-processor add a
         # second BOS after the one the chat template wrote (DeepSeek-R1-Distill-Qwen); prompts here are
@@ -372,8 +476,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         if self._async is not None and self.model.training and images is None and not multimodal_fields:
-            return self._async_generate(prompt_ids)  # trainers.async_rollouts: one-step off-policy
-        # Fast HF path (trainers.generation): same contract as TRL's HF branch; falls back to it for
+            return self._async_generate(prompt_ids)  # one-step off-policy
+        # Fast HF path (data_tools.generation.fast_decoder): same contract as TRL's HF branch; falls back to it for
         # multimodal inputs or generation settings the fast path lacks (e.g. repetition_penalty).
         if self._fast_generation and images is None and not multimodal_fields:
             from trainers.fast_generation import fast_generate_single_turn
@@ -420,9 +524,13 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             return super()._prepare_inputs(generation_batch)
         ga = self.args.gradient_accumulation_steps
         if self._step % (ga * self.args.num_iterations) == 0 or self._buffered_inputs is None:
-            self._off_policy_step = self._choose_off_policy()
-            batch = (self._offpolicy_batch() if self._off_policy_step
-                     else self._generate_and_score_completions(generation_batch))
+            off = self.offpolicy.choose(self.time_fraction(), int(self.state.global_step),
+                                        agree=self._any_process if self.accelerator.num_processes > 1 else None)
+            if self.offpolicy.handover_now and self.args.sft_handover_reset:
+                clear_optimizer_moments(self.optimizer)
+                log.info("hand-over at step %d: optimizer moments cleared, rate warming up over %d steps",
+                         self.offpolicy.handover_step, self.args.sft_handover_reset)
+            batch = self._offpolicy_batch() if off else self._generate_and_score_completions(generation_batch)
             batch = shuffle_sequence_dict(batch)
             self._buffered_inputs = split_tensor_dict(batch, ga)
         return self._buffered_inputs[self._step % ga]
@@ -517,6 +625,28 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
                     "behaviour_step": self.state.global_step if self._behaviour_step is None else self._behaviour_step,
                 } for i, x in enumerate(inputs)],
             }
+        return out
+
+    # ---- the off-policy term's data (trainers.offpolicy) ----
+    def _offpolicy_batch(self) -> dict[str, Any]:
+        """The next ``sft_batch_size`` teacher solutions of ``self.offpolicy``'s stream (this process's share)."""
+        pi, n = self.accelerator.process_index, self.accelerator.num_processes
+        rows = self.train_dataset.select(self.offpolicy.next_rows(pi, n))
+        batch = self._solution_batch(rows["prompt"], rows["teacher_solution"])
+        batch["off_policy"] = torch.ones(len(rows), device=self.accelerator.device)
+        self._last_gen_tokens = int(batch["sft_num_items"].item())
+        return batch
+
+    def _solution_rows(self, inputs: list[dict[str, Any]], B: int) -> dict[str, torch.Tensor]:
+        """The ``w_sft`` term's data in an on-policy batch: each prompt's teacher solution on its group's first row."""
+        G, first = self.args.num_generations, self.accelerator.process_index * B
+        sols = [x.get("teacher_solution") if (first + i) % G == 0 else None for i, x in enumerate(inputs)]
+        return self._solution_batch([x["prompt"] for x in inputs], sols)
+
+    def _solution_batch(self, prompts: list[str], solutions: list[str | None]) -> dict[str, torch.Tensor]:
+        """``solution_batch`` on this process's device, with ``sft_num_items``: the solution tokens of every process."""
+        out = solution_batch(self.processing_class, prompts, solutions, device=self.accelerator.device)
+        out["sft_num_items"] = self.accelerator.gather(out["sft_completion_mask"].sum()).sum().float()
         return out
 
     def _heads(self, unwrapped_student, unwrapped_teacher):
@@ -639,6 +769,32 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
             loss = loss + self._sft_loss(unwrapped_student, inputs, a.w_sft)[0]
         return loss, entropy.detach().sum(), valid.sum()
 
+    def _sft_loss(self, unwrapped_student, inputs, weight: float):
+        """``(weight * CE, entropy sum, token count)`` of the micro-batch's teacher solutions.
+
+        CE = -sum_t log pi_theta(y_t | x, y_<t) over solution tokens / the step's global solution-token
+        count (per process under DDP averaging, as TRL divides ``num_items_in_batch``), at temperature 1
+        (TRL ``SFTTrainer``'s completion-only loss). A micro-batch without solution tokens gives 0.
+        """
+        cids, cmask = inputs["sft_completion_ids"], inputs["sft_completion_mask"]
+        rows = cmask.bool().any(dim=1)
+        if not bool(rows.any()):
+            return cids.new_zeros((), dtype=torch.float32), cids.new_zeros((), dtype=torch.float32), rows.sum()
+        cids, cmask = cids[rows], cmask[rows]
+        ids = torch.cat([inputs["sft_prompt_ids"][rows], cids], dim=1)
+        mask = torch.cat([inputs["sft_prompt_mask"][rows], cmask], dim=1)
+        h = self._get_last_hidden_state(unwrapped_student, ids, mask, cids.size(1))
+        (w, b), _ = self._heads(unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
+        scale, cap = logit_transform(unwrapped_student.config)
+        valid = cmask.bool().to(w.device)
+        lp, entropy = losses.token_logprobs(h.to(w.device)[valid], w, b, cids.to(w.device)[valid], logit_scale=scale,
+                                            softcap=cap, with_entropy=True)
+        N = inputs["sft_num_items"].clamp(min=1.0).to(lp.device) / self.accelerator.num_processes
+        ce = -lp.sum() / N
+        self._acc["sft_loss"] += float(ce.detach())
+        self._acc["sft_tokens"] += float(valid.sum())
+        return weight * ce, entropy.detach().sum(), valid.sum()
+
     def _rollout_is_weights(self, old: torch.Tensor, inputs, valid: torch.Tensor) -> torch.Tensor | None:
         """``(n,)`` truncated rollout IS weights over the valid tokens (None without engine log-probs), and
         their mismatch statistics into this step's accumulators (``sampling/*`` metrics)."""
@@ -695,7 +851,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
     def _finish_step(self) -> None:
         """At ``on_step_end``: reduce this step's sums across processes into metrics; write the rollouts."""
         keys = ("loss_kl", "loss_reward", "k1_sum", "tokens", "clipped", "ratio_sum", "kl_full_sum", "k1_clamped",
-                "is_tokens", "is_diff_sum", "is_w_sum", "is_capped", "upd_sumsq", "upd_count")
+                "is_tokens", "is_diff_sum", "is_w_sum", "is_capped", "upd_sumsq", "upd_count", "sft_loss", "sft_tokens")
         vec = torch.tensor([self._acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.accelerator.device)
         tot = dict(zip(keys, self.accelerator.reduce(vec, reduction="sum").tolist()))
         self._acc.clear()
@@ -706,7 +862,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         world = self.accelerator.num_processes
         # An off-policy SFT step samples nothing: its on-policy terms are not 0 but absent (NaN, which TRL's log
         # turns into null), so queries and plots do not read a KL of 0 for the SFT phase
-        off = getattr(self, "_off_policy_step", False)
+        off = self.offpolicy.off_policy
         put = lambda key, value: m[key].append(float("nan") if off else value)  # noqa: E731
         put("loss/kl", tot["loss_kl"] / world)
         put("loss/reward", tot["loss_reward"] / world)
@@ -733,7 +889,8 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         for k, v in self._step_memory.end().items():
             m[k].append(v)
         m["nonfinite/total_skipped"].append(float(self._skipped_steps))
-        self._finish_offpolicy(step_s)
+        for k, v in self.offpolicy.finish_step(step_s, tot["sft_loss"], tot["sft_tokens"]).items():
+            m[k].append(v)
         self._flush_rollouts()
 
     def _log_rollout_is(self, m, tot: dict[str, float]) -> None:
@@ -776,7 +933,7 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         # The clock's fraction first: trainer_state.json, written last by transformers, marks the state complete.
         if self.args.should_save:
             write_json({"time_fraction": self.time_fraction(), "processes": self.accelerator.num_processes,
-                        "recipe_batch": list(getattr(self.args, "recipe_batch", ())), **self._offpolicy_state()},
+                        "recipe_batch": list(getattr(self.args, "recipe_batch", ())), **self.offpolicy.state_dict()},
                        Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}" / CLOCK_STATE)
         # Resume state via transformers' own machinery (skipping TRL's model card, which would land in output_dir).
         t0 = time.perf_counter()
@@ -815,5 +972,4 @@ class OPDTrainer(offpolicy.OffPolicyTerm, async_rollouts.AsyncGeneration, Distil
         return dest
 
 
-__all__ = ["OPDConfig", "OPDTrainer", "build_train_dataset", "load_curriculum", "check_same_tokenizer",
-           "load_models", "NonFiniteError"]
+__all__ = ["OPDTrainer", "NonFiniteError", "CLOCK_STATE"]
