@@ -18,7 +18,7 @@ HANDOVER_MARK = -1.0
 
 @dataclass(frozen=True)
 class Arm:
-    """What an arm trains on: the stage-two objective of one row of the README's arm table.
+    """What an arm trains on: the stage-two objective of one row of the arm table (bench/learning/arms.md).
 
     ``teacher``: ``"trained"`` = ``<out>/teacher`` (the stronger same-tokenizer teacher), ``"self"`` = the frozen
     start reading the reference solution (``teacher_context="privileged"``), None = no teacher. ``off_policy``:

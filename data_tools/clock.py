@@ -37,7 +37,7 @@ import yaml
 RUN_START_ENV = "OPD_RUN_START"
 
 #: Stage one's default share of the clock before training (CurateConfig.time_share). Why 0.2 for the
-#: formal recipe (README "The formal run" has the arithmetic, from estimated H200 rates): it measures
+#: formal recipe (bench/results/setup.md has the arithmetic, from estimated H200 rates): it measures
 #: ~2,300 problems (~1,150 curriculum rows) and ends after ~1.4 h, leaving ~1,250-1,850 training steps at the
 #: reference recipe's 20-30 s a step (~250 at the no-vLLM path's measured 121.5 s, RESULTS.md run 10)
 #: that revisit a row about every 36 steps; each further 0.1 costs ~100 steps (7% of training) for

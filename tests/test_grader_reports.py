@@ -4,7 +4,7 @@
 ``gold_build`` / ``pred_build``, a list of ``[text, repeat]`` pieces for the megabyte-sized hostile
 outputs and the 10,000-digit answers),
 ``expected`` (the right verdict), optional ``truncated``, and ``source``: the report or test file the
-case comes from (``owner/repo#N`` or ``owner/repo:path``). README "The math grader" lists the kinds.
+case comes from (``owner/repo#N`` or ``owner/repo:path``). data_tools/grader/README.md lists the kinds.
 """
 
 from __future__ import annotations

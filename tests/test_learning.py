@@ -595,7 +595,7 @@ def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):
 
 
 def test_arm_recipes_parse_as_stage_two_configs(tmp_path):
-    """Every arm's recipe is a stages.train YAML that OPDConfig parses to the arm's objective (README table)."""
+    """Every arm's recipe is a stages.train YAML that OPDConfig parses to the arm's objective (bench/learning/arms.md)."""
     from bench.learning import _yaml, arm_recipe
     from data_tools.config import parse_config
     from trainers.opd_config import OPDConfig

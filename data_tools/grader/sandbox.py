@@ -129,7 +129,7 @@ def _fall_back(why: str) -> None:
 
 def _announce(why: str) -> None:
     log.warning("grader: math-verify unavailable (%s); equivalence beyond the exact/numeric rules uses the "
-                "grader's own LaTeX reader + sympy (README 'The math grader' gives the agreement)", why)
+                "grader's own LaTeX reader + sympy (data_tools/grader/README.md gives the agreement)", why)
 
 
 # --------------------------------------------------------------------------------------------
