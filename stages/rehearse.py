@@ -248,14 +248,16 @@ def export_phase(run: Path, clock_s: float, hedges: list[float]) -> tuple[Phase,
             missed.append(f"{h:g} (step {first})")
     crossed = sum(1 for h in hedges if began is not None and ends and ends[-1][1] >= began + h * (horizon - began))
     done = summ.get("wall_s") or math.inf
-    ok = bool(ex) and final_step in steps and not missed and crossed == len(hedges) and done <= clock_s
+    # a short clock may end inside the step that would cross a later hedge (a real window's hedges are an hour apart):
+    # what must hold is a save at every hedge a finished step crossed, at least one of them, and the final one
+    ok = bool(ex) and final_step in steps and not missed and (crossed > 0 or not hedges) and done <= clock_s
     cost = [e["export_s"] + (e.get("resume_state_s") or 0.0) for e in ex]
     full = [c for c, e in zip(cost, ex) if e.get("resume_state_s") is not None]  # export + resume state
     med = {"export_s": statistics.median([e["export_s"] for e in ex]) if ex else None,
            "save_s": statistics.median(full or cost) if cost else None,
            "final_save_s": max(cost[-1], statistics.median(full)) if full else (cost[-1] if cost else None)}
     resume = statistics.median([e.get("resume_state_s") or 0 for e in ex]) if ex else 0.0
-    detail = (f"{len(ex)} saves at steps {steps}: hedges {hedges} crossed {crossed}/{len(hedges)}"
+    detail = (f"{len(ex)} saves at steps {steps}: hedges {hedges} crossed by a finished step {crossed}/{len(hedges)}"
               + (f", no save at {', '.join(missed)}" if missed else ", each saved") + f"; final at step {final_step}; "
               f"export {med['export_s'] or 0:.1f} s + resume state {resume:.1f} s a save; training and its final save "
               f"done at {done:.0f} s of the {clock_s:.0f} s clock")

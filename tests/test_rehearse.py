@@ -74,7 +74,7 @@ def test_report_passes_a_complete_rehearsal_and_projects_the_real_clock(tmp_path
     assert by["SFT steps"].tokens_per_s == 6400 / 8.0
     assert by["hand-over"].ok and "on-policy from step 3" in by["hand-over"].detail
     assert by["on-policy steps"].ok and "4 steps" in by["on-policy steps"].detail
-    assert by["exports"].ok and "hedges [0.8, 0.9] crossed 2/2, each saved; final at step 6" in by["exports"].detail
+    assert by["exports"].ok and "hedges [0.8, 0.9] crossed by a finished step 2/2, each saved; final at step 6" in by["exports"].detail
     assert by["load exports (transformers)"].ok is False  # no export directory in this synthetic run
     proj = dict(rep.projection)
     # 0.2 x 42,300 = 8,460 s; (8,460 - 10 set-up - 15 start-up) / (0.5 + 1.0 s a problem) = 5,623 problems
@@ -97,7 +97,7 @@ def test_report_fails_a_rehearsal_without_its_phases(tmp_path):
     rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
     by = {p.name: p for p in rep.phases}
     assert not by["on-policy steps"].ok and "1 steps (need >= 2)" in by["on-policy steps"].detail
-    assert not by["exports"].ok and "crossed 0/2" in by["exports"].detail and not rep.ok
+    assert not by["exports"].ok and "crossed by a finished step 0/2" in by["exports"].detail and not rep.ok
     text = rehearse.format_report(rep)
     assert "| on-policy steps |" in text and "rehearsal: FAIL" in text
 
