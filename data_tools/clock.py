@@ -81,7 +81,8 @@ def run_start_time(env: Mapping[str, str] | None = None) -> float:
         return _IMPORT_TIME
 
 
-def _yaml(path: str | Path) -> dict[str, Any]:
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's YAML mapping; ``ValueError`` naming the file when it is missing or not a mapping."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
@@ -105,7 +106,7 @@ def resolve_clock(train_cfg: str | Path, env: Mapping[str, str] | None = None) -
     """``(T, R)``: MAX_WALL_TIME_SECONDS / DEADLINE_RESERVE_SECONDS from the environment, else the
     training recipe's YAML, else OPDConfig's defaults (the same precedence as ``parse_config``)."""
     env = os.environ if env is None else env
-    y = _yaml(train_cfg)
+    y = read_yaml(train_cfg)
     t = _num(env.get("MAX_WALL_TIME_SECONDS") or y.get("max_wall_time_seconds", DEFAULT_MAX_WALL_S),
              "MAX_WALL_TIME_SECONDS")
     r = _num(env.get("DEADLINE_RESERVE_SECONDS") or y.get("deadline_reserve_seconds", DEFAULT_RESERVE_S),
@@ -151,7 +152,7 @@ def protocol_size(protocol: str, repo: Path) -> dict[str, Any]:
     """``{n_problems, n_samples, max_tokens}`` of a declared protocol (``configs/eval/<name>.yaml``);
     a ``synth:<split>:<n>`` question set counts n problems."""
     path = Path(protocol) if protocol.endswith((".yaml", ".yml")) else repo / "configs" / "eval" / f"{protocol}.yaml"
-    y = _yaml(path)
+    y = read_yaml(path)
     n = y.get("n_problems")
     if n is None:
         m = re.fullmatch(r"synth:\w+:(\d+)", str(y.get("eval_data") or ""))
@@ -186,7 +187,7 @@ def _plan(ns: argparse.Namespace) -> dict[str, Any]:
     if not ns.protocols.split():
         e = 0.0  # nothing to evaluate: nothing to keep
     t, r = resolve_clock(ns.train)
-    share = float(_yaml(ns.curate).get("time_share", DEFAULT_CURATE_SHARE))
+    share = float(read_yaml(ns.curate).get("time_share", DEFAULT_CURATE_SHARE))
     return {"recipe": ns.recipe, "curate_config": ns.curate, "train_config": ns.train, "protocols": ns.protocols.split(),
             "eval_policy": kind, "curate_share": share, **split(t, r, e, share)}
 

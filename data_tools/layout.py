@@ -142,19 +142,12 @@ class Layout:
 
 
 def _yaml(path: str | Path) -> dict:
-    try:  # here: --count-gpus runs under the system python3, standard library only
-        import yaml
+    try:  # here, not at the top: --count-gpus runs under the system python3, standard library only
+        from data_tools.clock import read_yaml
     except ImportError:
         raise ValueError("pyyaml is not installed, so the training config cannot be read (the preflight above names "
                          "every missing package)") from None
-
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ValueError(f"config file not found: {path}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a YAML mapping")
-    return data
+    return read_yaml(path)
 
 
 def plan(train_cfg: str | Path, gpus: list[str], nodes: int = 1, argv: list[str] | None = None,

@@ -38,18 +38,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
 from data_tools.clock import DEFAULT_CURATE_SHARE, DEFAULT_MAX_WALL_S, DEFAULT_RESERVE_S
+from data_tools.clock import read_yaml as _yaml
 
 DEFAULT_SECONDS = 1200
 DEFAULT_VERIFIED = "0.5"
 #: Of the problems stage one measures in a rehearsal, the share expected to end in the curriculum with a solution
 #: (data_tools.rehearsal's fractions: 94% teacher-solved x ~90% inside the band), with a margin.
 KEPT_WITH_SOLUTION = 0.75
-
-
-def _yaml(path: str | Path) -> dict:
-    return yaml.safe_load(Path(path).read_text()) or {}
 
 
 # ------------------------------------------------------------------------------------------------------ plan
