@@ -489,7 +489,7 @@ def test_run_sh_fits_the_whole_run_in_its_clock(demo_run):
 def test_final_export_loads_and_generates_in_vllm(demo_run):
     assert demo_run.rc == 0, demo_run.log[-3000:]
     code = ("import json, sys\nfrom data_tools.generation.engines import VLLMEngine\n"
-            "e = Engine(sys.argv[1], max_model_len=256)\n"
+            "e = VLLMEngine(sys.argv[1], max_model_len=256)\n"
             "s = [x for b in e.generate(['What is 2 + 3?'], n=2, max_tokens=8) for x in b]\n"
             "e.close()\nprint(json.dumps([[x.n_tokens, x.finish_reason] for x in s]))\n")
     r = subprocess.run([sys.executable, "-c", code, str(_last_export(demo_run.out))], cwd=REPO, capture_output=True,
