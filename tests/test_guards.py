@@ -191,7 +191,29 @@ def test_out_of_memory_in_compiled_code_is_not_hidden(tokenizer, monkeypatch, ca
     assert _lines(caplog) == []
 
 
+def test_compiled_layers_under_activation_checkpointing_backpropagate(tokenizer, monkeypatch, caplog):
+    """Non-reentrant checkpointing stops a layer's recompute early by raising inside it; the compile guard lets that
+    through. Taking it for a compile error crashed the first backward of the formal rehearsal on an H200 (2026-12-05:
+    "Unexpected state: target_frame.early_stop is set")."""
+    from trainers.model_utils import compile_decoder_layers
+
+    model, ref = _pair(tokenizer)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # a compile that works: the eager function itself
+    for m in (model, ref):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert compile_decoder_layers(model, only_with_grad=True)
+    ids = torch.randint(0, 64, (2, 9))
+    with caplog.at_level(logging.WARNING):
+        model(ids).logits.float().pow(2).mean().backward()
+    ref(ids).logits.float().pow(2).mean().backward()
+    assert _lines(caplog) == []  # no fallback: the guard saw no compile error
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+
+
 def test_trainer_with_a_failing_compile_steps(tmp_path, tokenizer, curriculum_path, monkeypatch, caplog):
+    import trl.trainer.distillation_trainer  # noqa: F401 - imported before the patch: vLLM compiles at import
     monkeypatch.setattr(torch, "compile", _raising_compile("first_call"))
     with caplog.at_level(logging.WARNING):
         tr = make_trainer(tmp_path, tokenizer, curriculum_path, compile_layers=True, debug_max_steps=2)

@@ -3,8 +3,8 @@ by the tested path with one logged line (``say_once``).
 
 ``guarded_compile`` (the decoder's ``decode_compile``, the trainer's ``compile_layers``) wraps a ``torch.compile``d
 function so that an error while compiling it (``torch.compile`` itself, or dynamo / inductor at a call, where
-compilation happens) logs one line and runs the eager function from then on; out-of-memory errors are re-raised, not
-hidden. The trainer's vLLM colocate probe (``trainers.guards``) says its fallback with ``say_once`` too.
+compilation happens) logs one line and runs the eager function from then on; out-of-memory errors and activation
+checkpointing's early stop of a recompute are re-raised (``PASS_THROUGH``). The trainer's vLLM colocate probe (``trainers.guards``) says its fallback with ``say_once`` too.
 """
 
 from __future__ import annotations
@@ -12,8 +12,16 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.utils.checkpoint import _StopRecomputationError
 
 log = logging.getLogger(__name__)
+
+#: Raised through, never taken for a compile error: out of memory (hiding it would only move it), and the
+#: exception with which non-reentrant activation checkpointing stops a recompute early once it has the tensors it
+#: needs (``torch.utils.checkpoint``'s early stop, on by default). Caught, it sent the recompute down the eager path,
+#: where checkpointing raised "Unexpected state: target_frame.early_stop is set" in the first backward of the
+#: formal recipe's rehearsal on an H200 (2026-12-05).
+PASS_THROUGH: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, _StopRecomputationError)
 
 _said: set[str] = set()
 
@@ -34,7 +42,7 @@ def first_line(e: BaseException) -> str:
 def guarded_compile(eager, what: str, compiled=None, **compile_kw):
     """``torch.compile(eager, **compile_kw)`` (or ``compiled``) behind a fallback to ``eager``.
 
-    If ``torch.compile`` raises, or a call of the compiled function raises anything but an out-of-memory error,
+    If ``torch.compile`` raises, or a call of the compiled function raises anything but ``PASS_THROUGH``,
     ``what`` is named in one logged line and ``eager`` runs from then on (that call included). A genuine error of
     the function then surfaces from the eager call. Returns the wrapper; ``wrapper.state["failed"]`` says whether it fell back.
     """
@@ -50,7 +58,7 @@ def guarded_compile(eager, what: str, compiled=None, **compile_kw):
         if not state["failed"]:
             try:
                 return state["fn"](*args, **kwargs)
-            except torch.OutOfMemoryError:
+            except PASS_THROUGH:
                 raise
             except Exception as e:  # noqa: BLE001 - compile errors surface at the first call of a shape
                 state["failed"] = True
