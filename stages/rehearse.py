@@ -197,10 +197,17 @@ def training_phases(run: Path, sft_expected: bool) -> tuple[list[Phase], dict]:
     sft = [r for r in m if r.get("sft/off_policy_step") == 1.0]
     onp = [r for r in m if r.get("sft/off_policy_step") != 1.0]
     out = []
+    summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}
+    why = ""  # a phase without steps: what stopped training, and how long it had (a step longer than the window)
+    if not m and summ.get("stop_reason"):
+        why = f": training stopped with '{summ['stop_reason']}'"
+        if summ.get("began_at_s") is not None and summ.get("horizon_s") is not None:
+            why += (f" after a {summ['horizon_s'] - summ['began_at_s']:.0f} s window, inside the first step: raise "
+                    "REHEARSAL_SECONDS")
 
     def steps_phase(name, rows, need, tokens_key):
         if not rows:
-            return Phase(name, ok=need == 0, detail=f"0 steps (need >= {need})")
+            return Phase(name, ok=need == 0, detail=f"0 steps (need >= {need}){why}")
         secs = [r["time/step"] for r in rows if r.get("time/step")]
         peak = max((r.get("memory/step_peak_gib") or r.get("memory/peak_gib") or 0.0) for r in rows)
         tps = [r[tokens_key] / r["time/step"] for r in rows if r.get(tokens_key) and r.get("time/step")]

@@ -102,6 +102,23 @@ def test_report_fails_a_rehearsal_without_its_phases(tmp_path):
     assert "| on-policy steps |" in text and "rehearsal: FAIL" in text
 
 
+def test_report_says_when_the_first_step_outlasted_the_window(tmp_path):
+    # the H200 rehearsal of 2026-12-05 at a 600 s clock: an SFT step of the formal recipe took longer than the 179 s
+    # training window, so no step finished and train.jsonl has no step row
+    run = tmp_path / "run"
+    _write_run(run, ends=[150], saves=[1])
+    (run / "metrics" / "train.jsonl").write_text("")
+    (run / "train_summary.json").write_text(json.dumps({
+        "global_step": 0, "stop_reason": "horizon 540s reached during a step (elapsed 542s)", "wall_s": 546.5,
+        "began_at_s": 360.8, "horizon_s": 540.0}))
+    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    by = {p.name: p for p in rep.phases}
+    assert not by["SFT steps"].ok and not rep.ok
+    assert by["SFT steps"].detail == ("0 steps (need >= 2): training stopped with 'horizon 540s reached during a step "
+                                      "(elapsed 542s)' after a 179 s window, inside the first step: raise "
+                                      "REHEARSAL_SECONDS")
+
+
 def test_load_back_loads_and_generates_each_export(tmp_path, tiny_model_dir):  # noqa: F811
     import shutil
 
