@@ -467,11 +467,12 @@ def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
     fp = _fingerprint(cfg, models)
     state = out / "state.json"
     if parent:
-        write_parquet(rows, out / "problems.parquet")
+        # refuse before writing anything: a refused curation leaves another curation's tables as they were
         if (state.exists() and json.loads(state.read_text()).get("fingerprint") != fp and parts.exists()
                 and any(parts.iterdir())):
             raise SystemExit(f"{out} holds chunks of a different curation (data, models or sampling changed); "
                              f"use another OUTPUT_DIR or delete {parts}")
+        write_parquet(rows, out / "problems.parquet")
         write_json({"fingerprint": fp}, state)
         parts.mkdir(parents=True, exist_ok=True)
     elif not state.exists() or json.loads(state.read_text()).get("fingerprint") != fp or not parts.is_dir():

@@ -143,6 +143,26 @@ def test_overlong_problems_go_to_rejects_before_generation(tmp_path):
     assert time.time() - t0 < 60
 
 
+def test_a_refused_curation_leaves_the_other_curations_tables_as_they_were(tmp_path):
+    """Another curation's chunks in OUTPUT_DIR: stage one refuses before it writes anything (it rewrote
+    problems.parquet first, and the finished run's joins lost their rows)."""
+    from stages.curate import CurateConfig, prepare
+
+    cur = tmp_path / "o" / "curate"
+    (cur / "parts").mkdir(parents=True)
+    (cur / "parts" / "teacher-00000.parquet").write_bytes(b"chunk")
+    (cur / "state.json").write_text(json.dumps({"fingerprint": "another curation"}))
+    (cur / "problems.parquet").write_bytes(b"the finished run's problems")
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"problem": "What is 2 + 3?", "answer": "5"}) + "\n")
+    cfg = CurateConfig(train_data=str(data), output_dir=str(tmp_path / "o"), max_model_len=512, max_tokens=24,
+                       prompt_style="short")
+    with pytest.raises(SystemExit, match="holds chunks of a different curation"):
+        prepare(cfg)
+    assert (cur / "problems.parquet").read_bytes() == b"the finished run's problems"
+    assert json.loads((cur / "state.json").read_text()) == {"fingerprint": "another curation"}
+
+
 # ---- models -----------------------------------------------------------------------------------------
 
 def test_model_dir_with_only_config_says_what_is_missing(tmp_path):
