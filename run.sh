@@ -132,11 +132,11 @@ if [ $rehearse = 1 ]; then
 fi
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
 # The training config is parsed now, not after stage one: a typo in it must not cost stage one's hours.
-check_train_config() {  # quiet when it parses; on an error, its lines without the import-time log noise
+check_train_config() {  # parses the config, checks the teacher's tokenizer; quiet when fine, else its lines without log noise
   local out
   out=$($PY -m stages.train --config "$TRAIN_CONFIG" "${train_extra[@]}" --check_config 2>&1) || {
     grep -v -e ' INFO ' -e ' WARNING ' <<<"$out" >&2
-    echo "run.sh: $TRAIN_CONFIG does not parse (above); nothing was run" >&2; exit 2; }
+    echo "run.sh: $TRAIN_CONFIG or its models failed the check (above); nothing was run" >&2; exit 2; }
 }
 if [ $plan = 1 ]; then
   echo "run.sh: recipe $name ($why); OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"

@@ -166,3 +166,40 @@ MODEL_FILES = {
     "tokenizer (tokenizer.json, tokenizer.model or vocab.json)": ("tokenizer.json", "tokenizer.model", "vocab.json"),
     "weights (*.safetensors or *.bin)": ("*.safetensors", "*.bin"),
 }
+
+
+def check_same_tokenizer(student_tok, teacher_tok) -> None:
+    """Raise ``ValueError`` unless both tokenizers map the same strings to the same ids.
+
+    Compares the full vocabularies (incl. added tokens) and the special tokens. Embedding-row counts
+    may differ (padding rows); the tokenizers may not: the teacher scores the student's token ids.
+    """
+    va, vb = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if va != vb:
+        only_a = sorted(set(va) - set(vb))[:5]
+        only_b = sorted(set(vb) - set(va))[:5]
+        diff = [t for t in va if t in vb and va[t] != vb[t]][:5]
+        raise ValueError(
+            "student and teacher tokenizers differ (sizes %d vs %d; only in student: %s; only in teacher: %s; "
+            "different ids: %s). On-policy distillation here scores the student's tokens with the teacher, so "
+            "they must share one tokenizer." % (len(va), len(vb), only_a, only_b, diff))
+    for name in ("eos_token", "bos_token", "unk_token"):
+        a, b = getattr(student_tok, name, None), getattr(teacher_tok, name, None)
+        if a != b:
+            raise ValueError(f"student and teacher tokenizers disagree on {name}: {a!r} vs {b!r}")
+
+
+def check_teacher_tokenizer(student: str | os.PathLike | None, teacher: str | os.PathLike | None) -> None:
+    """Raise ``ValueError`` naming both models unless ``teacher`` (when set and not the student) shares the student's
+    tokenizer: the check ``OPDTrainer`` makes when it starts, made before stage one spends its budget."""
+    if not teacher:
+        return
+    s_path, t_path = resolve_model(student), resolve_model(teacher)
+    if Path(s_path).resolve() == Path(t_path).resolve():
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        check_same_tokenizer(AutoTokenizer.from_pretrained(s_path), AutoTokenizer.from_pretrained(t_path))
+    except ValueError as e:
+        raise ValueError(f"teacher {t_path} cannot teach student {s_path}: {e}") from None

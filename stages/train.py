@@ -214,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"opd train: configuration error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     if check_only:
+        from data_tools.models import check_teacher_tokenizer
+
+        try:  # a teacher the trainer would refuse is refused now, before stage one spends its budget
+            check_teacher_tokenizer(args.student_model, args.teacher_model)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"opd train: configuration error: {e}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
         print("opd train: configuration OK")
         return 0
     # Under torchrun / accelerate every rank runs this; rank 0 holds the directories' lock for all.

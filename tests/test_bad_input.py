@@ -338,6 +338,35 @@ def test_a_contract_teacher_is_honoured_or_refused(tmp_path, capsys):
                      env=env)
 
 
+def test_a_teacher_with_another_tokenizer_is_refused_before_stage_one(tmp_path):
+    """run.sh's config check (``stages.train --check_config``, before stage one) loads both tokenizers: a teacher the
+    trainer would refuse after stage one's hours is refused in seconds, naming both models; a same-tokenizer teacher
+    passes."""
+    from transformers import AutoTokenizer
+
+    from data_tools.models import check_teacher_tokenizer, resolve_model
+
+    student = Path(resolve_model("smollm2-135m"))
+    for name, extra in (("same", []), ("other", ["<extra_tool_token>"])):
+        d = tmp_path / name
+        d.mkdir()
+        for f in student.iterdir():
+            if not f.name.startswith("tokenizer") and f.name != "special_tokens_map.json":
+                (d / f.name).symlink_to(f)
+        tok = AutoTokenizer.from_pretrained(student)
+        tok.add_tokens(extra)
+        tok.save_pretrained(d)
+    check_teacher_tokenizer(None, tmp_path / "same")  # the embedded student and a same-tokenizer teacher: fine
+    r = _cli(["stages.train", "--config", str(REPO / "configs" / "demo_cpu.yaml"), "--check_config",
+              "--teacher_model", str(tmp_path / "other"), "--teacher_context", "teacher"], tmp_path,
+             OUTPUT_DIR=str(tmp_path / "out"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"opd train: configuration error: teacher {tmp_path / 'other'} cannot teach student "
+                           f"{student}: student and teacher tokenizers differ"), line
+    assert "only in teacher: ['<extra_tool_token>']" in line
+
+
 def test_a_clock_too_short_for_the_evaluation_reserve_names_the_way_out():
     from data_tools.clock import split
 

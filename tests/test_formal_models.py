@@ -97,7 +97,7 @@ def test_tiny_pair_loads_generates_and_shares_one_tokenizer(tiny_pair):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data_tools.models import resolve_model
-    from trainers.model_utils import check_same_tokenizer
+    from data_tools.models import check_same_tokenizer
 
     ts, tt = (AutoTokenizer.from_pretrained(resolve_model(str(tiny_pair / w))) for w in ("student", "teacher"))
     check_same_tokenizer(ts, tt)

@@ -382,7 +382,7 @@ def test_self_teacher_honours_teacher_dtype(tmp_path, tokenizer, curriculum_path
 
 
 def test_different_tokenizers_fail_at_start(tokenizer):
-    from trainers.model_utils import check_same_tokenizer
+    from data_tools.models import check_same_tokenizer
 
     other = copy.deepcopy(tokenizer)
     other.add_tokens(["<brand_new_token>"])

@@ -11,27 +11,6 @@ from data_tools.generation.fallback import guarded_compile
 from trainers.opd_config import DTYPES
 
 
-def check_same_tokenizer(student_tok, teacher_tok) -> None:
-    """Raise ``ValueError`` unless both tokenizers map the same strings to the same ids.
-
-    Compares the full vocabularies (incl. added tokens) and the special tokens. Embedding-row counts
-    may differ (padding rows); the tokenizers may not: the teacher scores the student's token ids.
-    """
-    va, vb = student_tok.get_vocab(), teacher_tok.get_vocab()
-    if va != vb:
-        only_a = sorted(set(va) - set(vb))[:5]
-        only_b = sorted(set(vb) - set(va))[:5]
-        diff = [t for t in va if t in vb and va[t] != vb[t]][:5]
-        raise ValueError(
-            "student and teacher tokenizers differ (sizes %d vs %d; only in student: %s; only in teacher: %s; "
-            "different ids: %s). On-policy distillation here scores the student's tokens with the teacher, so "
-            "they must share one tokenizer." % (len(va), len(vb), only_a, only_b, diff))
-    for name in ("eos_token", "bos_token", "unk_token"):
-        a, b = getattr(student_tok, name, None), getattr(teacher_tok, name, None)
-        if a != b:
-            raise ValueError(f"student and teacher tokenizers disagree on {name}: {a!r} vs {b!r}")
-
-
 def logit_transform(config) -> tuple[float, float | None]:
     """``(logit_scale, final_logit_softcapping)`` of a model config, as TRL's ``_compute_loss`` reads them."""
     c = config.get_text_config()

@@ -47,13 +47,14 @@ from transformers import Trainer, TrainerCallback
 from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
+from data_tools.models import check_same_tokenizer
 from data_tools.runio import write_json
 from trainers import heads, losses
 from trainers.async_rollouts import AsyncRollouts, AsyncStop
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA
-from trainers.model_utils import StepMemory, check_same_tokenizer, logit_transform, vllm_usable
+from trainers.model_utils import StepMemory, logit_transform, vllm_usable
 from trainers.offpolicy import OffPolicySchedule, clear_optimizer_moments, solution_batch
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
