@@ -140,6 +140,9 @@ check_train_config() {  # parses the config, checks the teacher's tokenizer; qui
 }
 if [ $plan = 1 ]; then
   echo "run.sh: recipe $name ($why); OUTPUT_DIR=$OUTPUT_DIR CKPT_DIR=$CKPT_DIR"
+  [ $rehearse = 1 ] && echo "rehearsal: $R_NOTE; stage one measures that chunk whatever its share below says;" \
+    "verified share ${OPD_REHEARSAL_VERIFIED:-none (the grader alone)}; the real run: ${REAL_CLOCK_S}s clock," \
+    "reserve ${REAL_RESERVE_S}s (its projection comes with the rehearsal's table)"
   printf '%s\n' "${LAYOUT_LINES[@]}"
   $PY -m data_tools.clock plan "${clock_args[@]}" || exit 2  # a bad clock: its own one-line error
   [ $pf_ok = 1 ] || exit 2
