@@ -276,7 +276,11 @@ last_ckpt=$(ls "$CKPT_DIR" 2>/dev/null | grep -E '^checkpoint-[0-9]+$' | sort -t
 [ -n "$last_ckpt" ] || { echo "run.sh: training left no checkpoint in $CKPT_DIR" >&2; exit 1; }
 last_ckpt=$CKPT_DIR/$last_ckpt
 start_model=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['models']['student']['path'])" "$OUTPUT_DIR/curate/manifest.json")
-run_eval() {  # run_eval PROTOCOL MODEL LABEL: only if the clock's time left covers its estimate
+run_eval() {  # run_eval PROTOCOL MODEL LABEL: only with questions, and if the clock's time left covers its estimate
+  if ! $PY -m data_tools.preflight --question-file "$1" >/dev/null; then  # warned at the start; exports and rc stand
+    say "eval $3 skipped: no question file (set EVAL_DATA)"
+    return 0
+  fi
   local need left=$(( CLOCK_S - $(elapsed) ))
   need=$(eval_estimate "$1" 1) || need=$(( EVAL_RESERVE_S / 2 ))
   if [ "$need" -gt "$left" ]; then

@@ -283,6 +283,12 @@ def _yaml(path: str | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def question_file(protocol: str, env: Mapping[str, str], repo: Path = REPO) -> str | None:
+    """The question file an evaluation protocol will read: ``EVAL_DATA``, else its config's ``eval_data``; None."""
+    y = _yaml(protocol if protocol.endswith((".yaml", ".yml")) else str(repo / "configs" / "eval" / f"{protocol}.yaml"))
+    return env.get("EVAL_DATA") or y.get("eval_data") or None
+
+
 @dataclass
 class Plan:
     """What the run will touch, from the environment (the run contract) over the recipe's configs."""
@@ -316,10 +322,7 @@ def resolve_plan(curate: str | None, train: str | None, protocols: list[str], en
 
     student = str(pick("STUDENT_MODEL", "student_model", EMBEDDED) or EMBEDDED)  # "" is the embedded model too
     teacher = pick("TEACHER_MODEL", "teacher_model", None)  # none: a self-teacher (the student)
-    evals = {}
-    for p in protocols:
-        y = _yaml(p if p.endswith((".yaml", ".yml")) else str(repo / "configs" / "eval" / f"{p}.yaml"))
-        evals[p] = env.get("EVAL_DATA") or y.get("eval_data") or None
+    evals = {p: question_file(p, env, repo) for p in protocols}
     if env.get("OUTPUT_DIR"):
         out = Path(env["OUTPUT_DIR"])
     else:
@@ -536,8 +539,12 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str], versions: Mappi
         if data:
             check_data(rep, f"evaluation ({p})", data)
         else:
-            rep.warn(f"evaluation protocol {p} names no question file and EVAL_DATA is not set: its evaluation will "
-                     f"fail (set EVAL_DATA, or EVAL_PROTOCOLS= for none)")
+            rep.warn(f"evaluation protocol {p} names no question file and EVAL_DATA is not set: run.sh will skip "
+                     f"its evaluation (set EVAL_DATA, or EVAL_PROTOCOLS= for none)")
+    if env.get("EVAL_DATA") and len(plan.eval_data) > 1:  # one variable, several benchmarks: say so, once
+        rep.warn(f"EVAL_DATA={env['EVAL_DATA']} is every protocol's question file ({', '.join(plan.eval_data)}): each "
+                 "evaluates those questions under its own sampling; for one benchmark each, set EVAL_PROTOCOLS to one "
+                 "protocol, or leave EVAL_DATA unset and name eval_data in each protocol's config")
     check_writable(rep, "OUTPUT_DIR", plan.output_dir, create=not args.plan)
     check_writable(rep, "CKPT_DIR", plan.ckpt_dir, create=not args.plan)
     size = model_params(student) if student else None
@@ -568,7 +575,15 @@ def main(argv: list[str] | None = None) -> int:
                                                         "output directory instead of creating it")
     ap.add_argument("--packages", action="store_true", help="check the package table only")
     ap.add_argument("--quiet", action="store_true", help="print refusals and warnings only")
+    ap.add_argument("--question-file", metavar="PROTOCOL", default=None,
+                    help="print the question file PROTOCOL will read (EVAL_DATA, else its config's eval_data) and "
+                         "exit 0, or exit 1 when it has none (run.sh then skips that evaluation)")
     args = ap.parse_args(argv)
+    if args.question_file:
+        q = question_file(args.question_file, os.environ)
+        if q:
+            print(q)
+        return 0 if q else 1
     t0 = time.monotonic()
     try:
         rep = run_checks(args, os.environ)

@@ -545,3 +545,32 @@ def _table(path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
     return pq.read_table(path).to_pylist()
+
+
+def test_one_eval_data_for_several_protocols_is_said(tmp_path):
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"problem": "1 + 1?", "answer": "2"}\n')
+    env = {"OUTPUT_DIR": str(tmp_path / "out"), "TRAIN_DATA": "synth:train:4", "EVAL_DATA": str(q)}
+    two = run_checks(_args(plan=True, protocols="math500_pass_at_1 aime24_25_at32"), env)
+    said = [w for w in two.warnings if w.startswith("EVAL_DATA=")]
+    assert said == [f"EVAL_DATA={q} is every protocol's question file (math500_pass_at_1, aime24_25_at32): each "
+                    "evaluates those questions under its own sampling; for one benchmark each, set EVAL_PROTOCOLS to "
+                    "one protocol, or leave EVAL_DATA unset and name eval_data in each protocol's config"]
+    one = run_checks(_args(plan=True, protocols="math500_pass_at_1"), env)
+    assert not [w for w in one.warnings if w.startswith("EVAL_DATA=")]
+
+
+def test_question_file_is_eval_data_else_the_protocols_own(tmp_path):
+    """run.sh skips an evaluation with no question file (one line) instead of failing a run whose exports stand."""
+    base = {k: v for k, v in os.environ.items() if k != "EVAL_DATA"}
+
+    def q(proto, **env):
+        return subprocess.run([sys.executable, "-m", "data_tools.preflight", "--question-file", proto], cwd=REPO,
+                              env={**base, **env}, capture_output=True, text=True, timeout=60)
+
+    r = q("math500_pass_at_1")
+    assert (r.returncode, r.stdout) == (1, "")
+    r = q("synth_heldout")
+    assert (r.returncode, r.stdout.strip()) == (0, "synth:test:48")
+    r = q("math500_pass_at_1", EVAL_DATA="/data/math500_test.jsonl")
+    assert (r.returncode, r.stdout.strip()) == (0, "/data/math500_test.jsonl")
