@@ -64,7 +64,7 @@ set_recipe() {
 plan=0 rehearse=0 name=""
 for arg in "$@"; do  # --plan anywhere, at most one recipe; anything else is refused before anything runs
   case "$arg" in
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;  # the header, exit codes included
     --plan) plan=1 ;;
     --rehearse) rehearse=1 ;;
     -*) echo "run.sh: unknown option '$arg' (options: --plan, --rehearse, --help)" >&2; exit 2 ;;
