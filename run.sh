@@ -20,7 +20,7 @@
 # MAX_WALL_TIME_SECONDS counts from this script's start (set-up included); training stops at
 # MAX_WALL_TIME_SECONDS - DEADLINE_RESERVE_SECONDS (less the evaluation reserve of a recipe that keeps
 # one) and its final export is done within the reserve.
-# Exit codes: a failing stage's own code; 75 when another run holds OUTPUT_DIR or CKPT_DIR; 2 for a bad
+# Exit codes: a failing stage's own code (74: disk full); 75 when another run holds OUTPUT_DIR or CKPT_DIR; 2 for a bad
 # recipe or clock or a preflight refusal; 130 / 143 after Ctrl-C / SIGTERM (the running stage stops first; training saves).
 set -uo pipefail
 cd "$(dirname "$0")"

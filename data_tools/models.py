@@ -178,7 +178,7 @@ def check_same_tokenizer(student_tok, teacher_tok) -> None:
     if va != vb:
         only_a = sorted(set(va) - set(vb))[:5]
         only_b = sorted(set(vb) - set(va))[:5]
-        diff = [t for t in va if t in vb and va[t] != vb[t]][:5]
+        diff = sorted(t for t in va if t in vb and va[t] != vb[t])[:5]
         raise ValueError(
             "student and teacher tokenizers differ (sizes %d vs %d; only in student: %s; only in teacher: %s; "
             "different ids: %s). On-policy distillation here scores the student's tokens with the teacher, so "

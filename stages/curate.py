@@ -470,7 +470,7 @@ def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
         # refuse before writing anything: a refused curation leaves another curation's tables as they were
         if (state.exists() and json.loads(state.read_text()).get("fingerprint") != fp and parts.exists()
                 and any(parts.iterdir())):
-            raise SystemExit(f"{out} holds chunks of a different curation (data, models or sampling changed); "
+            raise ValueError(f"{out} holds chunks of a different curation (data, models or sampling changed); "
                              f"use another OUTPUT_DIR or delete {parts}")
         write_parquet(rows, out / "problems.parquet")
         write_json({"fingerprint": fp}, state)

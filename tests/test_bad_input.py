@@ -157,7 +157,7 @@ def test_a_refused_curation_leaves_the_other_curations_tables_as_they_were(tmp_p
     data.write_text(json.dumps({"problem": "What is 2 + 3?", "answer": "5"}) + "\n")
     cfg = CurateConfig(train_data=str(data), output_dir=str(tmp_path / "o"), max_model_len=512, max_tokens=24,
                        prompt_style="short")
-    with pytest.raises(SystemExit, match="holds chunks of a different curation"):
+    with pytest.raises(ValueError, match="holds chunks of a different curation"):  # opd curate: one line, exit 2
         prepare(cfg)
     assert (cur / "problems.parquet").read_bytes() == b"the finished run's problems"
     assert json.loads((cur / "state.json").read_text()) == {"fingerprint": "another curation"}
