@@ -85,8 +85,9 @@ def split_batch(per_device: int, accumulation: int, processes: int, *, num_gener
         fits = [p for p in range(1, 17) if batch % p == 0]
         raise ValueError(f"the recipe's step of {batch} completions (per_device_train_batch_size {per_device} x "
                          f"gradient_accumulation_steps {accumulation}) does not divide over {processes} processes: "
-                         f"use a process count in {fits} (CUDA_VISIBLE_DEVICES), or a batch that is a multiple of "
-                         f"{processes}")
+                         f"use a process count in {fits} (CUDA_VISIBLE_DEVICES), or set "
+                         f"gradient_accumulation_steps so that the step is a multiple of {processes} (and of "
+                         f"num_generations {num_generations})")
     share = batch // processes
     if accumulation % processes == 0:
         out = per_device, accumulation // processes
