@@ -102,6 +102,18 @@ def test_report_fails_a_rehearsal_without_its_phases(tmp_path):
     assert "| on-policy steps |" in text and "rehearsal: FAIL" in text
 
 
+def test_a_step_stamped_just_past_a_hedge_may_leave_its_save_to_the_next(tmp_path):
+    # hedges at 452 s and 496 s (training 100 -> 540 s): step 5 is stamped 0.1 s past 452 s, its trainer read the clock
+    # just before it and saved at step 6 for both hedges (the CPU miniature of 2026-12-05); 8 s past is a missed save
+    for end5, ok in ((452.1, True), (460.0, False)):
+        run = tmp_path / f"run{end5}"
+        _write_run(run, ends=[150, 200, 300, 420, end5, 510], saves=[6])
+        rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+        ex = next(p for p in rep.phases if p.name == "exports")
+        assert ex.ok is ok, ex.detail
+        assert ok or "no save at 0.8 (step 5)" in ex.detail
+
+
 def test_report_says_when_the_first_step_outlasted_the_window(tmp_path):
     # the H200 rehearsal of 2026-12-05 at a 600 s clock: an SFT step of the formal recipe took longer than the 179 s
     # training window, so no step finished and train.jsonl has no step row
