@@ -140,7 +140,7 @@ def test_curate_records_the_share_in_its_manifest_and_fingerprint(tmp_path, monk
     assert len(cur) >= 12 and all(r["teacher_solution"] for r in cur)  # the SFT phase has solutions
     assert sum(0 < r["pass_rate"] < 1 for r in cur) >= 12
     monkeypatch.delenv(ENV)
-    with pytest.raises(SystemExit, match="different curation"):
+    with pytest.raises(ValueError, match="different curation"):
         C.curate(C.CurateConfig(**cfg))
     m2 = C.curate(C.CurateConfig(**{**cfg, "output_dir": str(tmp_path / "real")}))
     assert m2["rehearsal"] is None and m2["counts"]["curriculum"] == 0  # nothing verifies without it
