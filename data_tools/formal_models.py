@@ -185,14 +185,20 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
         FileNotFoundError: see ``find_tiktoken``.
         ValueError: the ranks file does not hold Qwen2's 151,643 ranks.
     """
+    if ranks is not None and not 256 <= ranks <= QWEN2_BPE_RANKS:
+        raise ValueError(f"--vocab-ranks must lie in [256, {QWEN2_BPE_RANKS}], got {ranks}")
     src = find_tiktoken(tiktoken)
-    if ranks is not None:
-        if not 256 <= ranks <= QWEN2_BPE_RANKS:
-            raise ValueError(f"--vocab-ranks must lie in [256, {QWEN2_BPE_RANKS}], got {ranks}")
-        cut = Path(tempfile.mkdtemp(prefix="opd_tiktoken_")) / "qwen.tiktoken"
-        cut.write_text("".join(src.read_text().splitlines(keepends=True)[:ranks]))
-        src = cut
-    backend = TikTokenConverter(str(src), pattern=QWEN2_PATTERN).converted()
+    made = [src.parent] if src.parent.name.startswith("opd_tiktoken_") else []  # a ranks file taken out of a wheel
+    try:
+        if ranks is not None:
+            cut = Path(tempfile.mkdtemp(prefix="opd_tiktoken_")) / "qwen.tiktoken"
+            made.append(cut.parent)
+            cut.write_text("".join(src.read_text().splitlines(keepends=True)[:ranks]))
+            src = cut
+        backend = TikTokenConverter(str(src), pattern=QWEN2_PATTERN).converted()
+    finally:  # the converted tokenizer holds the ranks: the temporary files go
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
     want = QWEN2_BPE_RANKS if ranks is None else ranks
     if backend.get_vocab_size() != want:
         raise ValueError(f"{src}: {backend.get_vocab_size()} BPE ranks, expected {want}")
