@@ -55,8 +55,10 @@ def _env(models, out: Path, **extra) -> dict:
     (out / "curate" / "curriculum.parquet").write_bytes((models / "curriculum.parquet").read_bytes())
     env = {k: v for k, v in os.environ.items() if k not in ("CKPT_DIR", "WORLD_SIZE", "RANK", "NODE_RANK", "NNODES",
                                                              "OPD_RUN_START", "OPD_LOCK_OWNER", "OPD_NUM_PROCESSES")}
+    tmp = out.parent / "tmp"  # the launcher's torchelastic_* folders go with the test's own, not /tmp
+    tmp.mkdir(exist_ok=True)
     env.update(OUTPUT_DIR=str(out), STUDENT_MODEL=str(models / "student"), TEACHER_MODEL=str(models / "teacher"),
-               OPD_LOG_LEVEL="WARNING", PYTHONPATH=str(REPO), **{k: str(v) for k, v in extra.items()})
+               OPD_LOG_LEVEL="WARNING", PYTHONPATH=str(REPO), TMPDIR=str(tmp), **{k: str(v) for k, v in extra.items()})
     return env
 
 
