@@ -4,7 +4,8 @@ by the tested path with one logged line (``say_once``).
 ``guarded_compile`` (the decoder's ``decode_compile``, the trainer's ``compile_layers``) wraps a ``torch.compile``d
 function so that an error while compiling it (``torch.compile`` itself, or dynamo / inductor at a call, where
 compilation happens) logs one line and runs the eager function from then on; out-of-memory errors and activation
-checkpointing's early stop of a recompute are re-raised (``PASS_THROUGH``). The trainer's vLLM colocate probe (``trainers.guards``) says its fallback with ``say_once`` too.
+checkpointing's early stop of a recompute are re-raised (``PASS_THROUGH``). The trainer's vLLM colocate probe
+(``trainers.guards``) says its fallback with ``say_once`` too.
 """
 
 from __future__ import annotations
