@@ -191,13 +191,12 @@ def stage_one_phases(run: Path) -> tuple[list[Phase], dict]:
     return out, rates
 
 
-def training_phases(run: Path, sft_expected: bool) -> tuple[list[Phase], dict]:
-    """SFT steps, the hand-over, on-policy steps and exports, from the trainer's metrics."""
+def training_phases(run: Path, sft_expected: bool, summ: dict) -> tuple[list[Phase], dict]:
+    """SFT steps, the hand-over and on-policy steps, from the trainer's metrics and ``train_summary.json`` (``summ``)."""
     m = [r for r in _jsonl(run / "metrics" / "train.jsonl") if "loss" in r]
     sft = [r for r in m if r.get("sft/off_policy_step") == 1.0]
     onp = [r for r in m if r.get("sft/off_policy_step") != 1.0]
     out = []
-    summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}
     why = ""  # a phase without steps: what stopped training, and how long it had (a step longer than the window)
     if not m and summ.get("stop_reason"):
         why = f": training stopped with '{summ['stop_reason']}'"
@@ -232,47 +231,31 @@ def training_phases(run: Path, sft_expected: bool) -> tuple[list[Phase], dict]:
     return out, med
 
 
-#: Seconds between the trainer's end-of-step clock reading (where it decides a hedge's save) and the step's time in
-#: train.jsonl (after the step's logging): a CPU miniature stamped a step 0.1 s past the 0.8 hedge that its trainer had
-#: read just before it, and saved at the next step (2026-12-05).
-HEDGE_SLACK_S = 2.0
-
-
-def export_phase(run: Path, clock_s: float, hedges: list[float]) -> tuple[Phase, dict]:
-    """The saves: one at the first step ending past each hedge fraction of the training window (a step crossing two
+def export_phase(run: Path, clock_s: float, hedges: list[float], summ: dict) -> tuple[Phase, dict]:
+    """The saves: one for each hedge fraction of the training window a finished step crossed (a step crossing two
     hedges saves once for both, as in a real run), one at the final step, and the final one done inside the clock
-    (its reserve)."""
+    (its reserve). Which save was which hedge's, and which hedges were crossed, the trainer writes into
+    ``exports.jsonl`` as it decides them (``hedges``, ``hedges_crossed``)."""
     ex = _jsonl(run / "metrics" / "exports.jsonl")
-    summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}
-    final_step, began, horizon = summ.get("global_step"), summ.get("began_at_s"), summ.get("horizon_s")
+    final_step = summ.get("global_step")
     steps = [e["step"] for e in ex]
-    ends = [(r["step"], r["wall_s"]) for r in _jsonl(run / "metrics" / "train.jsonl") if "loss" in r]
-    missed = []
-    for h in hedges:
-        if began is None or horizon is None:
-            break
-        at = began + h * (horizon - began)
-        i = next((k for k, (_, w) in enumerate(ends) if w >= at), None)
-        if i is None:
-            continue
-        # The trainer decides at the step's end, a moment before train.jsonl stamps it: a step stamped within
-        # HEDGE_SLACK_S past the hedge may have ended just before it, and then the next step's save is the hedge's.
-        ok_steps = {ends[i][0]} | ({ends[i + 1][0]} if ends[i][1] - at < HEDGE_SLACK_S and i + 1 < len(ends) else set())
-        if not ok_steps & set(steps):
-            missed.append(f"{h:g} (step {ends[i][0]})")
-    crossed = sum(1 for h in hedges if began is not None and ends and ends[-1][1] >= began + h * (horizon - began))
+    saved = {h: e["step"] for e in ex for h in e.get("hedges") or []}
+    crossed = list(ex[-1].get("hedges_crossed") or []) if ex else []
+    missed = [f"{h:g}" for h in crossed if h not in saved]
     done = summ.get("wall_s") or math.inf
     # a short clock may end inside the step that would cross a later hedge (a real window's hedges are an hour apart):
     # what must hold is a save at every hedge a finished step crossed, at least one of them, and the final one
-    ok = bool(ex) and final_step in steps and not missed and (crossed > 0 or not hedges) and done <= clock_s
+    ok = bool(ex) and final_step in steps and not missed and (bool(crossed) or not hedges) and done <= clock_s
     cost = [e["export_s"] + (e.get("resume_state_s") or 0.0) for e in ex]
     full = [c for c, e in zip(cost, ex) if e.get("resume_state_s") is not None]  # export + resume state
     med = {"export_s": statistics.median([e["export_s"] for e in ex]) if ex else None,
            "save_s": statistics.median(full or cost) if cost else None,
            "final_save_s": max(cost[-1], statistics.median(full)) if full else (cost[-1] if cost else None)}
     resume = statistics.median([e.get("resume_state_s") or 0 for e in ex]) if ex else 0.0
-    detail = (f"{len(ex)} saves at steps {steps}: hedges {hedges} crossed by a finished step {crossed}/{len(hedges)}"
-              + (f", no save at {', '.join(missed)}" if missed else ", each saved") + f"; final at step {final_step}; "
+    detail = (f"{len(ex)} saves at steps {steps}: hedges {hedges} crossed by a finished step {len(crossed)}/{len(hedges)}"
+              + (f", no save at {', '.join(missed)}" if missed else
+                 ", each saved" + "".join(f" ({h:g} at step {saved[h]})" for h in crossed))
+              + f"; final at step {final_step}; "
               f"export {med['export_s'] or 0:.1f} s + resume state {resume:.1f} s a save; training and its final save "
               f"done at {done:.0f} s of the {clock_s:.0f} s clock")
     return Phase("exports", seconds=sum(cost) if cost else None, ok=ok, detail=detail), med
@@ -384,9 +367,10 @@ def build_report(run: Path, curate_cfg: str, train_cfg: str, real_t: float, real
         rep.phases.append(Phase("curriculum", ok=sol > 0, detail=f"{rates['rows']} rows from {rates['problems']} problems"
                                 + (f"; rehearsal verified share {rates['rehearsal'].get('value')}"
                                    if rates.get("rehearsal") else "")))
-    tp, med = training_phases(run, _sft_phase(train))
+    summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}
+    tp, med = training_phases(run, _sft_phase(train), summ)
     rep.phases += tp
-    xp, ex = export_phase(run, clock_s, sorted(train.get("ckpt_hedge_fractions") or []))
+    xp, ex = export_phase(run, clock_s, sorted(train.get("ckpt_hedge_fractions") or []), summ)
     rep.phases.append(xp)
     rep.phases += load_back(run / "checkpoints", vllm_on=vllm_on)
     samples = gpu_samples(run / "gpu_memory.csv")

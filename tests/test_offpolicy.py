@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from tests.test_trainer import curriculum_rows, make_trainer, tiny_model, tokenizer  # noqa: F401 - fixture
+from tests.test_trainer import curriculum_rows, live_probe, make_trainer, tiny_model, tokenizer  # noqa: F401 - fixture
 from trainers.offpolicy import TimeShare, sft_share
 
 
@@ -373,3 +373,17 @@ def test_sft_learning_rate_scales_off_policy_steps_only(tmp_path, tokenizer):  #
     assert seen == [pytest.approx(1e-3), pytest.approx(1e-2)] and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
     with pytest.raises(ValueError, match="sft_learning_rate 1e-05 sets the rate of off-policy steps: to turn SFT off set --sft_learning_rate 0 as well"):
         make_trainer(tmp_path / "d", tokenizer, solved_curriculum(tmp_path / "d"), sft_learning_rate=1e-5)
+
+
+def test_nothing_is_kept_across_the_formal_schedule(tmp_path, tokenizer):  # noqa: F811
+    """The formal recipe's shape: SFT steps on the solutions until their passes are spent, then on-policy steps
+    (KL + reward + w_sft): the tensors alive after each step stay level within each phase and across the hand-over
+    (nothing an SFT step or the hand-over makes is kept by the on-policy steps)."""
+    tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), debug_max_steps=8, sft_share_start=1.0,
+                      sft_share_end=1.0, sft_batch_size=4, sft_max_epochs=2.0, w_sft=0.5)
+    probe = live_probe()
+    tr.add_callback(probe)
+    tr.train()
+    off = [h.get("sft/off_policy_step") for h in tr.state.log_history if "loss" in h]
+    assert off[:2] == [1.0, 1.0] and off[-1] == 0.0, off  # 4 solutions x 2 passes / 4 a step: 2 SFT steps
+    assert {k: probe.kept(k) for k in range(2, 7)} == {k: 0 for k in range(2, 7)}

@@ -28,9 +28,10 @@ def test_plan_of_the_formal_recipe():
     assert rehearse.plan(FORMAL_CURATE, REPO / "configs" / "demo_cpu.yaml", 300)["R_RESERVE"] == 60
 
 
-def _write_run(run: Path, *, ends: list[float], saves: list[int]) -> None:
+def _write_run(run: Path, *, ends: list[float], saves: dict[int, list[float]], crossed: list[float] | None = None) -> None:
     """A run directory as the stages leave it: a stage-one chunk a role, 2 SFT steps then on-policy steps ending at
-    ``ends`` (run-clock seconds; training began at 100 s, horizon 540 s), saves at the steps ``saves``."""
+    ``ends`` (run-clock seconds; training began at 100 s, horizon 540 s), saves at the steps of ``saves``, each
+    recorded as the export of its hedges; ``crossed``: the hedges a finished step crossed (default: all saved)."""
     from data_tools.runio import write_parquet
 
     (run / "curate").mkdir(parents=True)
@@ -54,8 +55,10 @@ def _write_run(run: Path, *, ends: list[float], saves: list[int]) -> None:
                       "sft/off_policy_step": 1.0 if sft else 0.0, "sft/tokens": 6400 if sft else None,
                       "throughput/tokens_per_s": None if sft else 1000.0, "memory/peak_gib": 2.0})
     (run / "metrics" / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    ex = [{"step": s, "wall_s": ends[s - 1], "export_s": 1.0, "resume_state_s": 2.0 if s != len(ends) else None}
-          for s in saves]
+    crossed = sorted(h for hs in saves.values() for h in hs) if crossed is None else crossed
+    ex = [{"step": s, "wall_s": ends[s - 1], "export_s": 1.0, "resume_state_s": 2.0 if s != len(ends) else None,
+           "hedges": hs, "hedges_crossed": [h for h in crossed if h <= max(hs, default=0)]} for s, hs in saves.items()]
+    ex[-1]["hedges_crossed"] = crossed
     (run / "metrics" / "exports.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ex))
     (run / "train_summary.json").write_text(json.dumps({"global_step": len(ends), "wall_s": ends[-1] + 1,
                                                         "began_at_s": 100.0, "horizon_s": 540.0}))
@@ -64,7 +67,7 @@ def _write_run(run: Path, *, ends: list[float], saves: list[int]) -> None:
 def test_report_passes_a_complete_rehearsal_and_projects_the_real_clock(tmp_path):
     run = tmp_path / "run"
     # hedges at 100 + 0.8 x 440 = 452 s (step 5 ends past it) and 496 s (step 6, the last)
-    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves=[5, 6])
+    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves={5: [0.8], 6: [0.9]})
     rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
     by = {p.name: p for p in rep.phases}
     assert by["set-up"].seconds == 10
@@ -74,7 +77,7 @@ def test_report_passes_a_complete_rehearsal_and_projects_the_real_clock(tmp_path
     assert by["SFT steps"].tokens_per_s == 6400 / 8.0
     assert by["hand-over"].ok and "on-policy from step 3" in by["hand-over"].detail
     assert by["on-policy steps"].ok and "4 steps" in by["on-policy steps"].detail
-    assert by["exports"].ok and "hedges [0.8, 0.9] crossed by a finished step 2/2, each saved; final at step 6" in by["exports"].detail
+    assert by["exports"].ok and "hedges [0.8, 0.9] crossed by a finished step 2/2, each saved (0.8 at step 5) (0.9 at step 6); final at step 6" in by["exports"].detail
     assert by["load exports (transformers)"].ok is False  # no export directory in this synthetic run
     proj = dict(rep.projection)
     # 0.2 x 42,300 = 8,460 s; (8,460 - 10 set-up - 15 start-up) / (0.5 + 1.0 s a problem) = 5,623 problems
@@ -93,7 +96,7 @@ def test_report_passes_a_complete_rehearsal_and_projects_the_real_clock(tmp_path
 
 def test_report_fails_a_rehearsal_without_its_phases(tmp_path):
     run = tmp_path / "run"
-    _write_run(run, ends=[150, 200, 300], saves=[3])
+    _write_run(run, ends=[150, 200, 300], saves={3: []})
     rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
     by = {p.name: p for p in rep.phases}
     assert not by["on-policy steps"].ok and "1 steps (need >= 2)" in by["on-policy steps"].detail
@@ -102,23 +105,27 @@ def test_report_fails_a_rehearsal_without_its_phases(tmp_path):
     assert "| on-policy steps |" in text and "rehearsal: FAIL" in text
 
 
-def test_a_step_stamped_just_past_a_hedge_may_leave_its_save_to_the_next(tmp_path):
-    # hedges at 452 s and 496 s (training 100 -> 540 s): step 5 is stamped 0.1 s past 452 s, its trainer read the clock
-    # just before it and saved at step 6 for both hedges (the CPU miniature of 2026-12-05); 8 s past is a missed save
-    for end5, ok in ((452.1, True), (460.0, False)):
-        run = tmp_path / f"run{end5}"
-        _write_run(run, ends=[150, 200, 300, 420, end5, 510], saves=[6])
-        rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
-        ex = next(p for p in rep.phases if p.name == "exports")
-        assert ex.ok is ok, ex.detail
-        assert ok or "no save at 0.8 (step 5)" in ex.detail
+def test_exports_are_checked_against_the_hedges_the_trainer_recorded(tmp_path):
+    # The trainer decides a hedge's save at a step's end, a moment before train.jsonl stamps that step: a step stamped
+    # 0.1 s past the 0.8 hedge may leave the save to the next step (the CPU miniature of 2026-12-05). The report reads
+    # which save covered which hedge from exports.jsonl instead of working it out from the stamps.
+    run = tmp_path / "late"
+    _write_run(run, ends=[150, 200, 300, 420, 452.1, 510], saves={6: [0.8, 0.9]})
+    ex = next(p for p in rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False).phases
+              if p.name == "exports")
+    assert ex.ok and "each saved (0.8 at step 6) (0.9 at step 6)" in ex.detail, ex.detail
+    run = tmp_path / "missed"  # the 0.8 hedge crossed and no save recorded for it
+    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves={6: [0.9]}, crossed=[0.8, 0.9])
+    ex = next(p for p in rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False).phases
+              if p.name == "exports")
+    assert not ex.ok and "crossed by a finished step 2/2, no save at 0.8;" in ex.detail, ex.detail
 
 
 def test_report_says_when_the_first_step_outlasted_the_window(tmp_path):
     # the H200 rehearsal of 2026-12-05 at a 600 s clock: an SFT step of the formal recipe took longer than the 179 s
     # training window, so no step finished and train.jsonl has no step row
     run = tmp_path / "run"
-    _write_run(run, ends=[150], saves=[1])
+    _write_run(run, ends=[150], saves={1: []})
     (run / "metrics" / "train.jsonl").write_text("")
     (run / "train_summary.json").write_text(json.dumps({
         "global_step": 0, "stop_reason": "horizon 540s reached during a step (elapsed 542s)", "wall_s": 546.5,

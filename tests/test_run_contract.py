@@ -230,7 +230,8 @@ def test_one_long_step_crossing_both_hedges_saves_once():
     control = SimpleNamespace(should_save=False)
     t[0] = 95.0
     cb.on_step_end(None, state, control)
-    assert control.should_save and cb._hedges_done == 2
+    assert control.should_save and cb.crossed == [0.8, 0.9]
+    assert cb.take_covered() == [0.8, 0.9] and cb.take_covered() == []  # this save is both hedges' export
     control.should_save = False
     t[0] = 97.0
     cb.on_step_end(None, state, control)

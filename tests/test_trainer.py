@@ -518,3 +518,56 @@ def test_bf16_autocast_reaches_the_backbone_of_every_forward(tmp_path, tokenizer
     assert tr.state.global_step == 1 and seen
     assert {d for _, d in seen} == {expect}, seen  # generation (eager, outside autocast) is not hooked in training mode
     assert next(tr.model.parameters()).dtype == torch.float32  # the master weights stay fp32
+
+
+def test_exports_record_the_hedges_each_save_covers(tmp_path, tokenizer, curriculum_path):
+    """exports.jsonl names the hedge fractions each save is the export of, and those crossed so far: the rehearsal's
+    report reads them (the window's share is driven by the step here: 0.25 a step)."""
+    import json
+
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, debug_max_steps=4, ckpt_hedge_fractions=[0.5, 0.75],
+                      ckpt_keep=4)
+    tr.cadence.fraction = lambda: tr.state.global_step / 4
+    tr.train()
+    rows = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "exports.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["hedges"], r["hedges_crossed"]) for r in rows][:2] == [(2, [0.5], [0.5]),
+                                                                                (3, [0.75], [0.5, 0.75])]
+
+
+def live_probe():
+    """A callback that, at each optimizer step's end, notes every tensor Python still references that is new since
+    the previous step's end (its "births", held weakly). ``kept(k)`` is the bytes of step ``k``'s births still alive:
+    a step's batch lives until the next step replaces it, so anything of step k alive two steps later is kept."""
+    import gc
+    import weakref
+
+    from transformers import TrainerCallback
+
+    class Probe(TrainerCallback):
+        def __init__(self):
+            self.known, self.born, self.kept_at_end = weakref.WeakValueDictionary(), {}, {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            gc.collect()
+            births = weakref.WeakValueDictionary()
+            for o in gc.get_objects():
+                if isinstance(o, torch.Tensor) and id(o) not in self.known:
+                    self.known[id(o)] = births[id(o)] = o
+            self.born[state.global_step] = births
+
+        def kept(self, step: int) -> int:
+            return sum(t.untyped_storage().nbytes() for t in list(self.born[step].values()))
+
+    return Probe()
+
+
+def test_nothing_is_kept_across_on_policy_steps(tmp_path, tokenizer, curriculum_path):
+    """No tensor made in an on-policy step outlives the next step (issue 37: a climb of ~one hidden-state tensor a
+    step on the GPU would be such a tensor). Step 1 makes what a run keeps (optimizer state); steps 2..6's tensors
+    are all gone by the end of step 8."""
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, debug_max_steps=8)
+    probe = live_probe()
+    tr.add_callback(probe)
+    tr.train()
+    assert sorted(probe.born) == list(range(1, 9)) and probe.kept(1) > 0
+    assert {k: probe.kept(k) for k in range(2, 7)} == {k: 0 for k in range(2, 7)}

@@ -327,6 +327,18 @@ class SaveCadenceCallback(TrainerCallback):
         self.fraction = fraction
         self._last_save = clock()
         self._hedges_done = 0
+        self._covered: list[float] = []  # hedges crossed since the last save: the next save is theirs
+
+    @property
+    def crossed(self) -> list[float]:
+        """The hedge fractions a finished step has crossed so far (this process's clock)."""
+        return self.hedges[:self._hedges_done]
+
+    def take_covered(self) -> list[float]:
+        """The hedges the save being written covers (crossed since the previous save), and forget them; the
+        trainer writes them into ``exports.jsonl`` so a report reads which save was which hedge's."""
+        out, self._covered = self._covered, []
+        return out
 
     def on_step_end(self, args, state, control, **kwargs):
         f = self.fraction() if self.fraction is not None else 0.0
@@ -340,6 +352,7 @@ class SaveCadenceCallback(TrainerCallback):
             due = due or bool(self.every_steps and state.global_step % self.every_steps == 0)
         if self.sync is not None:
             due = self.sync(due)  # saving has collectives: all ranks must agree (see DeadlineCallback)
+        self._covered += self.hedges[self._hedges_done:self._hedges_done + crossed]
         self._hedges_done += crossed
         if due:
             control.should_save = True

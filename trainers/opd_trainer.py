@@ -245,9 +245,10 @@ class OPDTrainer(DistillationTrainer):
         self.deadline = DeadlineCallback(args.horizon_seconds, self.start_time, max_steps=args.debug_max_steps,
                                          sync=sync)
         self.add_callback(self.deadline)
-        self.add_callback(SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes, sync=sync,
-                                              hedge_fractions=tuple(args.ckpt_hedge_fractions or ()),
-                                              fraction=self.deadline.window_fraction))
+        self.cadence = SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes, sync=sync,
+                                           hedge_fractions=tuple(args.ckpt_hedge_fractions or ()),
+                                           fraction=self.deadline.window_fraction)
+        self.add_callback(self.cadence)
         self.add_callback(MetricsJsonlCallback(args.metrics_path, self.start_time,
                                                static={"engine": self.engine, "experiment": args.experiment_name,
                                                        "kl_mode": args.kl_mode,
@@ -954,8 +955,11 @@ class OPDTrainer(DistillationTrainer):
         """Write ``ckpt_dir/checkpoint-<global_step>/`` (complete HF export) and keep the ``ckpt_keep`` newest.
 
         Each save is also a line of ``<output_dir>/metrics/exports.jsonl``: step, run-clock second, the export's
-        seconds and, when a resume state was written with it, that state's seconds (the reserve must cover both)."""
+        seconds and, when a resume state was written with it, that state's seconds (the reserve must cover both);
+        ``hedges``, the hedge fractions this save is the export of, and ``hedges_crossed``, all those a finished step
+        has crossed so far (the rehearsal's report checks each crossed hedge has its save)."""
         a = self.args
+        hedges, crossed = self.cadence.take_covered(), self.cadence.crossed
         distributed = self.is_fsdp_enabled or self.is_deepspeed_enabled
         state_dict = self.accelerator.get_state_dict(self.model) if distributed else None
         dest = None
@@ -972,7 +976,7 @@ class OPDTrainer(DistillationTrainer):
             log.info("exported %s in %.1fs", dest, took)
             row = {"step": self.state.global_step, "wall_s": round(time.time() - self.start_time, 3),
                    "export_s": round(took, 3), "resume_state_s": None if resume_state_s is None else round(resume_state_s, 3),
-                   "path": str(dest)}
+                   "hedges": hedges, "hedges_crossed": crossed, "path": str(dest)}
             a.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(a.metrics_path.parent / "exports.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
