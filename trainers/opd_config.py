@@ -6,6 +6,7 @@ and is checked in ``_validate``.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from trl import DistillationConfig
 from data_tools.clock import DEFAULT_MAX_WALL_S, DEFAULT_RESERVE_S
 from trainers.heads import HEAD_KERNELS, liger_unavailable
 from trainers.sampler import MODES as CURRICULUM_MODES
+
+log = logging.getLogger(__name__)
 
 #: ``max_steps`` given to transformers: the wall clock ends training, never a step count (design.md section 6).
 UNBOUNDED_STEPS = 10**9
@@ -259,6 +262,12 @@ class OPDConfig(DistillationConfig):
             self.per_device_train_batch_size, self.gradient_accumulation_steps = split_batch(
                 *self.recipe_batch, self.processes, num_generations=self.num_generations,
                 sft_batch_size=self.sft_batch_size if self.trains_on_teacher_solutions else None)
+        if self.tf32:
+            from transformers.utils import is_torch_tf32_available
+
+            if not is_torch_tf32_available():  # transformers refuses tf32 there; a GPU recipe still runs (its CPU test)
+                log.warning("tf32: no Ampere or newer GPU here, so fp32 matmuls stay in full fp32")
+                self.tf32 = None
         if not torch.cuda.is_available():
             # a CPU machine: several processes then use gloo DDP (without it transformers trains each one alone),
             # and a GPU recipe's bf16 runs as CPU autocast (transformers refuses bf16 without a GPU otherwise)
