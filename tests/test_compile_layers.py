@@ -31,3 +31,39 @@ def test_compiled_layers_match_eager(tokenizer):  # noqa: F811
     for (n, pc), (_, pe) in zip(compiled.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-5, msg=n)
     assert not compile_decoder_layers(torch.nn.Linear(2, 2), only_with_grad=False)
+
+
+def test_varying_lengths_compile_each_layer_twice_not_once_a_length(tokenizer):  # noqa: F811
+    """Micro-batches are padded to their own longest sequence, so a run's lengths vary step to step. A layer compiles
+    for its first shape and once more with dynamic sizes, then never again: over six lengths and two batch sizes, at
+    most three graphs per layer (dynamo keys entries by layer), the eager results throughout, and no fallback."""
+    from torch._dynamo.utils import counters
+
+    from data_tools.generation import fallback
+
+    eager = tiny_model(tokenizer, seed=3)
+    compiled = copy.deepcopy(eager)
+    before = counters["stats"]["unique_graphs"]
+    assert compile_decoder_layers(compiled, only_with_grad=True)
+    n_layers = len(compiled.model.layers)
+    for b, length in ((2, 20), (2, 31), (2, 47), (2, 20), (3, 64), (2, 90), (3, 13)):
+        ids = torch.randint(0, 500, (b, length))
+        out_c = compiled(ids).logits
+        torch.testing.assert_close(out_c, eager(ids).logits, rtol=1e-4, atol=1e-5)
+        out_c.sum().backward()
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert n_layers <= graphs <= 3 * n_layers, graphs  # dynamic=False made 6 x n_layers here
+    assert not any(m.startswith("compile_layers") for m in fallback._said)
+
+
+def test_recompile_limits_add_up_over_compiles():
+    import torch._dynamo
+
+    from data_tools.generation.fallback import raise_recompile_limit
+
+    cfg = torch._dynamo.config
+    limit, total = cfg.recompile_limit, cfg.accumulated_recompile_limit
+    raise_recompile_limit(56)  # the student's 28 layers x 2
+    raise_recompile_limit(56)  # the teacher's
+    assert cfg.recompile_limit == limit + 112 and cfg.accumulated_recompile_limit == total + 112
+    cfg.recompile_limit, cfg.accumulated_recompile_limit = limit, total

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from data_tools.generation.fallback import guarded_compile
+from data_tools.generation.fallback import guarded_compile, raise_recompile_limit
 from trainers.opd_config import DTYPES
 
 
@@ -101,7 +101,9 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
     """Regional ``torch.compile`` of a causal LM's decoder layers (one compiled function, all layers).
 
     Compiling the repeated block rather than the whole model keeps compile time to one layer's
-    graph (~8 s on an H200 for Qwen2.5-1.5B) and works with gradient checkpointing. Measured in
+    graph (~8 s on an H200 for Qwen2.5-1.5B) and works with gradient checkpointing. Sequence lengths vary from
+    micro-batch to micro-batch: a layer compiles twice (its first shape, then once with dynamic sizes), not once
+    per length. Measured in
     ``bench/RESULTS.md`` (run 2): update phase 1.21x TRL's tokens/s at 0.91x its peak memory.
 
     Args:
@@ -115,15 +117,17 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
         (``torch.compile`` or the first call of a shape) is not raised: one line, then the eager forward
         (``data_tools.generation.fallback.guarded_compile``).
     """
-    import torch._dynamo  # ~1 s to import, only with compile_layers on
-
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
         return False
-    # one guard set per layer instance (distinct `self`): raise the cache so 28+ layers all fit
-    torch._dynamo.config.cache_size_limit = max(64, 2 * len(layers), torch._dynamo.config.cache_size_limit)
+    # Automatic dynamic shapes (dynamic=None, torch.compile's default): a layer compiles for its first shape, and at
+    # the first other shape once more with the changed sizes symbolic, then never again. dynamic=False compiled every
+    # new padded length anew (each micro-batch's, varying up to the completion cap) until dynamo's recompile limit,
+    # then ran eagerly. Entries: a static and a dynamic one per layer, a third when the batch size changes too (the
+    # SFT steps' micro-batch against the on-policy steps'), and a spare.
+    raise_recompile_limit(4 * len(layers))
     fn = type(layers[0]).forward
-    comp = guarded_compile(fn, "compile_layers", dynamic=False)  # a compile error: one line, then eager
+    comp = guarded_compile(fn, "compile_layers", dynamic=None)  # a compile error: one line, then eager
     for layer in layers:
         def fwd(*a, _layer=layer, **k):
             if only_with_grad and not torch.is_grad_enabled():

@@ -40,6 +40,26 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
+def raise_recompile_limit(entries: int) -> None:
+    """Make room for ``entries`` more compiled entries of one function in dynamo's per-function cache (and in its
+    total over all functions). The decoder layers of a model share one function (``type(layer).forward``) but dynamo
+    keys an entry by the layer too (its ``layer_idx`` is a constant of the graph), so every compiled shape costs one
+    entry per layer, for the student, the teacher and the decode windows alike; past the limit dynamo runs the layer
+    eagerly, with only a log line. Each compile adds its own need to the limits, so those of both models and of
+    the decoder add up."""
+    import torch._dynamo  # ~1 s to import, only where something is compiled
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # torch >= 2.6 names it recompile_limit (the other an alias)
+        if hasattr(cfg, name):
+            setattr(cfg, name, getattr(cfg, name) + entries)
+            break
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, getattr(cfg, name) + entries)
+            break
+
+
 def guarded_compile(eager, what: str, compiled=None, **compile_kw):
     """``torch.compile(eager, **compile_kw)`` (or ``compiled``) behind a fallback to ``eager``.
 

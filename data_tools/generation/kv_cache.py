@@ -55,7 +55,7 @@ import math
 
 import torch
 
-from data_tools.generation.fallback import guarded_compile
+from data_tools.generation.fallback import guarded_compile, raise_recompile_limit
 
 log = logging.getLogger(__name__)
 
@@ -338,10 +338,9 @@ def decode_layers_compiled(model, b: int):
     (the class method, or ``compile_decoder_layers``' wrapper) is put back on exit. Its guards see only the
     layer inputs ``(b, 1, hidden)`` etc.: one compile per batch size ``b`` (recorded in
     ``compiled_batch_sizes``); dynamo's recompile limit is raised to hold them all next to the training
-    compile's entries. Raises ``ValueError`` if the model has no ``model.layers``.
+    compile's entries (``fallback.raise_recompile_limit``). Raises ``ValueError`` if the model has no
+    ``model.layers``.
     """
-    import torch._dynamo  # ~1 s to import, only with decode_compile on
-
     layers = _layers(model)
     if not layers:
         raise ValueError("decode_compile: the model has no model.layers to compile")
@@ -351,14 +350,7 @@ def decode_layers_compiled(model, b: int):
         comp = guarded_compile(type(layers[0]).forward, "decode_compile", dynamic=False)
         model._opd_decode_compiled = comp
         model._opd_decode_compiled_b = set()
-    cfg = torch._dynamo.config
-    # entries per code object: (batch buckets + training's) x layers, should dynamo key them by layer instance
-    need = 64 + 8 * len(layers)
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(need, getattr(cfg, name)))
-    if hasattr(cfg, "accumulated_recompile_limit"):
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * need)
+        raise_recompile_limit(8 * len(layers))  # one entry per layer for each batch bucket (up to 8)
     saved = [layer.__dict__.get("forward") for layer in layers]
     for layer in layers:
         layer.forward = functools.partial(comp, layer)
