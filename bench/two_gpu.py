@@ -123,8 +123,8 @@ def build(opts):
                 per_rank = tr.accelerator.gather(loss).cpu().tolist()
                 res[mode] = {"loss": sum(per_rank) / len(per_rank), "per_rank": per_rank}
             tr.args.kl_mode = opts.kl_mode
-            tr._acc.clear()
-            tr._timers.clear()
+            tr.steps.acc.clear()
+            tr.steps.timers.clear()
             tr._pending_rollouts = None
             for m in tr._metrics.values():
                 m.clear()

@@ -118,7 +118,7 @@ def run(args, on_trainer=None) -> dict:
         "horizon_s": args.horizon_seconds,
         "resumed_from": resume,
         "engine": trainer.engine,
-        "skipped_nonfinite_steps": trainer._skipped_steps,
+        "skipped_nonfinite_steps": trainer.steps.skipped,
         "checkpoints": sorted(str(p) for p in _exports(args.ckpt_dir)),
     }
     if trainer.accelerator.is_main_process:

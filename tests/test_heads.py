@@ -172,7 +172,7 @@ def test_trainer_liger_wiring_equals_trl(tmp_path, tokenizer, curriculum_path, m
         model = tr.accelerator.unwrap_model(tr.model)
         loss, ent, _ = tr._compute_loss(model, out, int(out["completion_mask"].sum()))
         grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
-        res[kernel] = (loss, ent, grads, tr._acc.get("kl_full_sum", 0.0), out["completion_ids"])
+        res[kernel] = (loss, ent, grads, tr.steps.acc.get("kl_full_sum", 0.0), out["completion_ids"])
     assert torch.equal(res["trl"][4], res["liger"][4])  # same completions
     torch.testing.assert_close(res["liger"][0], res["trl"][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(res["liger"][1], res["trl"][1], rtol=1e-5, atol=1e-5)
@@ -331,9 +331,9 @@ def test_trainer_liger_equals_trl_on_cuda(tmp_path, tokenizer, curriculum_path, 
     res = {}
     for kernel in ("trl", "liger"):
         tr.args.head_kernel = kernel
-        tr._acc.clear()
+        tr.steps.acc.clear()
         loss, ent, _ = tr._compute_loss(model, out, N)
-        res[kernel] = (loss.detach(), ent, torch.autograd.grad(loss, params), tr._acc.get("kl_full_sum", 0.0))
+        res[kernel] = (loss.detach(), ent, torch.autograd.grad(loss, params), tr.steps.acc.get("kl_full_sum", 0.0))
     torch.testing.assert_close(res["liger"][0], res["trl"][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(res["liger"][1], res["trl"][1], rtol=1e-4, atol=1e-4)
     for g, w in zip(res["liger"][2], res["trl"][2]):

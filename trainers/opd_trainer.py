@@ -38,12 +38,11 @@ import json
 import logging
 import math
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
@@ -54,40 +53,20 @@ from trainers.async_rollouts import AsyncRollouts, AsyncStop
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA
-from trainers.model_utils import StepMemory, logit_transform, vllm_usable
+from trainers.model_utils import logit_transform, vllm_usable
 from trainers.offpolicy import OffPolicySchedule, clear_optimizer_moments, solution_batch
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
 from trainers.schedules import adam_update_sumsq
+from trainers.step_log import NonFiniteError, StepHooks, StepLog
 
 log = logging.getLogger(__name__)
 
 #: In each resume checkpoint: the training window's used share at the save, so clock schedules resume there.
 CLOCK_STATE = "opd_clock.json"
 
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient."""
-
-
 # ---------------------------------------------------------------------------------------------
 # trainer
-
-
-class _StepHooks(TrainerCallback):
-    """Routes Trainer events to OPDTrainer (step timing, non-finite guard, step metrics, rollouts)."""
-
-    def __init__(self, trainer: "OPDTrainer"):
-        self.trainer = trainer
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer._step_memory.begin()
-        self.trainer._step_t0 = time.perf_counter()
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._guard_nonfinite()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._finish_step()
 
 
 class OPDTrainer(DistillationTrainer):
@@ -212,17 +191,9 @@ class OPDTrainer(DistillationTrainer):
             self.compiled_layers = student_ok and teacher_ok
             if not self.compiled_layers:
                 log.warning("compile_layers: model has no model.layers to compile; running eagerly")
-        self._acc: dict[str, float] = defaultdict(float)
-        self._acc_max: dict[str, float] = {}  # reduced with max across processes (rollout IS statistics)
-        self._timers: dict[str, float] = defaultdict(float)
-        self._step_t0 = time.perf_counter()
-        self._step_memory = StepMemory()
-        self._last_gen_tokens = 0
+        self.steps = StepLog(self.accelerator, args.max_consecutive_nonfinite)  # the running step's sums and guard
         self._fraction0 = 0.0  # time_fraction() at the resumed checkpoint (CLOCK_STATE); 0 for a fresh run
         self._pending_rollouts: dict[str, Any] | None = None
-        self._bad_loss = False
-        self._skipped_steps = 0
-        self._nonfinite_streak = 0
         ds = self.train_dataset
         solutions = (ds["teacher_solution"] if args.trains_on_teacher_solutions and ds is not None
                      and "teacher_solution" in ds.column_names else None)
@@ -237,7 +208,7 @@ class OPDTrainer(DistillationTrainer):
             log.info("head_kernel=liger: sampled-token log-probs by %s, full reverse KL by %s (without rollout IS "
                      "weights)", "Liger" if lp else "TRL (temperature != 1 or a logit transform)",
                      "Liger" if kl else "TRL" if args.kl_mode == "full" else "- (sampled mode)")
-        self.add_callback(_StepHooks(self))
+        self.add_callback(StepHooks(self))
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
         self.start_time = process_start_time() if start_time is None else start_time
@@ -333,8 +304,8 @@ class OPDTrainer(DistillationTrainer):
 
             def probe(o, args, kwargs):  # optim/update_rms: Adam's step in units of the rate (schedules.py)
                 sq, n = adam_update_sumsq(o)
-                self._acc["upd_sumsq"] += sq
-                self._acc["upd_count"] += n
+                self.steps.acc["upd_sumsq"] += sq
+                self.steps.acc["upd_count"] += n
 
             torch_opt.register_step_post_hook(probe)
         return opt
@@ -544,7 +515,7 @@ class OPDTrainer(DistillationTrainer):
         a = self.args
         t0 = time.perf_counter()
         out = super()._generate_and_score_completions(inputs)
-        self._timers["time/generation"] += time.perf_counter() - t0
+        self.steps.timers["time/generation"] += time.perf_counter() - t0
 
         cids, cmask = out["completion_ids"], out["completion_mask"]
         gen_tokens = int(out["num_items_in_batch"].item())  # global, before any truncation mask
@@ -556,7 +527,7 @@ class OPDTrainer(DistillationTrainer):
         t1 = time.perf_counter()
         verdicts = grade_batch(texts, [x["answer"] for x in inputs], truncated=truncated,
                                timeout_s=a.grader_timeout_s, workers=a.grader_workers, answer_filter=a.answer_filter)
-        self._timers["time/reward"] += time.perf_counter() - t1
+        self.steps.timers["time/reward"] += time.perf_counter() - t1
         # A truncated completion earns nothing: its \boxed{} may precede a retraction the cap cut off.
         rewards = torch.tensor([1.0 if v.correct and not t else 0.0 for v, t in zip(verdicts, truncated)],
                                device=device)
@@ -604,7 +575,7 @@ class OPDTrainer(DistillationTrainer):
             out["old_logps"] = self._policy_logps(out)
         if a.w_sft > 0:
             out.update(self._solution_rows(inputs, B))
-        self._last_gen_tokens = gen_tokens
+        self.steps.gen_tokens = gen_tokens
 
         if a.save_rollouts:
             first = pi * B
@@ -636,7 +607,7 @@ class OPDTrainer(DistillationTrainer):
         rows = self.train_dataset.select(self.offpolicy.next_rows(pi, n))
         batch = self._solution_batch(rows["prompt"], rows["teacher_solution"])
         batch["off_policy"] = torch.ones(len(rows), device=self.accelerator.device)
-        self._last_gen_tokens = int(batch["sft_num_items"].item())
+        self.steps.gen_tokens = int(batch["sft_num_items"].item())
         return batch
 
     def _solution_rows(self, inputs: list[dict[str, Any]], B: int) -> dict[str, torch.Tensor]:
@@ -725,7 +696,7 @@ class OPDTrainer(DistillationTrainer):
             t_logp = t_logp.to(ws.device)
             if a.kl_mode == "sampled":
                 ht = None  # only the full-vocabulary KL reads the teacher's hidden states again
-        self._timers["time/teacher"] += time.perf_counter() - t0
+        self.steps.timers["time/teacher"] += time.perf_counter() - t0
 
         h_s = self._get_last_hidden_state(unwrapped_student, s_ids, s_mask, K)  # (B, K, H_s)
         hs = h_s.to(ws.device)[valid]
@@ -744,11 +715,11 @@ class OPDTrainer(DistillationTrainer):
                 s_logp, old, t_logp, adv_tok, N, w_kl=a.w_kl, w_reward=a.w_reward,
                 teacher_logprob_min=a.teacher_logprob_min, k1_clamp=a.k1_clamp, epsilon_low=a.epsilon_low,
                 epsilon_high=a.epsilon_high, is_weights=is_w)
-            self._acc["loss_kl"] += parts.loss_kl
-            self._acc["loss_reward"] += parts.loss_reward
-            self._acc["clipped"] += parts.clipped
-            self._acc["ratio_sum"] += parts.ratio_sum
-            self._acc["k1_clamped"] += parts.k1_clamped
+            self.steps.acc["loss_kl"] += parts.loss_kl
+            self.steps.acc["loss_reward"] += parts.loss_reward
+            self.steps.acc["clipped"] += parts.clipped
+            self.steps.acc["ratio_sum"] += parts.ratio_sum
+            self.steps.acc["k1_clamped"] += parts.k1_clamped
         else:
             if a.full_topk:
                 kl = losses.topk_reverse_kl(hs, ws, bs, ht.to(ws.device), wt, bt, a.full_topk,
@@ -760,12 +731,12 @@ class OPDTrainer(DistillationTrainer):
                                       teacher_softcap=t_cap, is_weights=is_w)  # (n,), or its sum (Liger)
             loss, kl_term, r_term = losses.full_vocab_loss(kl, s_logp, adv_tok, N, w_kl=a.w_kl, w_reward=a.w_reward,
                                                            is_weights=is_w)
-            self._acc["loss_kl"] += float(kl_term)
-            self._acc["loss_reward"] += float(r_term)
-            self._acc["kl_full_sum"] += float(kl.detach().sum())
-            self._acc["ratio_sum"] += float(valid.sum())
-        self._acc["k1_sum"] += float(k1.sum())
-        self._acc["tokens"] += float(valid.sum())
+            self.steps.acc["loss_kl"] += float(kl_term)
+            self.steps.acc["loss_reward"] += float(r_term)
+            self.steps.acc["kl_full_sum"] += float(kl.detach().sum())
+            self.steps.acc["ratio_sum"] += float(valid.sum())
+        self.steps.acc["k1_sum"] += float(k1.sum())
+        self.steps.acc["tokens"] += float(valid.sum())
 
         pend = self._pending_rollouts
         if pend is not None:
@@ -800,8 +771,8 @@ class OPDTrainer(DistillationTrainer):
                                             softcap=cap, with_entropy=True)
         N = inputs["sft_num_items"].clamp(min=1.0).to(lp.device) / self.accelerator.num_processes
         ce = -lp.sum() / N
-        self._acc["sft_loss"] += float(ce.detach())
-        self._acc["sft_tokens"] += float(valid.sum())
+        self.steps.acc["sft_loss"] += float(ce.detach())
+        self.steps.acc["sft_tokens"] += float(valid.sum())
         return weight * ce, entropy.detach().sum(), valid.sum()
 
     def _rollout_is_weights(self, old: torch.Tensor, inputs, valid: torch.Tensor) -> torch.Tensor | None:
@@ -813,7 +784,7 @@ class OPDTrainer(DistillationTrainer):
         w = losses.rollout_is_weights(old, samp, self.args.vllm_importance_sampling_cap)
         known = ~torch.isnan(samp)
         diff = (old.float() - samp.float()).abs()[known]
-        acc, mx = self._acc, self._acc_max
+        acc, mx = self.steps.acc, self.steps.acc_max
         acc["is_tokens"] += float(known.sum())
         acc["is_diff_sum"] += float(diff.sum())
         acc["is_w_sum"] += float(w[known].sum())
@@ -828,96 +799,17 @@ class OPDTrainer(DistillationTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if not torch.isfinite(loss).all():
-            self._bad_loss = True
+            self.steps.bad_loss = True
         return loss
 
-    def _guard_nonfinite(self) -> None:
-        """Before ``optimizer.step``: drop the update if the loss or any gradient was NaN/inf.
-
-        Gradients set to None make AdamW skip those parameters, so the weights and optimizer moments
-        stay as they were. After ``max_consecutive_nonfinite`` such steps in a row: ``NonFiniteError``.
-        """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
-        bad = self._bad_loss or not finite
-        self._bad_loss = False
-        self._metrics["train"]["nonfinite/skipped"].append(float(bad))
-        if not bad:
-            self._nonfinite_streak = 0
-            return
-        for p in self.model.parameters():
-            p.grad = None
-        self._skipped_steps += 1
-        self._nonfinite_streak += 1
-        log.warning("non-finite %s at step %d: update skipped (%d in a row, limit %d)",
-                    "loss" if not finite else "gradient", self.state.global_step + 1, self._nonfinite_streak,
-                    self.args.max_consecutive_nonfinite)
-        if self._nonfinite_streak >= self.args.max_consecutive_nonfinite:
-            raise NonFiniteError(f"{self._nonfinite_streak} optimizer steps in a row had a non-finite loss or "
-                                 f"gradient (last at step {self.state.global_step + 1}); stopping. Lower the "
-                                 f"learning rate, check the data, or set teacher_logprob_min.")
-
     def _finish_step(self) -> None:
-        """At ``on_step_end``: reduce this step's sums across processes into metrics; write the rollouts."""
-        keys = ("loss_kl", "loss_reward", "k1_sum", "tokens", "clipped", "ratio_sum", "kl_full_sum", "k1_clamped",
-                "is_tokens", "is_diff_sum", "is_w_sum", "is_capped", "upd_sumsq", "upd_count", "sft_loss", "sft_tokens")
-        vec = torch.tensor([self._acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        tot = dict(zip(keys, self.accelerator.reduce(vec, reduction="sum").tolist()))
-        self._acc.clear()
+        """At ``on_step_end``: the step's metrics (``StepLog.finish``, the off-policy term's), then its rollouts."""
         m = self._metrics["train"]
-        n = max(tot["tokens"], 1.0)
-        # TRL divides num_items_in_batch by the process count (DDP averages gradients), so each process's
-        # terms are P times its share of the global loss: the sum over processes is P x the loss.
-        world = self.accelerator.num_processes
-        # An off-policy SFT step samples nothing: its on-policy terms are not 0 but absent (NaN, which TRL's log
-        # turns into null), so queries and plots do not read a KL of 0 for the SFT phase
-        off = self.offpolicy.off_policy
-        put = lambda key, value: m[key].append(float("nan") if off else value)  # noqa: E731
-        put("loss/kl", tot["loss_kl"] / world)
-        put("loss/reward", tot["loss_reward"] / world)
-        put("kl/sampled_mean", tot["k1_sum"] / n)
-        if self.args.kl_mode == "full":
-            put("kl/full_mean", tot["kl_full_sum"] / n)
-        else:
-            put("ppo/clip_frac", tot["clipped"] / n)
-            put("ppo/ratio_mean", tot["ratio_sum"] / n)
-            put("kl/clamped_frac", tot["k1_clamped"] / n)
-        if tot["upd_count"] > 0:  # RMS of Adam's per-element step over the learning rate (0 on a skipped step)
-            m["optim/update_rms"].append(math.sqrt(tot["upd_sumsq"] / tot["upd_count"]))
-        if self._rollout_is or self._async_is:
-            self._log_rollout_is(m, tot)
-        step_s = time.perf_counter() - self._step_t0
-        gen, rew, teach = (self._timers.get(k, 0.0) for k in ("time/generation", "time/reward", "time/teacher"))
-        self._timers.clear()
-        m["time/step"].append(step_s)
-        m["time/generation"].append(gen)
-        m["time/reward"].append(rew)
-        m["time/teacher"].append(teach)
-        m["time/update"].append(max(step_s - gen - rew - teach, 0.0))
-        m["throughput/tokens_per_s"].append(self._last_gen_tokens / step_s if step_s > 0 else 0.0)
-        for k, v in self._step_memory.end().items():
-            m[k].append(v)
-        m["nonfinite/total_skipped"].append(float(self._skipped_steps))
+        tot, step_s = self.steps.finish(m, off_policy=self.offpolicy.off_policy, kl_mode=self.args.kl_mode,
+                                        rollout_is=self._rollout_is or self._async_is)
         for k, v in self.offpolicy.finish_step(step_s, tot["sft_loss"], tot["sft_tokens"]).items():
             m[k].append(v)
         self._flush_rollouts()
-
-    def _log_rollout_is(self, m, tot: dict[str, float]) -> None:
-        """Rollout-vs-trainer mismatch of this step (TRL GRPO's ``sampling/*`` names, plus the capped share)."""
-        keys = ("is_diff_max", "is_w_max", "is_w_neg_min")
-        vec = torch.tensor([self._acc_max.get(k, -math.inf) for k in keys], dtype=torch.float64,
-                           device=self.accelerator.device)
-        mx = dict(zip(keys, self.accelerator.reduce(vec, reduction="max").tolist()))
-        self._acc_max.clear()
-        k = tot["is_tokens"]
-        if k == 0:
-            return
-        m["sampling/sampling_logp_difference/mean"].append(tot["is_diff_sum"] / k)
-        m["sampling/sampling_logp_difference/max"].append(mx["is_diff_max"])
-        m["sampling/importance_sampling_ratio/mean"].append(tot["is_w_sum"] / k)
-        m["sampling/importance_sampling_ratio/min"].append(-mx["is_w_neg_min"])
-        m["sampling/importance_sampling_ratio/max"].append(mx["is_w_max"])
-        m["sampling/importance_sampling_ratio/capped_frac"].append(tot["is_capped"] / k)
 
     def _flush_rollouts(self) -> None:
         pend = self._pending_rollouts
