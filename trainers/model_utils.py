@@ -1,14 +1,18 @@
-"""Model helpers of stage two: loading the student and teacher from local paths, the tokenizer check, the head's
-logit transform TRL applies, whether vLLM colocate can run here, and the regional compile of the decoder layers."""
+"""Model helpers of stage two: loading the student and teacher from local paths, the trainer's two models and their
+shared vocabulary, the head's logit transform TRL applies, whether vLLM colocate can run here, the step's memory, and
+the regional compile of the decoder layers."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from data_tools.generation.fallback import guarded_compile, raise_recompile_limit
 from trainers.opd_config import DTYPES
+
+log = logging.getLogger(__name__)
 
 
 def logit_transform(config) -> tuple[float, float | None]:
@@ -29,6 +33,65 @@ def vllm_usable() -> bool:
     from trl.import_utils import is_vllm_available
 
     return torch.cuda.is_available() and is_vllm_available()
+
+
+def student_and_teacher(model, teacher_model, args, processing_class=None, teacher_processing_class=None):
+    """The trainer's two models, ready for it: ``(student, frozen teacher, self_teacher)``.
+
+    ``model`` / ``teacher_model`` are models or local paths (loaded at ``model_dtype`` / ``teacher_dtype``). No
+    teacher: a frozen copy of the initial student (``self_teacher`` True), cast to ``teacher_dtype``. Raises
+    ValueError when the two tokenizers differ (``data_tools.models.check_same_tokenizer``).
+    """
+    import copy
+
+    from trl.trainer.utils import create_model_from_path
+
+    from data_tools.models import check_same_tokenizer
+
+    if isinstance(model, str):
+        model = create_model_from_path(model, dtype=DTYPES[args.model_dtype])
+    self_teacher = teacher_model is None
+    if teacher_model is None:
+        teacher_model = copy.deepcopy(model)  # the frozen *initial* student
+        if args.teacher_dtype:
+            teacher_model.to(DTYPES[args.teacher_dtype])
+        if args.teacher_context == "teacher" and args.w_kl > 0:
+            log.warning(
+                "self-teacher reading the student's own prompt: the KL term is only a penalty toward the initial "
+                "policy (use teacher_context=privileged or set teacher_model)")
+    elif isinstance(teacher_model, str):
+        from transformers import AutoTokenizer
+
+        if teacher_processing_class is None:
+            teacher_processing_class = AutoTokenizer.from_pretrained(teacher_model)
+        teacher_model = create_model_from_path(teacher_model, dtype=DTYPES[args.teacher_dtype or args.model_dtype])
+    if teacher_processing_class is not None and processing_class is not None:
+        check_same_tokenizer(processing_class, teacher_processing_class)
+    teacher_model.eval()
+    teacher_model.requires_grad_(False)
+    return model, teacher_model, self_teacher
+
+
+def shared_vocabulary(student, teacher, tokenizer=None) -> int:
+    """The vocabulary rows both heads have, which the KL compares over (Qwen2.5-1.5B's 151,936 under 7B's 152,064).
+
+    Raises ValueError when the student has rows the teacher lacks (it could sample ids the teacher has no logit
+    for), or the tokenizer has ids beyond the shared rows.
+    """
+    v_s = student.get_output_embeddings().weight.shape[0]
+    v_t = teacher.get_output_embeddings().weight.shape[0]
+    if v_s > v_t:
+        raise ValueError(f"student has {v_s} vocabulary rows but the teacher only {v_t}: the student can sample "
+                         f"ids >= {v_t}, which the teacher has no logit for. Use a teacher with at least the "
+                         f"student's rows (e.g. Qwen2.5-1.5B 151,936 under 7B 152,064, not the reverse).")
+    shared = min(v_s, v_t)
+    if v_s != v_t:
+        log.warning(
+            "student has %d vocabulary rows, teacher %d: comparing over the shared range [0, %d)", v_s, v_t, shared)
+    if tokenizer is not None and len(tokenizer) > shared:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the shared vocabulary is only {shared} rows: "
+                         "some token ids have no logit in one of the models")
+    return shared
 
 
 def load_models(args):

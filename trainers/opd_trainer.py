@@ -46,14 +46,13 @@ from transformers import Trainer
 from trl import DistillationTrainer
 from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
-from data_tools.models import check_same_tokenizer
 from data_tools.runio import write_json
 from trainers import heads, losses
 from trainers.async_rollouts import AsyncRollouts, AsyncStop
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA
-from trainers.model_utils import logit_transform, vllm_usable
+from trainers.model_utils import logit_transform, shared_vocabulary, student_and_teacher, vllm_usable
 from trainers.offpolicy import OffPolicySchedule, clear_optimizer_moments, solution_batch
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
@@ -98,48 +97,15 @@ class OPDTrainer(DistillationTrainer):
     def __init__(self, model, teacher_model=None, args: OPDConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), teacher_processing_class=None,
                  start_time: float | None = None):
-        from trl.trainer.utils import create_model_from_path
-
         args = args or OPDConfig()
         vllm_asked = bool(args.use_vllm)
         if args.use_vllm and not vllm_usable():
             log.warning("use_vllm is set but vLLM colocate needs CUDA and an importable vllm: generating with the fast decoder "
                         "(data_tools.generation.fast_decoder) where it applies, else HF generate")
             args.use_vllm = False
-        if isinstance(model, str):
-            model = create_model_from_path(model, dtype=DTYPES[args.model_dtype])
-        self._self_teacher = teacher_model is None
-        if teacher_model is None:
-            teacher_model = copy.deepcopy(model)  # the frozen *initial* student
-            if args.teacher_dtype:
-                teacher_model.to(DTYPES[args.teacher_dtype])
-            if args.teacher_context == "teacher" and args.w_kl > 0:
-                log.warning("self-teacher reading the student's own prompt: the KL term is only a penalty toward "
-                            "the initial policy (use teacher_context=privileged or set teacher_model)")
-        elif isinstance(teacher_model, str):
-            from transformers import AutoTokenizer
-
-            if teacher_processing_class is None:
-                teacher_processing_class = AutoTokenizer.from_pretrained(teacher_model)
-            teacher_model = create_model_from_path(teacher_model, dtype=DTYPES[args.teacher_dtype or args.model_dtype])
-        if teacher_processing_class is not None and processing_class is not None:
-            check_same_tokenizer(processing_class, teacher_processing_class)
-        teacher_model.eval()
-        teacher_model.requires_grad_(False)
-
-        v_s = model.get_output_embeddings().weight.shape[0]
-        v_t = teacher_model.get_output_embeddings().weight.shape[0]
-        if v_s > v_t:
-            raise ValueError(f"student has {v_s} vocabulary rows but the teacher only {v_t}: the student can sample "
-                             f"ids >= {v_t}, which the teacher has no logit for. Use a teacher with at least the "
-                             f"student's rows (e.g. Qwen2.5-1.5B 151,936 under 7B 152,064, not the reverse).")
-        self.shared_vocab = min(v_s, v_t)
-        if v_s != v_t:
-            log.warning("student has %d vocabulary rows, teacher %d: comparing over the shared range [0, %d)",
-                        v_s, v_t, self.shared_vocab)
-        if processing_class is not None and len(processing_class) > self.shared_vocab:
-            raise ValueError(f"tokenizer has {len(processing_class)} tokens but the shared vocabulary is only "
-                             f"{self.shared_vocab} rows: some token ids have no logit in one of the models")
+        model, teacher_model, self._self_teacher = student_and_teacher(model, teacher_model, args, processing_class,
+                                                                       teacher_processing_class)
+        self.shared_vocab = shared_vocabulary(model, teacher_model, processing_class)
 
         super().__init__(model=model, teacher_model=None, args=args, train_dataset=train_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
