@@ -33,7 +33,7 @@ under this process's run lock (``OPD_LOCK_OWNER``).
 
 Several nodes over one shared ``OUTPUT_DIR``: env ``NNODES`` / ``NODE_RANK`` (default 1 / 0) make node r's
 worker i shard ``r*N + i`` of ``NNODES*N``. Node 0 starts the run's id (``shards/run.json``; the others
-adopt it, see ``_Node``); each node keeps a state file ``shards/node-<r>.json``; node 0 merges when every
+adopt it, see ``stages.curate_nodes.Node``); each node keeps a state file ``shards/node-<r>.json``; node 0 merges when every
 shard's record of this run exists, or its budget's end plus ``OPD_SHARD_GRACE_S`` (300 s) has passed (then
 with the chunks on disk); the other nodes wait for its manifest and exit 0, so training on every node
 reads one curriculum. A node that fails, or whose state file stops changing for ``OPD_NODE_STALL_S``
@@ -50,12 +50,9 @@ import logging
 import os
 import platform
 import random
-import shutil
 import socket
 import sys
-import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -78,6 +75,7 @@ from data_tools.runio import (EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo
                               run_lock, write_json, write_parquet)
 from data_tools.workers import (Worker, WorkerFailed, config_argv, device_slices, node_layout, pop_shard_flag,
                                 run_workers, worker_init)
+from stages.curate_nodes import Node, ShardFailed, await_manifest, await_shards, read_json, shard_path
 
 log = logging.getLogger("opd.curate")
 
@@ -589,14 +587,7 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
 
 
 def _shard_path(prep: Prepared, shard: int, shards: int) -> Path:
-    return prep.out / "shards" / f"shard-{shard}-of-{shards}.json"
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return shard_path(prep.out, shard, shards)
 
 
 def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: float, clock0: float,
@@ -679,162 +670,6 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
     return manifest
 
 
-class ShardFailed(RuntimeError):
-    """Another node's shards failed or stopped reporting; the message is one line naming the node."""
-
-
-def _env_s(name: str, default: float) -> float:
-    return float(os.environ.get(name) or default)
-
-
-class _Node:
-    """This node's part in a run over several nodes, through files in ``curate/shards/`` of the shared OUTPUT_DIR.
-
-    Node 0 is the run's authority: at its start it clears ``shards/`` (an earlier run's records) and writes
-    ``run.json`` with a fresh run id; the other nodes adopt the id of a ``run.json`` of their curation written
-    at most ``OPD_NODE_SKEW_S`` (600 s) before their own start, and keep watching it, so a node that took an
-    earlier run's id moves to the new one (and re-writes its records under it). Every node keeps a state
-    file ``node-<r>.json`` (run id, state, a counter bumped every ``OPD_NODE_HEARTBEAT_S``, 10 s), by which
-    the others tell a live node from a dead one without comparing clocks.
-    """
-
-    def __init__(self, prep: Prepared, rank: int, t_start: float):
-        self.prep, self.rank, self.dir = prep, rank, prep.out / "shards"
-        self.state, self.error, self.seq = "measuring", None, 0
-        self.records: dict[int, dict] = {}  # this node's finished shards
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        if rank == 0:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir.mkdir(parents=True)
-            self.run_id = f"{prep.fingerprint}-{uuid.uuid4().hex[:12]}"
-            write_json({"run_id": self.run_id, "fingerprint": prep.fingerprint, "time": time.time(),
-                        "host": socket.gethostname()}, self.dir / "run.json")
-        else:
-            self.run_id = self._await_run_id(t_start)
-        self._beat()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="opd-node-heartbeat")
-        self._thread.start()
-
-    def _current(self, since: float) -> str | None:
-        rec = _read_json(self.dir / "run.json")
-        if rec and rec.get("fingerprint") == self.prep.fingerprint and rec.get("time", 0) >= since:
-            return rec.get("run_id")
-        return None
-
-    def _await_run_id(self, t_start: float) -> str:
-        skew, stall = _env_s("OPD_NODE_SKEW_S", 600), _env_s("OPD_NODE_STALL_S", 300)
-        said, t0 = False, time.monotonic()
-        while (run_id := self._current(t_start - skew)) is None:
-            if time.monotonic() - t0 > stall:
-                raise ShardFailed(f"node 0 (NODE_RANK=0) did not start this run's stage one within {stall:.0f}s: "
-                                  f"no {self.dir / 'run.json'} of this curation")
-            if not said:
-                print("[curate] waiting for node 0 to start the run (its shards/run.json)", flush=True)
-                said = True
-            time.sleep(1.0)
-        return run_id
-
-    def _beat(self) -> None:
-        with self._lock:
-            self.seq += 1
-            write_json({"run_id": self.run_id, "node": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                        "state": self.state, "error": self.error, "seq": self.seq, "time": time.time()},
-                       self.dir / f"node-{self.rank}.json")
-
-    def _run(self) -> None:
-        every = _env_s("OPD_NODE_HEARTBEAT_S", 10)
-        while not self._stop.wait(every):
-            with contextlib.suppress(OSError, ValueError):
-                if self.rank and (new := self._current(0.0)) and new != self.run_id:  # node 0 started a newer run
-                    with self._lock:
-                        self.run_id = new
-                        for g, rec in self.records.items():
-                            self.record(g, rec)
-                self._beat()
-
-    def record(self, shard: int, rec: dict) -> None:
-        """Write this node's record of ``shard`` under the current run id (again after an adoption)."""
-        with self._lock:
-            self.records[shard] = rec
-            write_json(rec | {"run_id": self.run_id}, _shard_path(self.prep, shard, rec["shards"]))
-
-    def set(self, state: str, error: str | None = None) -> None:
-        self.state, self.error = state, error
-        with contextlib.suppress(OSError):
-            self._beat()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-class _NodeWatch:
-    """Another node's state file, seen from here: raises :class:`ShardFailed` when it failed, or when its file
-    has not changed for ``OPD_NODE_STALL_S`` (300 s) by this node's clock (no clock skew matters)."""
-
-    def __init__(self, shards_dir: Path):
-        self.dir, self.stall_s = shards_dir, _env_s("OPD_NODE_STALL_S", 300)
-        self.seen: dict[int, tuple[str | None, float]] = {}
-
-    def check(self, node: int, run_id: str, what: str) -> None:
-        hb = _read_json(self.dir / f"node-{node}.json")
-        if hb is not None and hb.get("run_id") != run_id:
-            hb = None  # an earlier run's file
-        if hb is not None and hb.get("state") == "failed":
-            raise ShardFailed(f"node {node} (NODE_RANK={node}, {hb.get('host')}) failed: {hb.get('error')}")
-        key = None if hb is None else str(hb.get("seq"))
-        last = self.seen.get(node)
-        now = time.monotonic()
-        if last is None or last[0] != key:
-            self.seen[node] = (key, now)
-        elif now - last[1] > self.stall_s:
-            how = "never reported" if key is None else f"stopped reporting (last state: {hb.get('state')})"
-            raise ShardFailed(f"node {node} (NODE_RANK={node}) {how} for {now - last[1]:.0f}s while {what}; "
-                              f"its state file: {self.dir / f'node-{node}.json'}")
-
-
-def _await_shards(cfg: CurateConfig, prep: Prepared, shards: int, run_id: str, deadline: float | None,
-                  ) -> tuple[list[dict], list[int]]:
-    """Node rank 0: the records of every shard of this run, waiting for other nodes' shards; after the
-    budget's end plus ``OPD_SHARD_GRACE_S`` (300 s) it returns without the missing ones."""
-    grace = _env_s("OPD_SHARD_GRACE_S", 300)
-    watch = _NodeWatch(prep.out / "shards")
-    said = False
-    while True:
-        recs = {g: r for g in range(shards)
-                if (r := _read_json(_shard_path(prep, g, shards))) is not None and r.get("run_id") == run_id}
-        missing = [g for g in range(shards) if g not in recs]
-        if not missing:
-            return [recs[g] for g in range(shards)], []
-        if local := [g for g in missing if g < cfg.workers]:  # node 0's own shards are over: their records must be there
-            raise ShardFailed(f"shard(s) {local} of this node ended without writing their record "
-                              f"({_shard_path(prep, local[0], shards)})")
-        for node in sorted({g // cfg.workers for g in missing}):
-            watch.check(node, run_id, f"node 0 waits for its shards {[g for g in missing if g // cfg.workers == node]}")
-        if deadline is not None and time.time() > deadline + grace:
-            print(f"[curate] the budget ended {time.time() - deadline:.0f}s ago: merging without shard(s) {missing}",
-                  flush=True)
-            return [recs[g] for g in sorted(recs)], missing
-        if not said:
-            print(f"[curate] node 0: waiting for shard(s) {missing} of the other node(s)", flush=True)
-            said = True
-        time.sleep(1.0)
-
-
-def _await_manifest(prep: Prepared, node: _Node) -> dict:
-    """Node rank > 0: wait for node 0's merged manifest of this run (the curriculum every node trains on)."""
-    watch = _NodeWatch(prep.out / "shards")
-    print("[curate] waiting for node 0 to merge the shards into the curriculum", flush=True)
-    while True:
-        m = _read_json(prep.out / "manifest.json")
-        if m is not None and m.get("run_id") == node.run_id:
-            print(f"[curate] node 0 merged the curriculum: {m['counts']['curriculum']} rows in "
-                  f"{prep.out / 'curriculum.parquet'}", flush=True)
-            return m
-        watch.check(0, node.run_id, "this node waits for the merged curriculum")
-        time.sleep(1.0)
-
-
 def curate(cfg: CurateConfig) -> dict:
     """Run stage one end to end; returns the manifest (also written to ``curate/manifest.json``).
 
@@ -858,7 +693,7 @@ def curate(cfg: CurateConfig) -> dict:
         return merge(cfg, prep, [measure(cfg, prep, deadline=deadline)], run_id=f"{prep.fingerprint}@{clock0:.3f}", **kw)
 
     local = [rank * cfg.workers + i for i in range(cfg.workers)]
-    node = _Node(prep, rank, t_start) if nnodes > 1 else None
+    node = Node(prep.out, prep.fingerprint, rank, t_start) if nnodes > 1 else None
     run_id = node.run_id if node else f"{prep.fingerprint}@{clock0:.3f}"
     (prep.out / "shards").mkdir(exist_ok=True)
     for g in local:
@@ -872,7 +707,7 @@ def curate(cfg: CurateConfig) -> dict:
                                 gpus[i], prep.out / "workers" / f"worker-{g}.log",
                                 {"OPD_LOCK_OWNER": owner, RUN_START_ENV: repr(clock0)})
                          for i, g in enumerate(local)])
-            recs = {g: r for g in local if (r := _read_json(_shard_path(prep, g, shards))) is not None}
+            recs = {g: r for g in local if (r := read_json(_shard_path(prep, g, shards))) is not None}
             if lost := [g for g in local if g not in recs]:
                 raise ShardFailed(f"worker(s) {lost} exited 0 without writing {_shard_path(prep, lost[0], shards)}")
         for g, rec in recs.items():  # the records of this run: stamped with its id here, by the node
@@ -883,9 +718,9 @@ def curate(cfg: CurateConfig) -> dict:
         if node:
             node.set("done")
         if rank == 0:
-            records, missing = _await_shards(cfg, prep, shards, run_id, deadline)
+            records, missing = await_shards(prep.out, cfg.workers, shards, run_id, deadline)
             return merge(cfg, prep, records, missing=missing, run_id=run_id, **kw)
-        return _await_manifest(prep, node)
+        return await_manifest(prep.out, node)
     except BaseException as e:  # the other nodes learn at once that this one stopped (a worker, a signal, an error)
         if node:
             why = f"stopped with exit code {e.code}" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"

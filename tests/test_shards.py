@@ -194,7 +194,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 def test_node_watch_names_a_failed_or_silent_node(tmp_path, monkeypatch):
     from data_tools.runio import write_json
-    from stages.curate import ShardFailed, _NodeWatch
+    from stages.curate_nodes import NodeWatch as _NodeWatch, ShardFailed
 
     monkeypatch.setenv("OPD_NODE_STALL_S", "0.3")
     w = _NodeWatch(tmp_path)
