@@ -571,3 +571,35 @@ def test_nothing_is_kept_across_on_policy_steps(tmp_path, tokenizer, curriculum_
     tr.train()
     assert sorted(probe.born) == list(range(1, 9)) and probe.kept(1) > 0
     assert {k: probe.kept(k) for k in range(2, 7)} == {k: 0 for k in range(2, 7)}
+
+
+@pytest.mark.parametrize("kw,copied", [(dict(bf16=True), True), (dict(bf16=False), False),
+                                       (dict(bf16=True, decode_dtype="float32"), False)])
+def test_decoder_reads_a_bf16_copy_of_fp32_weights_under_autocast(tmp_path, tokenizer, curriculum_path, kw, copied,
+                                                                   monkeypatch):
+    """fp32 weights + bf16 autocast (the formal recipe): the fast decoder runs a bf16 copy of the student, refreshed
+    from the trained weights before every generation (half the bytes read a decoded token); its rotary buffers stay
+    fp32. Without autocast, or with decode_dtype float32, it decodes the student itself."""
+    import trainers.fast_generation as fg
+
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, fast_generation=True, debug_max_steps=2, **kw)
+    decoded, real = [], fg.generator_for  # the model each generation decodes with
+    monkeypatch.setattr(fg, "generator_for", lambda model, *a, **k: (decoded.append(model), real(model, *a, **k))[1])
+    tr.train()
+    student = tr.accelerator.unwrap_model(tr.model)
+    assert len(decoded) == 2 and tr.engine == "hf-generate-fast"
+    if not copied:
+        assert all(m is student for m in decoded) and getattr(tr, "_decode_copy", None) is None
+        return
+    snap = decoded[0]
+    assert decoded[1] is snap and snap is not student and snap is tr._decode_copy
+    assert {p.dtype for p in snap.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in snap.buffers() if b.is_floating_point()} == {torch.float32}
+    # the copy holds the weights of the step before the last generation; refreshed, it holds the trained ones
+    stale = [p.clone() for p in snap.parameters()]
+    assert fg.decode_weights(tr, student) is snap
+    for p, q, old in zip(snap.parameters(), student.parameters(), stale):
+        assert torch.equal(p, q.detach().to(torch.bfloat16))
+    assert any(not torch.equal(p, old) for p, old in zip(snap.parameters(), stale))  # the last step moved them
+    with pytest.raises(ValueError, match="decode_dtype must be"):
+        make_args(tmp_path, decode_dtype="int8")

@@ -36,7 +36,6 @@ student's weights) and the decode KV cache through the update.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch
 from transformers import TrainerCallback
 
 from data_tools.generation.fast_decoder import FastGenerator, SamplingParams
+from trainers.fast_generation import make_snapshot
 
 
 #: Held by the worker around each CUDA-graph capture (``FastGenerator(capture_lock=...)``: the ``torch.cuda.graph``
@@ -103,34 +103,12 @@ class Rollouts:
     cancelled: bool = False
 
 
-def make_snapshot(model: torch.nn.Module) -> torch.nn.Module:
-    """A frozen deep copy of ``model`` for the generator: eval mode, no grad, own config.
-
-    Instance-level ``forward`` overrides (``compile_decoder_layers``' closures bind the *original*
-    layers) are removed so the copy runs its own weights; its config is a separate object, so the
-    decode step's attention switch never shows in the trainer's forward.
-    """
-    kept = model.__dict__.pop("_opd_fast_generator", None)  # a captured graph is not copyable
-    try:
-        snap = copy.deepcopy(model)
-    finally:
-        if kept is not None:
-            model._opd_fast_generator = kept
-    for m in snap.modules():
-        m.__dict__.pop("forward", None)
-        m._forward_hooks.clear()
-        m._forward_pre_hooks.clear()
-    for p in snap.parameters():
-        p.requires_grad_(False)
-        p.grad = None
-    return snap.eval()
-
-
 class AsyncRollouts:
     """A weight snapshot of the student and one background decode on it at a time.
 
     Args:
         model: the (unwrapped, single-process) student; copied once here.
+        dtype: the snapshot's parameter dtype (``OPDConfig.decode_dtype``); None = the student's.
         pad_token_id, eos_token_ids: as ``FastGenerator``.
         generator_kw: further ``FastGenerator`` arguments (``compaction``, ``compile_step``, ``kv_growth``).
 
@@ -138,8 +116,9 @@ class AsyncRollouts:
     only; the worker thread touches the snapshot, its ``FastGenerator`` and its own ``Rollouts``.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids, **generator_kw):
-        self.snapshot = make_snapshot(model)
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids, dtype: torch.dtype | None = None,
+                 **generator_kw):
+        self.snapshot = make_snapshot(model, dtype)
         self.device = next(model.parameters()).device
         self._stop = threading.Event()
         # keep_cache: the snapshot's addresses never change, so the captured decode step is reused each step

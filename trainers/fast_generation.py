@@ -11,6 +11,7 @@ per-layer, per-token collectives.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
@@ -99,6 +100,54 @@ def fsdp2_full_weights(model):
             m.reshard()
 
 
+def make_snapshot(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A frozen deep copy of ``model`` for a generator: eval mode, no grad, own config; its parameters cast to
+    ``dtype`` when given (buffers keep theirs: the rotary frequencies stay float32).
+
+    Instance-level ``forward`` overrides (``compile_decoder_layers``' closures bind the *original*
+    layers) are removed so the copy runs its own weights; its config is a separate object, so the
+    decode step's attention switch never shows in the trainer's forward.
+    """
+    kept = model.__dict__.pop("_opd_fast_generator", None)  # a captured graph is not copyable
+    try:
+        snap = copy.deepcopy(model)
+    finally:
+        if kept is not None:
+            model._opd_fast_generator = kept
+    for m in snap.modules():
+        m.__dict__.pop("forward", None)
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    for p in snap.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+        if dtype is not None and p.dtype != dtype and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    if dtype is not None:
+        snap.config.dtype = dtype
+    return snap.eval()
+
+
+@torch.no_grad()
+def decode_weights(trainer, model: torch.nn.Module) -> torch.nn.Module:
+    """The model the decoder runs for ``trainer``'s student ``model`` (unwrapped, whole weights): ``model`` itself,
+    or where ``OPDConfig.decode_dtype`` asks for another dtype, the trainer's copy in that dtype
+    (``trainer._decode_copy``, made once) with the student's current weights copied in."""
+    weights = next(model.parameters()).dtype
+    want = trainer.args.decode_torch_dtype(weights)
+    if want == weights or _fsdp2_modules(model):
+        return model
+    snap = getattr(trainer, "_decode_copy", None)
+    if snap is None:
+        snap = trainer._decode_copy = make_snapshot(model, want)
+        log.info("fast_generation: decoding from a %s copy of the student's %s weights", want, weights)
+    src, dst = list(model.parameters()), list(snap.parameters())
+    if len(src) != len(dst):
+        raise RuntimeError(f"the decode copy has {len(dst)} parameters, the student {len(src)}")
+    torch._foreach_copy_(dst, [p.detach() for p in src])
+    return snap
+
+
 def fast_path_unsupported(trainer) -> str | None:
     """Why ``fast_generate_single_turn`` cannot run under ``trainer``'s distributed setup; None if it can.
 
@@ -151,6 +200,7 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
                 _warned_hooks = True
             return None
         args = trainer.args
+        unwrapped = decode_weights(trainer, unwrapped)
         gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
                             **decode_options(getattr(args, "decode_compaction", False),
                                              getattr(args, "decode_compile", False),
@@ -158,4 +208,5 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
         return gen.generate(unwrapped, [list(p) for p in prompt_ids], sp)
 
 
-__all__ = ["fast_generate_single_turn", "fast_path_unsupported", "fsdp2_full_weights", "FSDPHooksNotFound"]
+__all__ = ["decode_weights", "fast_generate_single_turn", "fast_path_unsupported", "fsdp2_full_weights", "make_snapshot",
+           "FSDPHooksNotFound"]

@@ -215,6 +215,7 @@ class OPDTrainer(DistillationTrainer):
                              "lacks (repetition_penalty, beams, suppress_tokens, ...)")
         model = self.accelerator.unwrap_model(self.model)
         self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
+                                    dtype=a.decode_torch_dtype(next(model.parameters()).dtype),
                                     **decode_options(a.decode_compaction, a.decode_compile,
                                                      getattr(a, "decode_kv_growth", False)))
         self._async_is = bool(a.vllm_importance_sampling_correction)
