@@ -133,9 +133,12 @@ def decode_weights(trainer, model: torch.nn.Module) -> torch.nn.Module:
     """The model the decoder runs for ``trainer``'s student ``model`` (unwrapped, whole weights): ``model`` itself,
     or where ``OPDConfig.decode_dtype`` asks for another dtype, the trainer's copy in that dtype
     (``trainer._decode_copy``, made once) with the student's current weights copied in."""
+    choose = getattr(trainer.args, "decode_torch_dtype", None)  # an OPDConfig's; other trainers decode the model
+    if choose is None or _fsdp2_modules(model):
+        return model
     weights = next(model.parameters()).dtype
-    want = trainer.args.decode_torch_dtype(weights)
-    if want == weights or _fsdp2_modules(model):
+    want = choose(weights)
+    if want == weights:
         return model
     snap = getattr(trainer, "_decode_copy", None)
     if snap is None:
