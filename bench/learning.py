@@ -41,10 +41,17 @@ A sequential arm (j, k, l) is also evaluated at its hand-over, after its last of
 ``HANDOVER_MARK`` = -1, its ``train_s`` and ``step`` say when): the report gives last mark − hand-over per run, what
 the on-policy steps did to the model they started from.
 
+Regime (iii) (issue 41, bench/learning/run-3-plan.md; ``--preset regime3``): ``--student_layers N`` cuts the student to
+N of its decoder layers (``bench.learning_setup``) and the start's SFT heals it, the teacher is the whole model + SFT,
+``--train_data`` / ``--unseen_arm_problems`` give the arms problems neither saw, ``--kl_probe_problems`` measures the
+start's per-token reverse KL under the teacher, and the setup's lines (teacher − start, on the problems the start
+fails, the KL) print before any arm; ``--gate_lead`` stops the command there (exit 3) when the teacher leads by less.
+Run names may add ``+kl<w>`` (the KL weight beside the reward's 1) and ``+ep<n>`` (passes before the hand-over).
+
 Outputs under DIR: settings.json, protocol.yaml; data/{train,test,curriculum}.parquet (and
-data/teacher_curriculum.parquet under teacher_n_train, data/start_curriculum.parquet under fresh_arm_problems),
-data/stage_one.parquet
-(the teacher's samples with verdicts); start/, teacher/; evals/<name>.parquet (one row per mark x problem x
+data/teacher_curriculum.parquet under teacher_n_train, data/start_curriculum.parquet under fresh_arm_problems or
+unseen_arm_problems), data/stage_one.parquet (the teacher's samples with verdicts), data/setup_kl.json (the KL probe);
+cut_student/ (student_layers), start/, teacher/; evals/<name>.parquet (one row per mark x problem x
 sample); arms/<run>/ (train.yaml, metrics/train.jsonl, rollouts/, eval/<run>-<mark|handover>/); results.{json,md},
 learning.png. Query with duckdb, e.g.
 ``SELECT name, mark_s, avg(correct_numeric::INT) FROM 'DIR/evals/*.parquet' GROUP BY ALL ORDER BY ALL``.
@@ -77,68 +84,7 @@ from bench.learning_clock import _free, train  # noqa: E402
 from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
     ARM_SPECS, ARMS, HANDOVER_MARK, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings,
     refuse_renamed_flags, upgrade_settings)
-
-# ------------------------------------------------------------------------------------------- data
-
-
-def build_data(cfg: LearningConfig) -> dict[str, Path]:
-    """Write ``data/train.parquet``, ``data/test.parquet`` and the trainer's ``data/curriculum.parquet``.
-
-    Ladder: ``data_tools.synth`` hard ladder, train/test split by problem hash. GSM8K: the first
-    ``n_train`` rows of ``gsm8k_train.jsonl`` and the first ``n_test`` of ``gsm8k_test.jsonl`` (a
-    fixed subset), reference solutions with the calculator annotations removed.
-
-    Raises:
-        FileNotFoundError: GSM8K files missing.
-    """
-    from data_tools.problems import load_problems
-    from data_tools.runio import write_parquet
-
-    d = cfg.dir / "data"
-    keys = (("train", "test", "curriculum") + (("teacher_curriculum",) if cfg.teacher_n_train > cfg.n_train else ())
-            + (("start_curriculum",) if cfg.fresh_arm_problems else ()))
-    paths = {k: d / f"{k}.parquet" for k in keys}
-    if all(p.exists() for p in paths.values()):
-        return paths
-    n_teacher = max(cfg.n_train, cfg.teacher_n_train)
-    # both loaders are prefix-stable: the first n_train of the teacher's problems are the start's training problems,
-    # and the arms' too unless fresh_arm_problems gives them the next n_train
-    if cfg.task == "ladder":
-        pool = load_problems(f"synth-hard:train:{n_teacher}", seed=cfg.seed).rows
-        test = load_problems(f"synth-hard:test:{cfg.n_test}", seed=cfg.seed).rows
-    else:
-        g = Path(cfg.gsm8k_dir)
-        pool = load_problems(g / "gsm8k_train.jsonl", limit=n_teacher).rows
-        test = load_problems(g / "gsm8k_test.jsonl", limit=cfg.n_test).rows
-        for r in pool + test:  # GSM8K rationale, then the answer the grader looks for
-            r["solution"] = f"{r['solution']}\nThe answer is \\boxed{{{r['answer']}}}."
-        if len(pool) < n_teacher:
-            raise ValueError(f"{g / 'gsm8k_train.jsonl'} has {len(pool)} problems; n_train / teacher_n_train ask "
-                             f"for {n_teacher}")
-    first = 1 if cfg.fresh_arm_problems else 0
-    train = pool[first * cfg.n_train:(first + 1) * cfg.n_train]  # the arms' problems (stage one's too)
-    write_parquet(train, paths["train"])
-    write_parquet(test, paths["test"])
-
-    def curriculum(rows: list[dict]) -> list[dict]:  # stage one's schema (trainers.data.load_curriculum)
-        return [dict(problem_id=r["problem_id"], problem=r["problem"], answer=r["answer"], reference=r["solution"],
-                     bucket=int(r.get("level") or 0) if str(r.get("level") or "").isdigit() else 0,
-                     curriculum_index=i, prompt_style=cfg.prompt_style, source=r.get("source") or cfg.task)
-                for i, r in enumerate(rows)]
-
-    write_parquet(curriculum(train), paths["curriculum"])  # shuffled by the trainer
-    if "teacher_curriculum" in paths:
-        write_parquet(curriculum(pool), paths["teacher_curriculum"])
-    if "start_curriculum" in paths:  # the start's SFT: problems no arm trains on
-        write_parquet(curriculum(pool[:cfg.n_train]), paths["start_curriculum"])
-    return paths
-
-
-def read_rows(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist()
-
+from bench.learning_data import build_data, check_disjoint, read_rows  # noqa: E402,F401 - re-exported
 
 # ------------------------------------------------------------------------------------------- recipes
 
@@ -153,14 +99,18 @@ def _yaml(recipe: dict, dest: Path) -> Path:
 
 
 def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Path, out_dir: Path,
-                 learning_rate: float, seed: int) -> dict:
+                 learning_rate: float, seed: int, options: dict | None = None, window_s: float | None = None) -> dict:
     """The ``stages.train`` config (``OPDConfig`` fields) of an arm (``ARM_SPECS``); ``arm="sft"`` is SFT only on
     the reference solutions (``SFT_REFERENCE``: the start, the teacher).
 
     SFT (arm d, the start, the teacher) is ``OPDTrainer`` with every step off-policy (``sft_share_* = 1``,
     ``w_kl = w_reward = 0``): TRL SFTTrainer's completion-only cross-entropy on the curriculum's
     ``teacher_solution`` column, ``sft_batch_size`` solutions a step, no generation, no teacher.
+    ``options``: a run name's ``+kl`` / ``+ep`` (``LearningConfig.run_options``). ``window_s``: the arm's training
+    seconds (budget_s less stage one's), over which a time schedule's ``lr_warmup_s`` becomes ``lr_warmup_time``'s
+    share (the bench's clock feeds the trainer that window's fraction: ``bench.learning_clock.clock_fraction``).
     """
+    options = options or {}
     import torch
 
     spec = SFT_REFERENCE if arm == "sft" else ARM_SPECS[arm]
@@ -181,10 +131,16 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
         r.update(sft_share_start=1.0, sft_share_end=1.0)
     if cfg.warmup_steps and arm != "sft":  # the start and the teacher are built as before, for every experiment alike
         r.update(lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps)
+    if cfg.lr_scheduler_type != "constant" and arm != "sft":
+        window = cfg.budget_s if window_s is None else window_s
+        r.update(lr_scheduler_type=cfg.lr_scheduler_type, lr_final_ratio=0.0,
+                 lr_warmup_time=min(cfg.lr_warmup_s / window, 0.99) if window > 0 else 0.0)
+    if "w_kl" in options:
+        r["w_kl"] = options["w_kl"]
     if spec.off_policy == "mix":
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if spec.off_policy == "seq":  # SFT steps until the cap, then on-policy (the cap ends the off-policy steps)
-        r.update(sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=cfg.sft_max_epochs,
+        r.update(sft_share_start=1.0, sft_share_end=1.0, sft_max_epochs=options.get("sft_max_epochs", cfg.sft_max_epochs),
                  sft_learning_rate=cfg.sft_learning_rate or None, sft_handover_reset=cfg.sft_handover_reset or None)
     if not torch.cuda.is_available():
         r["use_cpu"] = True
@@ -195,7 +151,7 @@ def protocol(cfg: LearningConfig) -> Path:
     """``<out>/protocol.yaml``: the ``stages.evaluate`` protocol of every mark (held-out problems, k samples,
     temperature, cap, prompt, grader filter). One seed for every arm run (common random numbers)."""
     n = len(read_rows(cfg.dir / "data" / "test.parquet"))
-    return _yaml(dict(protocol="learning_heldout", version=1, description=f"bench/learning.py held-out set ({cfg.task})",
+    return _yaml(dict(protocol="learning_heldout", version=1, description=f"bench/learning.py held-out set ({cfg.data_name})",
                       eval_data=str(cfg.dir / "data" / "test.parquet"), n_samples=cfg.eval_samples,
                       max_tokens=cfg.max_completion_length, temperature=cfg.eval_temperature, top_p=1.0, seed=cfg.seed + 7919,
                       prompt_style=cfg.prompt_style, n_problems=n, answer_filter=f"opd_{cfg.answer_filter}_grader"),
@@ -283,8 +239,8 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     """SFT of ``src`` on the reference solutions of ``data[curriculum]``'s problems (the training problems; the
     teacher's wider set under ``--teacher_n_train``, the start's own under ``--fresh_arm_problems``) for
     ``seconds`` (or ``steps`` optimizer steps when > 0) through ``stages.train``
-    (``work/<dest_name>_sft/train.yaml``) -> ``<out>/<dest_name>``; its evaluation ->
-    ``evals/<eval_name>.parquet``. The teacher and a mid-trained start."""
+    (``work/<dest_name>_sft/train.yaml``) at ``teacher_lr`` (the start: ``start_lr`` when set) -> ``<out>/<dest_name>``;
+    its evaluation -> ``evals/<eval_name>.parquet``. The teacher and a mid-trained (or, cut, healed) start."""
     import shutil
 
     from data_tools.runio import write_parquet
@@ -295,8 +251,9 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     work = cfg.dir / "work" / f"{dest_name}_sft"
     shutil.rmtree(work, ignore_errors=True)
     cur = [{**r, "teacher_solution": r["reference"]} for r in read_rows(data[curriculum])]
+    lr = cfg.start_lr if dest_name == "start" and cfg.start_lr else cfg.teacher_lr
     recipe = train_recipe(cfg, "sft", student=src, curriculum=write_parquet(cur, work / "curriculum.parquet"),
-                          out_dir=work, learning_rate=cfg.teacher_lr, seed=cfg.seed)
+                          out_dir=work, learning_rate=lr, seed=cfg.seed)
     t0 = time.time()
     (s,) = train(cfg, _yaml(recipe, work / "train.yaml"), [seconds], max_steps=steps)
     shutil.rmtree(dest, ignore_errors=True)
@@ -430,13 +387,17 @@ def start_path(cfg: LearningConfig) -> str:
 
 
 def arm_recipe(cfg: LearningConfig, name: str) -> dict:
-    """The ``stages.train`` recipe of arm run ``name`` (``train_recipe`` at its rate and seed, on its curriculum)."""
+    """The ``stages.train`` recipe of arm run ``name`` (``train_recipe`` at its rate, seed and ``+kl`` / ``+ep``, on
+    its curriculum; a time schedule's warm-up over its training window: ``budget_s`` less stage one's recorded
+    seconds for an off-policy arm)."""
     arm, lr, seed = cfg.parse_run(name)
     student = start_path(cfg)
     own = ARM_SPECS[arm].off_policy or ARM_SPECS[arm].stated_answer
     cur = cfg.dir / "arms" / name / "curriculum.parquet" if own else cfg.dir / "data" / "curriculum.parquet"
+    s1 = cfg.dir / "data" / "stage_one.json"
+    offset = float(json.loads(s1.read_text())["seconds"]) if ARM_SPECS[arm].off_policy and s1.exists() else 0.0
     return train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name, learning_rate=lr,
-                        seed=seed)
+                        seed=seed, options=cfg.run_options(name), window_s=cfg.budget_s - offset)
 
 
 def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict] | None) -> Path:
@@ -612,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         kept = {k: v for k, v in kept.items() if k in names}
         kept["report_filter"] = cfg.report_filter  # a report chooses its filter and late marks on its own command line
         kept["late_marks"] = cfg.late_marks
+        kept["contrasts"] = cfg.contrasts
         kept["out"] = str(cfg.dir)  # the directory may have moved since (e.g. copied back from a GPU machine)
         try:
             cfg = LearningConfig(**kept)
@@ -667,7 +629,7 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
                         if f.default is not dataclasses.MISSING}
 
             def canonical(run: str) -> None:  # "j@3e-6-s2" would be read as a second arm beside "j@3e-06-s2"
-                name = cfg.run_name(*cfg.parse_run(run))
+                name = cfg.canonical(run)
                 if name != run:
                     raise ValueError(f"run {run!r} is named {name!r} by this experiment's settings: rename its "
                                      "evals/<run>.parquet (and the name column) and arms/<run>/ to pool it")
@@ -731,33 +693,61 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     data = build_data(cfg)  # before settings.json: a run refused for its data can be run again with other flags
     protocol(cfg)
     write_json(settings, settings_path)
-    print(f"[learning] data: {len(read_rows(data['train']))} train / {len(read_rows(data['test']))} test ({cfg.task}); "
+    print(f"[learning] data: {len(read_rows(data['train']))} train / {len(read_rows(data['test']))} test ({cfg.data_name}); "
           f"out {cfg.dir}", flush=True)
     if "teacher_curriculum" in data:  # the ladder's levels run out unevenly past 18,000 problems: say the mix
         from collections import Counter
 
         mix = Counter(r["bucket"] for r in read_rows(data["teacher_curriculum"]))
         print(f"[learning] teacher data: {sum(mix.values())} problems, by level {dict(sorted(mix.items()))}", flush=True)
-    if "start_curriculum" in data:
+    if "start_curriculum" in data and cfg.unseen_arm_problems:
+        n_seen = max(cfg.n_train, cfg.teacher_n_train)
+        print(f"[learning] unseen arm problems: the start and the teacher train on problems 1-{n_seen}, the arms on "
+              f"{n_seen + 1}-{n_seen + cfg.n_train}", flush=True)
+    elif "start_curriculum" in data:
         print(f"[learning] fresh arm problems: the start trains on problems 1-{cfg.n_train} of the teacher's, the "
               f"arms on {cfg.n_train + 1}-{2 * cfg.n_train}", flush=True)
+    if cfg.student_layers:  # regime (iii): the student cut, then healed into the start below
+        from bench.learning_setup import cut_student
+
+        cut_student(cfg, student_path)
     if cfg.start_model:  # a given start (e.g. an earlier run's): its evaluation is every arm's mark 0
         adopt_model(cfg, cfg.start_model, dest_name="start", eval_name="student")
-    elif start != student_path:  # a mid-trained start: its evaluation is every arm's mark 0
-        fine_tune(cfg, student_path, data, dest_name="start", eval_name="student", seconds=cfg.start_sft_s,
-                  steps=cfg.start_sft_steps,
+    elif start != student_path:  # a mid-trained (or a cut and healed) start: its evaluation is every arm's mark 0
+        fine_tune(cfg, str(cfg.dir / "cut_student") if cfg.student_layers else student_path, data, dest_name="start",
+                  eval_name="student", seconds=cfg.start_sft_s, steps=cfg.start_sft_steps,
                   curriculum="start_curriculum" if "start_curriculum" in data else "curriculum")
     else:
         eval_student(cfg, student_path)
     if cfg.teacher_model:
         adopt_model(cfg, cfg.teacher_model, dest_name="teacher", eval_name="teacher")
     elif setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
-        fine_tune(cfg, start, data, dest_name="teacher", eval_name="teacher", seconds=cfg.teacher_sft_s,
-                  steps=cfg.teacher_sft_steps,
+        # the teacher: the start + more SFT, or with a cut start (regime (iii)) the whole model + SFT
+        fine_tune(cfg, student_path if cfg.student_layers else start, data, dest_name="teacher", eval_name="teacher",
+                  seconds=cfg.teacher_sft_s, steps=cfg.teacher_sft_steps,
                   curriculum="teacher_curriculum" if "teacher_curriculum" in data else "curriculum")
+    if cfg.kl_probe_problems and has_weights(cfg.dir / "teacher") and not (cfg.dir / "data" / "setup_kl.json").exists():
+        from bench.learning_setup import probe_kl
+
+        probe_kl(cfg, start)
+    lead = None
+    if (cfg.dir / "evals" / "teacher.parquet").exists():  # the setup's measurement, before any arm
+        from bench.learning_report import setup_lines, setup_measures
+
+        measured = setup_measures(cfg, cfg.report_filter)
+        lead = measured["lead"]
+        for line in setup_lines(measured, cfg):
+            print(f"[learning] setup: {line}", flush=True)
+    if cfg.gate_lead and lead is not None:
+        print(f"[learning] setup: gate {'passed' if lead >= cfg.gate_lead else 'FAILED'}: the teacher leads the start "
+              f"by {lead:+.3f} on the held-out problems, gate_lead {cfg.gate_lead:+.3f}", flush=True)
     if setup_only:
         print(f"[learning] setup done in {time.time() - t_start:.0f}s: {cfg.dir}", flush=True)
         return 0
+    if cfg.gate_lead and lead is not None and lead < cfg.gate_lead:
+        print("[learning] no arm run: the regime lacks the teacher lead it exists to test (rebuild it, or set "
+              "--gate_lead 0 to run the arms anyway)", flush=True)
+        return 3
     skipped, overhead = {}, cfg.arm_overhead_s
     for arm in cfg.instances:
         if (cfg.dir / "evals" / f"{arm}.parquet").exists():

@@ -70,15 +70,26 @@ class MarkClock:
         self.paused += self.clock() - e0
 
 
-def clock_fraction(clock: MarkClock, span_s: float):
+def clock_fraction(clock: MarkClock, span_s: float, window: bool = False):
     """``time_fraction`` of an arm's trainer: the share of ``span_s`` training seconds its clock has run, in [0, 1].
 
-    None when ``span_s`` is 0: a run cut by a step count alone (the start or the teacher built by
-    ``--start_sft_steps`` / ``--teacher_sft_steps``) has no span, and its trainer keeps its own fraction.
+    ``window``: the share of the arm's training window instead, from its first step (the clock's ``offset_s``: stage
+    one's seconds, charged before the trainer starts) to ``span_s``, as the product's ``OPDTrainer.time_fraction``
+    counts from training's start: a time schedule then warms up at the first step and decays to 0 at ``span_s``.
+    0 before the clock starts (a scheduler reads its factor when it is built). None when ``span_s`` is 0: a run cut by
+    a step count alone (the start or the teacher built by ``--start_sft_steps`` / ``--teacher_sft_steps``) has no
+    span, and its trainer keeps its own fraction.
     """
     if span_s <= 0:
         return None
-    return lambda: min(1.0, max(0.0, clock.elapsed() / span_s))
+
+    def fraction() -> float:
+        if clock.t0 is None:
+            return 0.0
+        start = clock.offset_s if window else 0.0
+        return min(1.0, max(0.0, (clock.elapsed() - start) / max(span_s - start, 1e-9)))
+
+    return fraction
 
 
 def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: float = 0.0, max_steps: int = 0,
@@ -131,7 +142,7 @@ def train(cfg: LearningConfig, recipe: Path, marks: list[float], *, offset_s: fl
     def hook(trainer):
         trainer_ref.append(trainer)
         # the mix schedule follows this arm's training clock (evaluations paused), not the process's wall clock
-        fraction = clock_fraction(clock, budget_s or max(marks))
+        fraction = clock_fraction(clock, budget_s or max(marks), window=cfg.lr_scheduler_type != "constant")
         if fraction is not None:
             trainer.time_fraction = fraction
         trainer.add_callback(MarkCallback())

@@ -77,10 +77,19 @@ ARM_SPECS: dict[str, Arm] = {
 #: SFT on the reference solutions: how the mid-trained start and the teacher are made (not an arm)
 SFT_REFERENCE = Arm("SFT on reference solutions", 0.0, 0.0, None, off_policy="sft")
 ARMS = {k: v.label for k, v in ARM_SPECS.items()}
-#: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``learning_rate``, then ``-s<seed>`` when its
-#: seed is not ``seed`` (``f@3e-05-s1``). The name is the file name of its evaluations.
-ARM_RUN = re.compile(r"([a-z])(?:@([0-9.]+(?:e[+-]?[0-9]+)?))?(?:-s([0-9]+))?")
+#: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``learning_rate``, then ``+kl<w>`` when its
+#: on-policy KL weight is not the arm's (``w_kl`` = w with ``w_reward`` kept at 1: the KL : reward weight ratio), then
+#: ``+ep<n>`` when its passes over stage one's solutions are not ``sft_max_epochs`` (arms j, k, l), then ``-s<seed>``
+#: when its seed is not ``seed`` (``f@3e-05-s1``, ``j@3e-06+kl3+ep2-s1``). The name is the file name of its evaluations.
+_NUM = r"[0-9.]+(?:e[+-]?[0-9]+)?"
+ARM_RUN = re.compile(rf"([a-z])(?:@({_NUM}))?(?:\+kl({_NUM}))?(?:\+ep({_NUM}))?(?:-s([0-9]+))?")
+#: Learning-rate schedules an arm can run on (``OPDConfig.lr_scheduler_type``): constant (after ``warmup_steps``), or
+#: linear / cosine decay over the arm's training seconds (``trainers.schedules``, the formal recipe's ``linear_time``).
+ARM_SCHEDULES = ("constant", "linear_time", "cosine_time")
+#: Which decoder layers a cut student keeps (``bench.learning_setup.kept_layers``).
+LAYER_CHOICES = ("even", "first")
 TASKS = ("ladder", "gsm8k")
+SHARED = Path(os.environ.get("OPD_SHARED_DIR", ROOT.parent / "shared"))
 #: Named sets of settings. cpu_smoke: toy sizes to run every piece on a CPU in minutes; its teacher
 #: (4 s of SFT, 16-token cap) verifies nothing, so arm d fine-tunes on all of its samples.
 PRESETS: dict[str, dict] = {
@@ -88,8 +97,19 @@ PRESETS: dict[str, dict] = {
     "cpu_smoke": dict(n_train=48, n_test=6, budget_s=6.0, marks="3,6", teacher_sft_s=4.0,
                       per_device_train_batch_size=8, num_generations=4, max_completion_length=16, eval_samples=2, stage_one_problems=16, sft_batch_size=8,
                       eval_batch=64, sft_filter="none"),
+    # regime (iii) of issue 41 (bench/LEARNING.md "Run 3"): a student cut to 12 of the 30 layers and healed by SFT, the
+    # full model fine-tuned as its teacher, arms on problems neither saw, long answers, few measured problems, the
+    # formal schedule (linear over each arm's training seconds, warm-up in seconds), the plan's 320-token cap and
+    # avg@4 on 1,500 held-out problems. GSM8K train in file order: the start and the teacher SFT on problems 1-4400,
+    # the arms train on 4401-5900, the held-out set is the file's last 1,500 (--train_data / --test_data change it).
+    # The setup stops before any arm when the teacher leads the start by less than +0.15 (the plan's rule 4).
+    "regime3": dict(task="gsm8k", train_data=str(SHARED / "data" / "gsm8k_train.jsonl"), student_layers=12,
+                    start_sft_steps=300, start_lr=1e-4, teacher_sft_steps=400, teacher_n_train=4400, n_train=1500,
+                    unseen_arm_problems=True, n_test=1500, eval_samples=4, max_completion_length=320,
+                    stage_one_problems=300, budget_s=150.0, marks="50,100,150", late_marks=2, learning_rate=3e-6,
+                    sft_learning_rate=3e-5, sft_max_epochs=8.0, lr_scheduler_type="linear_time", lr_warmup_s=10.0,
+                    kl_probe_problems=256, gate_lead=0.15),
 }
-SHARED = Path(os.environ.get("OPD_SHARED_DIR", ROOT.parent / "shared"))
 
 
 @dataclass
@@ -121,6 +141,42 @@ class LearningConfig:
         "help": "Arms j, k, l (OPDConfig's): the rate of their SFT passes, on the arm's schedule; 0 = the arm's own rate "
                 "for both phases."})
     student_model: str | None = field(default=None, metadata={"help": "Local HF dir; empty = embedded SmolLM2-135M-Instruct."})
+    student_layers: int = field(default=0, metadata={
+        "help": "> 0: the start is student_model cut to this many of its decoder layers (student_layer_choice), saved "
+                "as <out>/cut_student and healed by the start's SFT (start_sft_steps or start_sft_s, required); the "
+                "teacher is then built from the whole student_model, not from the start. 0 = the whole model."})
+    student_layer_choice: str = field(default="even", metadata={
+        "help": "student_layers > 0: even = evenly spaced layers from the first to the last (the last feeds the "
+                "output head); first = the first N."})
+    start_lr: float = field(default=0.0, metadata={
+        "help": "Learning rate of the start's SFT (AdamW, constant); 0 = teacher_lr."})
+    train_data: str = field(default="", metadata={
+        "help": "Problems file (jsonl / parquet / json / a datasets dir; data_tools.problems) of the start, the "
+                "teacher and the arms, read in file order; empty = task's source. Held-out problems: test_data, or "
+                "else this file's last n_test problems (disjoint by position)."})
+    test_data: str = field(default="", metadata={
+        "help": "Held-out problems file: its first n_test problems; empty = the last n_test of train_data (or the "
+                "task's test split without train_data). Refused if a problem is also a training problem."})
+    unseen_arm_problems: bool = field(default=False, metadata={
+        "help": "The arms (stage one and on-policy prompts) train on n_train problems after every problem the start "
+                "or the teacher trained on: both build on the first max(n_train, teacher_n_train), so neither saw the "
+                "arms' problems (regime (iii)). Off: the arms train on the start's own problems."})
+    lr_scheduler_type: str = field(default="constant", metadata={
+        "help": "Every arm's rate schedule (OPDConfig's): constant (after warmup_steps); linear_time / cosine_time = "
+                "decay to 0 over the arm's training window, from its first step to budget_s (stage one's seconds "
+                "excluded, as the product's window starts at training), after lr_warmup_s seconds of linear warm-up. "
+                "With a time schedule the off-policy share of arms f, h, i follows the same window."})
+    lr_warmup_s: float = field(default=0.0, metadata={
+        "help": "linear_time / cosine_time: seconds of linear warm-up from 0 at the start of each arm's training "
+                "window (written to the recipe as lr_warmup_time, a share of that window); >= 0."})
+    gate_lead: float = field(default=0.0, metadata={
+        "help": "Setup: > 0 = the arms run only where the teacher leads the start on the held-out problems (avg@k, "
+                "paired) by at least this; else the command stops after the setup's lines with exit code 3 and runs "
+                "no arm (issue 41's rule 4: no arm in a regime without the property it tests). 0 = no gate."})
+    kl_probe_problems: int = field(default=0, metadata={
+        "help": "Setup: > 0 = the start samples this many of the arms' problems once (temperature and cap of the "
+                "on-policy arms) and the per-token reverse KL of those samples under the teacher is measured "
+                "(data/setup_kl.json, in the report); 0 = not measured."})
     n_train: int = field(default=6000, metadata={"help": "Training problems (the teacher's SFT data and every arm's prompts)."})
     n_test: int = field(default=300, metadata={"help": "Held-out problems evaluated at every mark."})
     gsm8k_dir: str = field(default=str(SHARED / "data"), metadata={"help": "Folder of gsm8k_{train,test}.jsonl."})
@@ -179,6 +235,11 @@ class LearningConfig:
     late_marks: int = field(default=3, metadata={
         "help": "Report: also compare the arms on each problem's pass rate pooled over the last N marks (and seeds), "
                 "the late mean, which moves less between runs than one mark. 0 = off; all marks if there are fewer."})
+    contrasts: str = field(default="", metadata={
+        "help": "Report: comma-separated 'x:y' pairs of arms (run names without the seed, e.g. 'j:d@3e-5,j+kl3:l'): "
+                "x - y at the last mark and on the late mean, seeds pooled, paired over problems with its 95% "
+                "t-interval (df = problems - 1), and with >= 2 runs of each the interval from the spread between "
+                "runs (Welch's df)."})
     seed: int = field(default=0, metadata={"help": "Seed of every arm (data order, sampling, evaluation)."})
     engine: str = field(default="hf", metadata={
         "help": "Engine of stage one and evaluation (data_tools.generation.engines): hf (the fast decoder of the training "
@@ -194,8 +255,8 @@ class LearningConfig:
         "help": "Keep each arm run's last export at <out>/arms/<run>/final (weights are deleted otherwise), e.g. as "
                 "another experiment's --teacher_model."})
     preset: str = field(default="", metadata={
-        "help": "cpu_smoke: tiny sizes and budgets (PRESETS). It sets the fields still at their defaults: a flag given "
-                "with another value wins."})
+        "help": "cpu_smoke: tiny sizes and budgets; regime3: issue 41's regime (iii) (PRESETS). It sets the fields "
+                "still at their defaults: a flag given with another value wins."})
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -210,8 +271,10 @@ class LearningConfig:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         bad = [a for a in self.arm_list if not ARM_RUN.fullmatch(a) or a[0] not in ARMS or "-s" in a]
         if bad or not self.arm_list:
-            raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)} (each optionally @lr), "
-                             f"got {self.arms!r}")
+            raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)} (each optionally @lr, then "
+                             f"+kl<w_kl>, then +ep<passes>), got {self.arms!r}")
+        for a in self.arm_list:
+            self.run_options(a)  # raises for a weight or a pass count the arm cannot take
         try:
             rates, seeds = self.arm_lr_table, self.seed_list
         except ValueError:
@@ -237,6 +300,32 @@ class LearningConfig:
             raise ValueError(f"fresh_arm_problems trains the arms on problems n_train..2 x n_train, which the teacher "
                              f"must have seen: build the teacher with teacher_n_train >= {2 * self.n_train} (got "
                              f"{self.teacher_n_train}{', and a given teacher_model' if self.teacher_model else ''})")
+        if self.unseen_arm_problems and (self.fresh_arm_problems or self.start_model or self.teacher_model
+                                         or not (self.start_sft_steps or self.start_sft_s > 0)):
+            raise ValueError("unseen_arm_problems builds the start and the teacher here on problems before the arms': it "
+                             "needs start_sft_steps or start_sft_s, no start_model / teacher_model, and excludes "
+                             "fresh_arm_problems")
+        if self.student_layers < 0 or self.student_layer_choice not in LAYER_CHOICES:
+            raise ValueError(f"student_layers must be >= 0 and student_layer_choice one of {LAYER_CHOICES}, got "
+                             f"{self.student_layers}, {self.student_layer_choice!r}")
+        if self.student_layers and (self.start_model or not (self.start_sft_steps or self.start_sft_s > 0)):
+            raise ValueError("student_layers cuts the student into the start, which its SFT heals: give start_sft_steps "
+                             "or start_sft_s (and no start_model)")
+        if self.lr_scheduler_type not in ARM_SCHEDULES:
+            raise ValueError(f"lr_scheduler_type must be one of {ARM_SCHEDULES}, got {self.lr_scheduler_type!r}")
+        if not 0 <= self.lr_warmup_s < math.inf or (self.lr_warmup_s and self.lr_scheduler_type == "constant"):
+            raise ValueError(f"lr_warmup_s must be finite and >= 0, and is for a time schedule only (constant: "
+                             f"warmup_steps); got {self.lr_warmup_s} with {self.lr_scheduler_type}")
+        if self.lr_scheduler_type != "constant" and self.warmup_steps:
+            raise ValueError("warmup_steps is constant_with_warmup's; a time schedule warms up over lr_warmup_s")
+        if not (0 <= self.start_lr < math.inf and 0 <= self.gate_lead <= 1) or self.kl_probe_problems < 0:
+            raise ValueError(f"start_lr must be finite and >= 0, gate_lead in [0, 1] and kl_probe_problems >= 0, got "
+                             f"{self.start_lr}, {self.gate_lead}, {self.kl_probe_problems}")
+        for pair in self.contrast_list:
+            for name in pair:
+                self.canonical(name)  # raises for a name that is no run
+        if self.test_data and not self.train_data:
+            raise ValueError("test_data goes with train_data (without it the task's own test split is used)")
         if self.teacher_n_train == self.n_train:
             self.teacher_n_train = 0  # the same teacher data as 0: recorded alike, so a resume accepts either
         if not 0 < self.sft_max_epochs < math.inf:  # NaN fails too
@@ -287,40 +376,97 @@ class LearningConfig:
         return {k.strip(): float(v) for k, v in (x.split("=", 1) for x in self.arm_lr.split(",") if x.strip())}
 
     @property
+    def contrast_list(self) -> list[tuple[str, str]]:
+        """``contrasts`` as (x, y) pairs. Raises ValueError for a piece that is not 'x:y'."""
+        out = []
+        for piece in (x.strip() for x in self.contrasts.split(",") if x.strip()):
+            x, sep, y = piece.partition(":")
+            if not sep or not x.strip() or not y.strip() or "-s" in piece:
+                raise ValueError(f"contrasts must be comma-separated 'x:y' pairs of arms without a seed, got {piece!r}")
+            out.append((x.strip(), y.strip()))
+        return out
+
+    @property
     def seed_list(self) -> list[int]:
         return [int(x) for x in self.seeds.split(",") if x.strip()] or [self.seed]
 
-    def run_name(self, arm: str, lr: float, seed: int) -> str:
-        return arm + (f"@{lr:g}" if lr != self.learning_rate else "") + (f"-s{seed}" if seed != self.seed else "")
+    def run_name(self, arm: str, lr: float, seed: int, w_kl: float | None = None,
+                 sft_max_epochs: float | None = None) -> str:
+        """An ``ARM_RUN`` name: ``w_kl`` / ``sft_max_epochs`` (None = the arm's own) as ``+kl`` / ``+ep``."""
+        return (arm + (f"@{lr:g}" if lr != self.learning_rate else "")
+                + (f"+kl{w_kl:g}" if w_kl is not None else "")
+                + (f"+ep{sft_max_epochs:g}" if sft_max_epochs is not None else "")
+                + (f"-s{seed}" if seed != self.seed else ""))
+
+    def run_options(self, name: str) -> dict[str, float]:
+        """The settings a run name gives beyond its rate and seed: ``{"w_kl": w}`` for ``+kl<w>`` (the on-policy
+        KL weight, ``w_reward`` staying the arm's 1), ``{"sft_max_epochs": n}`` for ``+ep<n>``; {} for neither.
+
+        Raises:
+            ValueError: not an ``ARM_RUN`` name; ``+kl`` on an arm without both the KL and the reward term, or a
+                weight <= 0 (arm l is w_kl = 0); ``+ep`` on an arm that does not hand over (j, k, l), or <= 0.
+        """
+        m = ARM_RUN.fullmatch(name)
+        if not m or m.group(1) not in ARMS:
+            raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1', 'j@3e-06+kl3+ep2')")
+        spec, out = ARM_SPECS[m.group(1)], {}
+        if m.group(3) is not None:
+            w = float(m.group(3))
+            if not (spec.w_kl > 0 and spec.w_reward > 0) or not 0 < w < math.inf:
+                both = ", ".join(k for k, v in ARM_SPECS.items() if v.w_kl > 0 and v.w_reward > 0)
+                raise ValueError(f"{name!r}: +kl<w> sets the KL weight beside the reward's 1, on an arm with both "
+                                 f"terms ({both}), w > 0 (arm l is the reward alone)")
+            out["w_kl"] = w
+        if m.group(4) is not None:
+            n = float(m.group(4))
+            if ARM_SPECS[m.group(1)].off_policy != "seq" or not 0 < n < math.inf:
+                raise ValueError(f"{name!r}: +ep<n> sets the passes before the hand-over of arms j, k, l, n > 0")
+            out["sft_max_epochs"] = n
+        return out
+
+    def canonical(self, name: str) -> str:
+        """``name`` as this experiment writes it (``j@3e-6+kl3.0`` -> ``j@3e-06+kl3``). Raises ValueError."""
+        return self.run_name(*self.parse_run(name), **self.run_options(name))
 
     @property
     def instances(self) -> list[str]:
         """The arm runs this invocation asks for (``ARM_RUN`` names): every arm at its rate, for every seed."""
         out = []
         for spec in self.arm_list:
-            arm, lr, _ = ARM_RUN.fullmatch(spec).groups()
+            arm, lr = ARM_RUN.fullmatch(spec).group(1, 2)
             rate = float(lr) if lr else self.arm_lr_table.get(arm, self.learning_rate)
-            out += [self.run_name(arm, rate, s) for s in self.seed_list]
+            out += [self.run_name(arm, rate, s, **self.run_options(spec)) for s in self.seed_list]
         return list(dict.fromkeys(out))
 
     def parse_run(self, name: str) -> tuple[str, float, int]:
         """``(arm, learning rate, seed)`` of a run name. Raises ValueError for a name ``ARM_RUN`` does not match."""
         m = ARM_RUN.fullmatch(name)
         if not m or m.group(1) not in ARMS:
-            raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1')")
-        return m.group(1), float(m.group(2)) if m.group(2) else self.learning_rate, int(m.group(3)) if m.group(3) else self.seed
+            raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1', 'j@3e-06+kl3+ep2')")
+        return m.group(1), float(m.group(2)) if m.group(2) else self.learning_rate, int(m.group(5)) if m.group(5) else self.seed
 
     def label(self, group: str) -> str:
         """Label of an arm (a run name without its seed) for tables and the plot."""
         arm, lr, _ = self.parse_run(group)
         text = ("off-policy SFT on all teacher samples (sft_filter=none)" if arm == "d" and self.sft_filter == "none"
                 else ARMS[arm])
+        opts = self.run_options(group)
         if ARM_SPECS[arm].off_policy == "seq":
-            n = self.sft_max_epochs
+            n = opts.get("sft_max_epochs", self.sft_max_epochs)
             text = text.replace("sft_max_epochs passes", "1 pass" if n == 1 else f"{n:g} passes")
             if self.sft_filter == "none":
                 text = text.replace("verified solutions", "all teacher samples (sft_filter=none)")
+        if "w_kl" in opts:
+            text += f", w_kl {opts['w_kl']:g} (KL : reward = {opts['w_kl']:g} : 1)"
         return text + (f", lr {lr:g}" if lr != self.learning_rate else "")
+
+    @property
+    def data_name(self) -> str:
+        """What the problems are, for the report: the task, or the files given."""
+        if not self.train_data:
+            return self.task
+        return Path(self.train_data).name + (f" (held out: {Path(self.test_data).name})" if self.test_data else
+                                             f" (held out: its last {self.n_test})")
 
     @property
     def mark_list(self) -> list[float]:
@@ -397,9 +543,9 @@ def refuse_renamed_flags(argv: list[str]) -> None:
 
 #: Settings that may differ between invocations on one run directory: the arms asked for this time,
 #: the deadline and its overhead estimate, what the fast-generation check decided, where the directory lives,
-#: and whether arm exports are kept.
+#: whether arm exports are kept, and what the report and the setup's gate read.
 LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final",
-                  "late_marks", "runs")
+                  "late_marks", "runs", "contrasts", "gate_lead")
 
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:

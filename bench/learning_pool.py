@@ -43,7 +43,7 @@ from bench.learning_config import parse_marks, upgrade_settings
 SETTINGS_FREE = frozenset({
     "out", "arms", "seeds", "runs", "deadline_s", "arm_overhead_s", "keep_final", "preset", "report_filter",
     "late_marks", "student_path", "start_path", "start_model", "teacher_model", "student_model", "gsm8k_dir",
-    "fast_generation", "fast_generation_used",
+    "fast_generation", "fast_generation_used", "contrasts", "gate_lead", "train_data", "test_data",
 })
 # Defaults of settings that older settings.json files lack (bench.learning.main reads them the same way).
 SETTINGS_DEFAULTS = {"answer_filter": "math"}

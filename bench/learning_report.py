@@ -65,16 +65,65 @@ def seed_stderr(x: list[float], y: list[float]) -> float | None:
     return (statistics.variance(x) / len(x) + statistics.variance(y) / len(y)) ** 0.5
 
 
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile (0.5 < p < 1) of Student's t with ``df`` > 0 degrees of freedom (not necessarily whole:
+    Welch's), from its CDF ``1 - I_{df/(df+t^2)}(df/2, 1/2) / 2`` (mpmath's regularized incomplete beta), by
+    bisection. Raises ValueError outside those ranges."""
+    import mpmath
+
+    if not (0.5 < p < 1 and df > 0):
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df > 0, got p={p}, df={df}")
+
+    def cdf(t: float) -> float:
+        return 1 - 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(d: float, se: float | None, df: float | None, level: float = 0.95) -> tuple[float, float] | None:
+    """``d ± t_{(1+level)/2, df} x se``; None without a standard error or df."""
+    if se is None or not df or df <= 0:
+        return None
+    h = t_quantile((1 + level) / 2, df) * se
+    return d - h, d + h
+
+
+def welch(x: list[float], y: list[float]) -> tuple[float, float] | None:
+    """Standard error of mean(x) - mean(y) between runs (``seed_stderr``) and its Welch–Satterthwaite degrees of
+    freedom ``(a + b)^2 / (a^2 / (n_x - 1) + b^2 / (n_y - 1))``, a = s_x^2 / n_x, b = s_y^2 / n_y; None unless both have
+    >= 2 runs and some spread."""
+    se = seed_stderr(x, y)
+    if se is None or se == 0:
+        return None
+    a, b = statistics.variance(x) / len(x), statistics.variance(y) / len(y)
+    return se, (a + b) ** 2 / (a * a / (len(x) - 1) + b * b / (len(y) - 1))
+
+
+def _ci(d: float, se: float | None, df: float | None) -> str:
+    """'95% t-interval lo to hi, df N' (df whole or to one decimal), or '' without one."""
+    ci = t_interval(d, se, df)
+    if ci is None:
+        return ""
+    dfs = f"{df:.0f}" if float(df).is_integer() else f"{df:.1f}"
+    return f"95% t-interval {ci[0]:+.3f} to {ci[1]:+.3f}, df {dfs}"
+
+
 def _compare(pooled: dict[str, list[dict]], start: list[dict]) -> tuple[str, dict[str, dict]]:
     """The best arm of ``pooled`` (arm -> its graded rows) by avg@k, and per arm: best − arm and arm − start,
-    paired over problems, with their standard errors."""
+    paired over problems, with their standard errors and degrees of freedom (problems − 1)."""
     best = max(pooled, key=lambda a: summarize_mark(pooled[a])["avg_at_k"])
     cmp = {}
     for arm, rows in pooled.items():
-        d, se, _ = paired_difference(pooled[best], rows) if arm != best else (0.0, None, len(rows))
-        d0, se0, _ = paired_difference(rows, start)
-        cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None,
-                    "gain_over_start": d0, "gain_stderr": se0}
+        d, se, n = paired_difference(pooled[best], rows) if arm != best else (0.0, None, 0)
+        d0, se0, n0 = paired_difference(rows, start)
+        cmp[arm] = {"best_minus_arm": d, "stderr": se, "n_sigma": (d / se) if se else None, "df": n - 1 if n else None,
+                    "gain_over_start": d0, "gain_stderr": se0, "gain_df": n0 - 1}
     return best, cmp
 
 
@@ -116,13 +165,16 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
         best, cmp = _compare(late, start)
         per_run = {arm: {n: summarize_mark(rows)["avg_at_k"] for n, rows in runs.items()} for arm, runs in by_run.items()}
         for arm, c in cmp.items():
+            w = welch(list(per_run[best].values()), list(per_run[arm].values())) if arm != best else None
             c.update(late_mean=summarize_mark(late[arm])["avg_at_k"], by_run=per_run[arm],
                      seed_stderr=seed_stderr(list(per_run[best].values()), list(per_run[arm].values()))
-                     if arm != best else None)
+                     if arm != best else None, seed_df=w[1] if w else None)
         out["late_mean"] = {"marks": late_m, "best_arm": best, "comparisons": cmp}
     sweep = rate_sweep(out, cfg)
     if sweep:
         out["rate_sweep"] = sweep
+    if cfg.contrast_list:
+        out["contrasts"] = contrasts(cfg, evals, groups, f, late_m)
     handover = {}  # per run of a sequential arm: its model at the hand-over, and what the on-policy steps did to it
     for name in sorted(n for n in evals if n not in ("student", "teacher")):
         ho = [{**r, "correct": r[f"correct_{f}"]} for r in evals[name] if r["mark_s"] == HANDOVER_MARK]
@@ -144,6 +196,97 @@ def _collect(cfg: LearningConfig, evals: dict[str, list[dict]], f: str) -> dict:
     if shared:
         out["shared_handovers"] = shared
     return out
+
+
+def contrasts(cfg: LearningConfig, evals: dict[str, list[dict]], groups: dict[str, list[str]], f: str,
+              late_m: list[float]) -> list[dict]:
+    """``cfg.contrasts``' pairs x − y (arms: run names without the seed), each seeds pooled per problem and paired
+    over problems (``paired_difference``), with df = problems − 1: at the last mark (``last``) and on the late mean
+    (``late``: ``late_m``'s marks, runs evaluated at all of them); and ``between_runs``: the difference of the runs'
+    mean late means with Welch's error and df (``welch``), where both arms have >= 2 such runs. A pair with an arm
+    that has no runs is kept with ``missing`` naming it."""
+    out = []
+    for x0, y0 in cfg.contrast_list:
+        x, y = cfg.canonical(x0), cfg.canonical(y0)
+        item: dict = {"x": x, "y": y}
+        missing = [a for a in (x, y) if a not in groups]
+        if missing:
+            out.append({**item, "missing": missing})
+            continue
+
+        def rows(arm, marks):
+            return [{**r, "correct": r[f"correct_{f}"]} for n in groups[arm] for r in evals[n] if r["mark_s"] in marks]
+
+        for key, marks in (("last", [cfg.mark_list[-1]]), ("late", late_m)):
+            rx, ry = rows(x, marks), rows(y, marks)
+            if marks and rx and ry:
+                d, se, n = paired_difference(rx, ry)
+                item[key] = {"marks": marks, "diff": d, "stderr": se, "df": n - 1,
+                             "ci95": t_interval(d, se, n - 1)}
+
+        def late_by_run(arm):
+            got = {}
+            for n in groups[arm]:
+                r = [{**q, "correct": q[f"correct_{f}"]} for q in evals[n] if q["mark_s"] in late_m]
+                if late_m and {q["mark_s"] for q in r} == set(late_m):
+                    got[n] = summarize_mark(r)["avg_at_k"]
+            return list(got.values())
+
+        lx, ly = late_by_run(x), late_by_run(y)
+        w = welch(lx, ly)
+        if w:
+            d = sum(lx) / len(lx) - sum(ly) / len(ly)
+            item["between_runs"] = {"runs": [len(lx), len(ly)], "diff": d, "stderr": w[0], "df": w[1],
+                                    "ci95": t_interval(d, *w)}
+        out.append(item)
+    return out
+
+
+def setup_measures(cfg: LearningConfig, f: str) -> dict:
+    """The setup's measurement before any arm (issue 41): teacher − start on the held-out problems, paired, with
+    df = problems − 1; the problems the start fails (none of its samples right): how many, and the teacher's avg@k
+    on them; and ``data/setup_kl.json`` (the per-token reverse KL of the start's samples under the teacher) when
+    measured. Raises FileNotFoundError without both evaluations."""
+    import pyarrow.parquet as pq
+
+    ev = {n: [{**r, "correct": r[f"correct_{f}"]} for r in pq.read_table(cfg.dir / "evals" / f"{n}.parquet").to_pylist()]
+          for n in ("student", "teacher")}
+    s, t = summarize_mark(ev["student"]), summarize_mark(ev["teacher"])
+    d, se, n = paired_difference(ev["teacher"], ev["student"])
+    out = {"start": s["avg_at_k"], "teacher": t["avg_at_k"], "lead": d, "lead_stderr": se, "lead_df": n - 1,
+           "lead_ci95": t_interval(d, se, n - 1), "start_tokens": s["mean_tokens"], "teacher_tokens": t["mean_tokens"],
+           "start_clip": s["clip_rate"], "teacher_clip": t["clip_rate"]}
+    from data_tools.evalstats import per_problem_rates
+
+    failed = {p for p, (k, c) in per_problem_rates(ev["student"]).items() if c == 0}
+    on = [r for r in ev["teacher"] if str(r["problem_id"]) in failed]
+    out["start_fails"] = {"problems": len(failed), "of": n,
+                          "teacher": summarize_mark(on)["avg_at_k"] if on else None,
+                          "teacher_stderr": summarize_mark(on)["stderr"] if on else None}
+    kl = cfg.dir / "data" / "setup_kl.json"
+    if kl.exists():
+        out["reverse_kl"] = json.loads(kl.read_text())
+    return out
+
+
+def setup_lines(m: dict, cfg: LearningConfig) -> list[str]:
+    """``setup_measures`` as lines of text (results.md, and the setup's log)."""
+    k = cfg.eval_samples
+    ci = _ci(m["lead"], m["lead_stderr"], m["lead_df"])
+    lines = [f"teacher − start on the {m['lead_df'] + 1} held-out problems: {m['lead']:+.3f} ± {_fmt(m['lead_stderr'])}"
+             + (f" ({ci})" if ci else "") + f"; start {m['start']:.3f} ({m['start_tokens']:.0f} tokens, clip "
+             f"{m['start_clip']:.2f}), teacher {m['teacher']:.3f} ({m['teacher_tokens']:.0f} tokens, clip "
+             f"{m['teacher_clip']:.2f})"]
+    sf = m["start_fails"]
+    lines.append(f"on the {sf['problems']} held-out problems the start fails (0 of {k} samples right): teacher "
+                 + (f"{sf['teacher']:.3f} ± {_fmt(sf['teacher_stderr'])}" if sf["teacher"] is not None else "—"))
+    kl = m.get("reverse_kl")
+    if kl:
+        lines.append(f"per-token reverse KL of the start's samples under the teacher: {kl['kl_sampled']:.3f} nats "
+                     f"(sampled-token estimate), {kl['kl_full']:.3f} exact over the vocabulary; {kl['tokens']} tokens "
+                     f"of {kl['problems']} samples of the arms' problems at T={kl['temperature']:g}, "
+                     f"{kl['max_new_tokens']}-token cap, {kl['clipped']} clipped")
+    return lines
 
 
 def shared_handovers(evals: dict[str, list[dict]], handover: dict[str, dict], f: str, cfg: LearningConfig,
@@ -223,9 +366,10 @@ def rate_sweep(col: dict, cfg: LearningConfig) -> dict[str, dict]:
     for group, a in col["arms"].items():
         if last not in a["marks"]:
             continue
-        arm, lr, _ = cfg.parse_run(group)
-        by_arm.setdefault(arm, {})[lr] = {"run": group, "last_mark": a["marks"][last]["avg_at_k"],
-                                          "late_mean": late.get(group, {}).get("late_mean")}
+        arm, lr, _ = cfg.parse_run(group)  # one sweep per arm and its +kl / +ep options
+        variant = cfg.run_name(arm, cfg.learning_rate, cfg.seed, **cfg.run_options(group))
+        by_arm.setdefault(variant, {})[lr] = {"run": group, "last_mark": a["marks"][last]["avg_at_k"],
+                                              "late_mean": late.get(group, {}).get("late_mean")}
     out = {}
     for arm, rates in by_arm.items():
         if len(rates) < 2:
@@ -280,6 +424,8 @@ def report(cfg: LearningConfig) -> dict:
         res["skipped"].update({a: w for a, w in json.loads(skip_file.read_text()).items() if a not in evals})
     other = [f for f in ANSWER_FILTERS if f != cfg.report_filter][0]
     res["other_filter"] = _collect(cfg, evals, other)
+    if "teacher" in evals:
+        res["setup"] = setup_measures(cfg, cfg.report_filter)
     write_json(res, cfg.dir / "results.json")
     (cfg.dir / "results.md").write_text(results_markdown(res, cfg))
     plot(res, cfg, cfg.dir / "learning.png")
@@ -300,13 +446,18 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
     lines = []
     s, t = col["student"], col.get("teacher")
     given = f" = {cfg.start_model}" if cfg.start_model else ""
+    if cfg.student_layers:  # regime (iii): a cut student, healed by the start's SFT
+        heal = f"{cfg.start_sft_steps} steps" if cfg.start_sft_steps else f"{cfg.start_sft_s:.0f} s"
+        given = (f": {cfg.student_layers} of its layers ({cfg.student_layer_choice}), healed by {heal} of SFT on "
+                 f"reference solutions, lr {cfg.start_lr or cfg.teacher_lr}")
     lines.append(f"- start (the student{given}): avg@{k} {_fmt(s['avg_at_k'])} ± {_fmt(s['stderr'])}, clip {_fmt(s['clip_rate'], 2)}, "
                  f"{s['mean_tokens']:.1f} tokens")
     if t:
         amount = f"{cfg.teacher_sft_steps} steps" if cfg.teacher_sft_steps else f"{cfg.teacher_sft_s:.0f} s"
         wider = f" of {cfg.teacher_n_train} problems" if cfg.teacher_n_train > cfg.n_train else ""
         how = (cfg.teacher_model if cfg.teacher_model
-               else f"start + {amount} of SFT on reference solutions{wider}, lr {cfg.teacher_lr}")
+               else f"{'the whole student' if cfg.student_layers else 'start'} + {amount} of SFT on "
+                    f"reference solutions{wider}, lr {cfg.teacher_lr}")
         lines.append(f"- teacher ({how}): "
                      f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
                      f"{t['mean_tokens']:.1f} tokens")
@@ -331,8 +482,9 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
         for arm, c in col["comparisons_at_last_mark"].items():
             if arm == b:
                 continue
+            ci = _ci(c["best_minus_arm"], c["stderr"], c.get("df"))
             lines.append(f"- {b} − {arm}: {c['best_minus_arm']:+.3f} ± {_fmt(c['stderr'])} "
-                         f"({_fmt(c['n_sigma'], 1)} standard errors)")
+                         f"({_fmt(c['n_sigma'], 1)} standard errors" + (f"; {ci}" if ci else "") + ")")
         lines.append("")
         for arm, c in col["comparisons_at_last_mark"].items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
@@ -349,12 +501,19 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
             if arm != b:
                 seeds = (f"; between runs ± {c['seed_stderr']:.3f} from {len(cmp[b]['by_run'])} and {len(c['by_run'])} "
                          "seeds" if c.get("seed_stderr") is not None else "")
+                if seeds and c.get("seed_df"):
+                    between = (sum(cmp[b]["by_run"].values()) / len(cmp[b]["by_run"])
+                               - sum(c["by_run"].values()) / len(c["by_run"]))
+                    seeds += f" ({_ci(between, c['seed_stderr'], c['seed_df']).replace('t-interval', 'Welch t-interval')})"
+                ci = _ci(c["best_minus_arm"], c["stderr"], c.get("df"))
                 lines.append(f"- {b} − {arm}: {c['best_minus_arm']:+.3f} ± {_fmt(c['stderr'])} "
-                             f"({_fmt(c['n_sigma'], 1)} standard errors; {arm} {c['late_mean']:.3f}{seeds})")
+                             f"({_fmt(c['n_sigma'], 1)} standard errors" + (f", {ci}" if ci else "")
+                             + f"; {arm} {c['late_mean']:.3f}{seeds})")
         lines.append("")
         for arm, c in cmp.items():
             lines.append(f"- {arm} − start: {c['gain_over_start']:+.3f} ± {_fmt(c['gain_stderr'])}")
     lines += _seed_lines(col, cfg)
+    lines += _contrast_lines(col, cfg)
     if col.get("rate_sweep"):
         lines += ["", "Learning-rate sweep (each arm at the rates it ran; seeds pooled):", ""]
         for arm, sw in col["rate_sweep"].items():
@@ -414,6 +573,29 @@ def _shared_handover_lines(col: dict, cfg: LearningConfig) -> list[str]:
     return lines
 
 
+def _contrast_lines(col: dict, cfg: LearningConfig) -> list[str]:
+    """The markdown of ``contrasts``: one line per pair."""
+    if not col.get("contrasts"):
+        return []
+    lines = ["", "Contrasts asked for (x − y, seeds pooled per problem, paired over the same problems; the rules of "
+                 "bench/LEARNING.md read these):", ""]
+    for c in col["contrasts"]:
+        if c.get("missing"):
+            lines.append(f"- {c['x']} − {c['y']}: no runs of {', '.join(c['missing'])}")
+            continue
+        parts = []
+        for key, what in (("last", f"at {cfg.mark_list[-1]:g} s"), ("late", "late mean")):
+            if key in c:
+                e = c[key]
+                parts.append(f"{what} {e['diff']:+.3f} ± {_fmt(e['stderr'])} ({_ci(e['diff'], e['stderr'], e['df'])})")
+        if "between_runs" in c:
+            e = c["between_runs"]
+            parts.append(f"between runs ({e['runs'][0]} and {e['runs'][1]}), late mean {e['diff']:+.3f} ± "
+                         f"{e['stderr']:.3f} ({_ci(e['diff'], e['stderr'], e['df']).replace('t-interval', 'Welch t-interval')})")
+        lines.append(f"- {c['x']} − {c['y']}: " + "; ".join(parts))
+    return lines
+
+
 def _seed_lines(col: dict, cfg: LearningConfig) -> list[str]:
     """Per arm with >= 2 runs: each run's avg@k at the last mark and on the late mean, in run order, with their
     sample standard deviation (ddof=1): how far one checkpoint and one late mean move between seeds."""
@@ -434,14 +616,20 @@ def _seed_lines(col: dict, cfg: LearningConfig) -> list[str]:
 
 def results_markdown(res: dict, cfg: LearningConfig) -> str:
     k = cfg.eval_samples
-    lines = [f"Task `{cfg.task}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
+    lines = [f"Task `{cfg.data_name}`, {cfg.n_test} held-out problems x {k} samples (T={cfg.eval_temperature}, "
              f"{cfg.max_completion_length}-token cap). Budget {cfg.budget_s:.0f} training seconds per arm. "
              f"Training reward and stage one graded with answer filter `{cfg.answer_filter}`. A mark is evaluated "
              f"at the first optimizer step that ends past it (\"last mark at s\"; 0 steps: no update in time)."
              + (f" The arms trained on problems {cfg.n_train + 1}-{2 * cfg.n_train} of the teacher's, which the start "
                 f"never saw (its SFT: problems 1-{cfg.n_train}; --fresh_arm_problems)."
-                if getattr(cfg, "fresh_arm_problems", False) else ""), "",
+                if getattr(cfg, "fresh_arm_problems", False) else "")
+             + (f" The arms trained on problems {max(cfg.n_train, cfg.teacher_n_train) + 1}-"
+                f"{max(cfg.n_train, cfg.teacher_n_train) + cfg.n_train}, which neither the start nor the teacher saw "
+                f"(their SFT: problems 1-{max(cfg.n_train, cfg.teacher_n_train)}; --unseen_arm_problems)."
+                if cfg.unseen_arm_problems else ""), "",
              f"### avg@{k}, answer filter `{res['answer_filter']}`", ""]
+    if res.get("setup"):
+        lines[-2:-2] = ["### The setup, before any arm", ""] + [f"- {x}" for x in setup_lines(res["setup"], cfg)] + [""]
     lines += _table(res, cfg)
     o = res["other_filter"]
     lines += ["", f"### avg@{k}, answer filter `{o['answer_filter']}`", ""] + _table(o, cfg)
