@@ -16,19 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
-
-def t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom, by the Cornish-Fisher expansion around the
-    normal quantile (Abramowitz & Stegun 26.7.5): within 1e-3 of the exact value for df >= 10, the range used here."""
-    z = statistics.NormalDist().inv_cdf(p)
-    g1 = (z ** 3 + z) / 4
-    g2 = (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
-    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
-    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
+from bench.stats import t_quantile
 
 
 def slope_interval(x: list[float], y: list[float], level: float = 0.95) -> tuple[float, float, float, int]:
