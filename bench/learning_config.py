@@ -172,7 +172,7 @@ class LearningConfig:
     gate_lead: float = field(default=0.0, metadata={
         "help": "Setup: > 0 = the arms run only where the teacher leads the start on the held-out problems (avg@k, "
                 "paired) by at least this; else the command stops after the setup's lines with exit code 3 and runs "
-                "no arm (issue 41's rule 4: no arm in a regime without the property it tests). 0 = no gate."})
+                "no arm (no arm runs in a regime without the property it tests). 0 = no gate."})
     kl_probe_problems: int = field(default=0, metadata={
         "help": "Setup: > 0 = the start samples this many of the arms' problems once (temperature and cap of the "
                 "on-policy arms) and the per-token reverse KL of those samples under the teacher is measured "
@@ -255,7 +255,8 @@ class LearningConfig:
         "help": "Keep each arm run's last export at <out>/arms/<run>/final (weights are deleted otherwise), e.g. as "
                 "another experiment's --teacher_model."})
     preset: str = field(default="", metadata={
-        "help": "cpu_smoke: tiny sizes and budgets; regime3: issue 41's regime (iii) (PRESETS). It sets the fields "
+        "help": "cpu_smoke: tiny sizes and budgets; regime3: a cut, healed student under the whole model as teacher, "
+                "long answers, few measured problems (PRESETS). It sets the fields "
                 "still at their defaults: a flag given with another value wins."})
 
     def __post_init__(self):

@@ -33,7 +33,7 @@ def test_compiled_layers_match_eager(tokenizer):  # noqa: F811
     assert not compile_decoder_layers(torch.nn.Linear(2, 2), only_with_grad=False)
 
 
-def test_varying_lengths_compile_each_layer_twice_not_once_a_length(tokenizer):  # noqa: F811
+def test_varying_lengths_compile_each_layer_a_few_times_not_once_a_length(tokenizer):  # noqa: F811
     """Micro-batches are padded to their own longest sequence, so a run's lengths vary step to step. A layer compiles
     for its first shape and once more with dynamic sizes, then never again: over six lengths and two batch sizes, at
     most three graphs per layer (dynamo keys entries by layer), the eager results throughout, and no fallback."""

@@ -537,3 +537,17 @@ def test_ctrl_c_during_training_saves_stops_and_releases_the_lock(demo_run, tmp_
     assert _last_export(demo_run.out).name == f"checkpoint-{summary['global_step']}"
     assert not list(demo_run.out.rglob(".opd.lock"))  # released
     assert stage and all(not Path(f"/proc/{pid}").exists() for pid in stage)  # the stage is gone, not orphaned
+
+
+def test_a_resumed_run_does_not_save_the_hedges_it_had_passed_again():
+    from trainers.callbacks import SaveCadenceCallback
+
+    f = [0.85]  # the run's share (OPDTrainer.time_fraction) when the resumed run's first step ends
+    cb = SaveCadenceCallback(hedge_fractions=(0.8, 0.9), fraction=lambda: f[0])
+    cb.resume_at(0.84)  # the resumed save was at 0.84: the 0.8 hedge's export is on disk
+    state, control = SimpleNamespace(global_step=11), SimpleNamespace(should_save=False)
+    cb.on_step_end(None, state, control)
+    assert not control.should_save and cb.crossed == [0.8] and cb.take_covered() == []
+    f[0] = 0.91
+    cb.on_step_end(None, state, control)
+    assert control.should_save and cb.take_covered() == [0.9] and cb.crossed == [0.8, 0.9]

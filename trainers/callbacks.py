@@ -313,8 +313,9 @@ class SaveCadenceCallback(TrainerCallback):
 
     The orchestrator scores the highest three ``checkpoint-<step>`` exports and keeps the best, so with
     ``hedge_fractions=(0.8, 0.9)`` and three exports kept these are the ones at ~0.8, ~0.9 and 1.0 of
-    the window: a late collapse still leaves earlier candidates. ``fraction`` returns that share
-    (``DeadlineCallback.window_fraction``); an empty ``hedge_fractions`` keeps the cadence to the end.
+    the window: a late collapse still leaves earlier candidates. ``fraction`` returns that share (the trainer's
+    ``time_fraction``: the run's window across resumes; ``resume_at`` marks the hedges a resumed save had passed); an
+    empty ``hedge_fractions`` keeps the cadence to the end.
     """
 
     def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, clock: Callable[[], float] = time.time,
@@ -333,6 +334,13 @@ class SaveCadenceCallback(TrainerCallback):
     def crossed(self) -> list[float]:
         """The hedge fractions a finished step has crossed so far (this process's clock)."""
         return self.hedges[:self._hedges_done]
+
+    def resume_at(self, fraction: float) -> None:
+        """A resumed run: the hedges at or below ``fraction`` (the run's share at the resumed save) were crossed
+        before it, and their exports are on disk; none is due again."""
+        while self._hedges_done < len(self.hedges) and self.hedges[self._hedges_done] <= fraction:
+            self._hedges_done += 1
+        self._covered = []
 
     def take_covered(self) -> list[float]:
         """The hedges the save being written covers (crossed since the previous save), and forget them; the

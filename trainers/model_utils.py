@@ -94,6 +94,15 @@ def shared_vocabulary(student, teacher, tokenizer=None) -> int:
     return shared
 
 
+def apply_matmul_precision(precision: str) -> bool:
+    """``torch.set_float32_matmul_precision(precision)`` on a CUDA machine (``OPDConfig.matmul_precision``; empty:
+    nothing). Returns whether it was set. Call it after vLLM's engine is built: its worker sets its own."""
+    if not precision or not torch.cuda.is_available():
+        return False
+    torch.set_float32_matmul_precision(precision)
+    return True
+
+
 def load_models(args):
     """Resolve and load ``(student, teacher_or_None, tokenizer, teacher_tokenizer_or_None)`` for ``args`` (an
     ``OPDConfig``).
@@ -165,8 +174,8 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
 
     Compiling the repeated block rather than the whole model keeps compile time to one layer's
     graph (~8 s on an H200 for Qwen2.5-1.5B) and works with gradient checkpointing. Sequence lengths vary from
-    micro-batch to micro-batch: a layer compiles twice (its first shape, then once with dynamic sizes), not once
-    per length. Measured in
+    micro-batch to micro-batch: a layer compiles for its first shape, once more with dynamic sizes, and once more
+    when the batch size changes (SFT against on-policy micro-batches), not once per length. Measured in
     ``bench/RESULTS.md`` (run 2): update phase 1.21x TRL's tokens/s at 0.91x its peak memory.
 
     Args:

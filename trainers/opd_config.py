@@ -6,7 +6,6 @@ and is checked in ``_validate``.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -18,8 +17,6 @@ from trl import DistillationConfig
 from data_tools.clock import DEFAULT_MAX_WALL_S, DEFAULT_RESERVE_S
 from trainers.heads import HEAD_KERNELS, liger_unavailable
 from trainers.sampler import MODES as CURRICULUM_MODES
-
-log = logging.getLogger(__name__)
 
 #: ``max_steps`` given to transformers: the wall clock ends training, never a step count (design.md section 6).
 UNBOUNDED_STEPS = 10**9
@@ -198,12 +195,18 @@ class OPDConfig(DistillationConfig):
                 "through torch.compile (dynamic=False, one compile per batch bucket; attention over the cache stays "
                 "eager) inside the captured CUDA graph. Faster decoding for tens of seconds of compiling once per "
                 "process: on in the formal recipe, off by default and in the demos."})
+    matmul_precision: str = field(default="", metadata={
+        "help": "torch.set_float32_matmul_precision for the matmuls left in fp32 under bf16 autocast (the student's "
+                "output head): 'high' runs them on TF32 tensor cores, 'highest' in full fp32; empty leaves torch's "
+                "setting. Applied on a CUDA device once the trainer is built, after vLLM colocate's engine (which sets "
+                "its own, 'highest'). Not transformers' tf32 flag: that one uses torch's newer precision API, after "
+                "which torch.get_float32_matmul_precision (read by inductor) raises."})
     decode_dtype: str = field(default="auto", metadata={
         "help": "fast_generation only: the dtype the decoder's weights are in. 'auto': bfloat16 when the student's "
                 "weights are float32 and bf16 autocast is on (the formal recipe: decoding reads half the bytes a "
                 "token, as vLLM's bf16 copy does), else the student's own weights. Another dtype than the "
                 "student's: a copy of its weights in that dtype, refreshed before every generation (one more copy of "
-                "the student in memory: ~3 GB at 1.5B in bf16). Not under FSDP2, whose gathered weights are already "
+                "the student in memory: ~3.6 GB for R1-Distill-1.5B in bf16). Not under FSDP2, whose gathered weights are already "
                 "in the mixed-precision dtype. One of 'auto', 'float32', 'bfloat16', 'float16'."})
     decode_kv_growth: bool = field(default=True, metadata={
         "help": "fast_generation with decode_compaction only (ignored without it): the KV cache holds only the current "
@@ -269,12 +272,6 @@ class OPDConfig(DistillationConfig):
             self.per_device_train_batch_size, self.gradient_accumulation_steps = split_batch(
                 *self.recipe_batch, self.processes, num_generations=self.num_generations,
                 sft_batch_size=self.sft_batch_size if self.trains_on_teacher_solutions else None)
-        if self.tf32:
-            from transformers.utils import is_torch_tf32_available
-
-            if not is_torch_tf32_available():  # transformers refuses tf32 there; a GPU recipe still runs (its CPU test)
-                log.warning("tf32: no Ampere or newer GPU here, so fp32 matmuls stay in full fp32")
-                self.tf32 = None
         if not torch.cuda.is_available():
             # a CPU machine: several processes then use gloo DDP (without it transformers trains each one alone),
             # and a GPU recipe's bf16 runs as CPU autocast (transformers refuses bf16 without a GPU otherwise)
@@ -303,6 +300,8 @@ class OPDConfig(DistillationConfig):
                 raise ValueError(msg)
 
         need(self.kl_mode in KL_MODES, f"kl_mode must be one of {KL_MODES}, got {self.kl_mode!r}")
+        need(self.matmul_precision in ("", "highest", "high", "medium"),
+             f"matmul_precision must be '', 'highest', 'high' or 'medium', got {self.matmul_precision!r}")
         need(self.decode_dtype == "auto" or self.decode_dtype in DTYPES,
              f"decode_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.decode_dtype!r}")
         need(self.teacher_context in TEACHER_CONTEXTS,

@@ -52,7 +52,8 @@ from trainers.async_rollouts import AsyncRollouts, AsyncStop
 from trainers.callbacks import (DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, export_checkpoint,
                                 process_start_time, share_file_modes)
 from trainers.data import ROLLOUT_SCHEMA
-from trainers.model_utils import logit_transform, shared_vocabulary, student_and_teacher, vllm_usable
+from trainers.model_utils import (apply_matmul_precision, logit_transform, shared_vocabulary, student_and_teacher,
+                                  vllm_usable)
 from trainers.offpolicy import OffPolicySchedule, clear_optimizer_moments, solution_batch
 from trainers.opd_config import DTYPES, TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
@@ -125,6 +126,7 @@ class OPDTrainer(DistillationTrainer):
             self.vllm_generation.logprobs = 0
         self._sampling_logps: list[list[float]] | None = None
         self._guard_vllm_colocate()  # never run on CUDA here: probed, else the fast decoder (trainers.guards)
+        apply_matmul_precision(args.matmul_precision)  # after vLLM's engine, which sets "highest" in this process
         world = self.accelerator.num_processes
         self.generation_batch_size = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         if self.generation_batch_size % args.num_generations:
@@ -184,7 +186,7 @@ class OPDTrainer(DistillationTrainer):
         self.add_callback(self.deadline)
         self.cadence = SaveCadenceCallback(args.ckpt_every_steps, args.ckpt_every_minutes, sync=sync,
                                            hedge_fractions=tuple(args.ckpt_hedge_fractions or ()),
-                                           fraction=self.deadline.window_fraction)
+                                           fraction=self.time_fraction)  # the run's window, across resumes
         self.add_callback(self.cadence)
         self.add_callback(MetricsJsonlCallback(args.metrics_path, self.start_time,
                                                static={"engine": self.engine, "experiment": args.experiment_name,
@@ -305,6 +307,7 @@ class OPDTrainer(DistillationTrainer):
         if checkpoint is not None and (Path(checkpoint) / CLOCK_STATE).exists():
             state = json.loads((Path(checkpoint) / CLOCK_STATE).read_text())
             self._fraction0 = float(state["time_fraction"])
+            self.cadence.resume_at(self._fraction0)  # hedges passed before the save are not due again
             self.offpolicy.load_state_dict(state)
             self._check_resumed_processes(state, checkpoint)
         # The optimizer state brings back the learning rate of the save; the schedule is the clock's now.
