@@ -539,6 +539,7 @@ def live_probe():
     the previous step's end (its "births", held weakly). ``kept(k)`` is the bytes of step ``k``'s births still alive:
     a step's batch lives until the next step replaces it, so anything of step k alive two steps later is kept."""
     import gc
+    import warnings
     import weakref
 
     from transformers import TrainerCallback
@@ -550,8 +551,11 @@ def live_probe():
         def on_step_end(self, args, state, control, **kwargs):
             gc.collect()
             births = weakref.WeakValueDictionary()
-            for o in gc.get_objects():
-                if isinstance(o, torch.Tensor) and id(o) not in self.known:
+            with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
+                warnings.simplefilter("ignore")
+                objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+            for o in objects:
+                if id(o) not in self.known:
                     self.known[id(o)] = births[id(o)] = o
             self.born[state.global_step] = births
 
