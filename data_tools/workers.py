@@ -154,6 +154,11 @@ class WorkerFailed(RuntimeError):
                          f"its log: {worker.log}")
 
 
+#: One worker's line at a time on the parent's stdout: print() writes a line and its newline apart, and an
+#: unbuffered stdout (PYTHONUNBUFFERED, as run.sh's stages run) lets another thread's line fall between them.
+_STDOUT_LOCK = threading.Lock()
+
+
 def _forward(stream, log: Path, prefix: str) -> None:
     with open(log, "a", encoding="utf-8", errors="replace") as f:
         for line in stream:
@@ -161,7 +166,9 @@ def _forward(stream, log: Path, prefix: str) -> None:
             f.write(line + "\n")
             f.flush()
             if line.strip():  # a progress bar's carriage returns come through as empty lines
-                print(f"{prefix} {line}", flush=True)
+                with _STDOUT_LOCK:
+                    sys.stdout.write(f"{prefix} {line}\n")
+                    sys.stdout.flush()
     stream.close()
 
 

@@ -10,6 +10,7 @@ curriculum 1 worker writes; a killed worker stops the run with one line and a re
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -136,6 +137,23 @@ def test_a_failed_worker_stops_the_others_with_one_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[w0/2] worker up on 0" in out and "[w1/2] worker up on 1" in out
     assert "worker up on 1" in (tmp_path / "logs" / "worker-1.log").read_text()
+
+
+def test_two_workers_output_is_forwarded_line_by_line(tmp_path):
+    # two workers print at once into an unbuffered parent (as run.sh's stages run): every forwarded line is whole.
+    # print() writes a line and its newline apart, so another worker's line once fell between the two and a
+    # finished chunk went missing from the parent's output (CI, 2026-12-05).
+    code = "import sys\nfor k in range(4000): print(f'w{sys.argv[1]} line {k} end')"
+    parent = ("import sys\nfrom pathlib import Path\nfrom data_tools.workers import Worker, run_workers\n"
+              f"run_workers([Worker(i, 2, [sys.executable, '-c', {code!r}, str(i)], str(i), Path({str(tmp_path)!r}) / "
+              "f'worker-{i}.log') for i in range(2)])")
+    p = subprocess.run([sys.executable, "-c", parent], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                       "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    bad = [x for x in lines if not re.fullmatch(r"\[w(\d)/2\] w\1 line \d+ end", x)]
+    assert bad == [] and len(lines) == 8000
+    assert (tmp_path / "worker-1.log").read_text().count(" end\n") == 4000
 
 
 def test_workers_that_succeed_return(tmp_path):
