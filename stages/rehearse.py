@@ -241,19 +241,24 @@ def export_phase(run: Path, clock_s: float, hedges: list[float], summ: dict) -> 
     steps = [e["step"] for e in ex]
     saved = {h: e["step"] for e in ex for h in e.get("hedges") or []}
     crossed = list(ex[-1].get("hedges_crossed") or []) if ex else []
+    unrecorded = bool(ex) and "hedges_crossed" not in ex[-1]  # written before the trainer recorded its hedges
     missed = [f"{h:g}" for h in crossed if h not in saved]
     done = summ.get("wall_s") or math.inf
     # a short clock may end inside the step that would cross a later hedge (a real window's hedges are an hour apart):
     # what must hold is a save at every hedge a finished step crossed, at least one of them, and the final one
-    ok = bool(ex) and final_step in steps and not missed and (bool(crossed) or not hedges) and done <= clock_s
+    ok = (bool(ex) and not unrecorded and final_step in steps and not missed and (bool(crossed) or not hedges)
+          and done <= clock_s)
     cost = [e["export_s"] + (e.get("resume_state_s") or 0.0) for e in ex]
     full = [c for c, e in zip(cost, ex) if e.get("resume_state_s") is not None]  # export + resume state
     med = {"export_s": statistics.median([e["export_s"] for e in ex]) if ex else None,
            "save_s": statistics.median(full or cost) if cost else None,
            "final_save_s": max(cost[-1], statistics.median(full)) if full else (cost[-1] if cost else None)}
     resume = statistics.median([e.get("resume_state_s") or 0 for e in ex]) if ex else 0.0
-    detail = (f"{len(ex)} saves at steps {steps}: hedges {hedges} crossed by a finished step {len(crossed)}/{len(hedges)}"
-              + (f", no save at {', '.join(missed)}" if missed else
+    detail = (f"{len(ex)} saves at steps {steps}: "
+              + (f"{run / 'metrics' / 'exports.jsonl'} has no hedge records (a trainer older than 2026-12-05 wrote "
+                 "it): which save was which hedge's is unknown, rehearse again" if unrecorded else
+                 f"hedges {hedges} crossed by a finished step {len(crossed)}/{len(hedges)}")
+              + (f", no save at {', '.join(missed)}" if missed else "" if unrecorded else
                  ", each saved" + "".join(f" ({h:g} at step {saved[h]})" for h in crossed))
               + f"; final at step {final_step}; "
               f"export {med['export_s'] or 0:.1f} s + resume state {resume:.1f} s a save; training and its final save "

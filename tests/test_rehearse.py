@@ -119,6 +119,16 @@ def test_exports_are_checked_against_the_hedges_the_trainer_recorded(tmp_path):
     ex = next(p for p in rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False).phases
               if p.name == "exports")
     assert not ex.ok and "crossed by a finished step 2/2, no save at 0.8;" in ex.detail, ex.detail
+    run = tmp_path / "old"  # an exports.jsonl from a trainer that did not record hedges: said, not a 0/2 puzzle
+    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves={5: [0.8], 6: [0.9]})
+    rows = [json.loads(x) for x in (run / "metrics" / "exports.jsonl").read_text().splitlines()]
+    (run / "metrics" / "exports.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k not in ("hedges", "hedges_crossed")}) + "\n" for r in rows))
+    ex = next(p for p in rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False).phases
+              if p.name == "exports")
+    assert not ex.ok and ex.detail.startswith(f"2 saves at steps [5, 6]: {run / 'metrics' / 'exports.jsonl'} has no "
+                                              "hedge records"), ex.detail
+    assert "rehearse again; final at step 6;" in ex.detail, ex.detail
 
 
 def test_report_says_when_the_first_step_outlasted_the_window(tmp_path):
