@@ -16,11 +16,15 @@ other trainer's weights in the same process are not counted.
 usage:  python bench/opd_step_bench.py [--device cuda] [--steps 3] [--warmup 1] [--modes sampled,full]
         python bench/opd_step_bench.py --device cpu --tiny          (CPU smoke test of the same code)
         python bench/opd_step_bench.py --train-steps 3 --skip-bench  (issue 3: OPDTrainer.train() for N steps)
+        python bench/opd_step_bench.py --train-steps 60 --skip-bench --compiled-variant --forced-lengths \
+            --new-tokens 2048 --train-json /tmp/memv/train.json     (memory over steps of varying lengths;
+                                                                      then python -m bench.memory_steps /tmp/memv/opd_train)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as dt
 import json
@@ -467,23 +471,35 @@ def run_trainer(opts):
         extra["async_generation"] = True  # issue 15 lever (a): decode of step k+1 overlaps step k's update
     args = OPDConfig(output_dir=str(out), num_generations=opts.G, kl_mode=opts.modes[0], teacher_context="teacher",
                      model_dtype="bfloat16", per_device_train_batch_size=opts.prompts, gradient_accumulation_steps=1,
-                     max_completion_length=opts.new_tokens, generation_kwargs={"min_new_tokens": opts.new_tokens},
+                     max_completion_length=opts.new_tokens,
+                     generation_kwargs={} if opts.forced_lengths else {"min_new_tokens": opts.new_tokens},
                      gradient_checkpointing=True, bf16=opts.device == "cuda", report_to=[], debug_max_steps=opts.train_steps,
                      ckpt_every_minutes=0, resume=False, max_wall_time_seconds=3600, deadline_reserve_seconds=60,
                      use_cpu=opts.device == "cpu", grader_workers=opts.grader_workers, **extra)
     tr = cls(model=student, teacher_model=teacher, args=args, train_dataset=Dataset.from_dict(rows),
              processing_class=tok, teacher_processing_class=tok)
+    forced, hook = None, contextlib.nullcontext()
+    if opts.forced_lengths:  # each step's completions end at lengths drawn as the realistic bench's (step_realism)
+        sys.path.insert(0, str(ROOT / "bench"))
+        import step_realism as sr
+
+        forced = sr.ForcedLengths(opts.new_tokens, tok.eos_token_id, seed=0, clip_rate=opts.clip_rate)
+        sr.install_forced(tr, forced)
+        hook = sr.fast_generator_hook()
     t0 = time.perf_counter()
-    tr.train()
+    with hook:
+        tr.train()
     wall = time.perf_counter() - t0
     lines = [json.loads(x) for x in args.metrics_path.read_text().splitlines() if x.strip()]
     keys = ("step", "time/step", "time/generation", "time/reward", "time/teacher", "time/update",
-            "throughput/tokens_per_s", "memory/peak_gib", "loss", "engine", "async/staleness", "async/overlap_s",
+            "throughput/tokens_per_s", "memory/peak_gib", "memory/step_peak_gib", "memory/allocated_gib",
+            "completions/mean_length", "loss", "engine", "async/staleness", "async/overlap_s",
             "async/wait_s", "async/generate_s", "sampling/importance_sampling_ratio/mean",
             "sampling/sampling_logp_difference/mean")
     summary = {"trainer": cls.__name__ + (" (flag)" if native else " (bench subclass)"), "wall_s": wall,
                "steps": [{k: r.get(k) for k in keys} for r in lines],
-               "checkpoints": sorted(p.name for p in Path(args.ckpt_dir).glob("checkpoint-*"))}
+               "checkpoints": sorted(p.name for p in Path(args.ckpt_dir).glob("checkpoint-*")),
+               "forced_lengths": forced.calls if forced else None}  # per generation call: batch, tokens, mismatched
     print(json.dumps(summary, indent=1), flush=True)
     if opts.train_json:
         Path(opts.train_json).write_text(json.dumps(summary, indent=1))
@@ -513,8 +529,17 @@ def main(argv=None):
     ap.add_argument("--train-json", default=None)
     ap.add_argument("--async-generation", action="store_true",
                     help="--train-steps only: OPDConfig.async_generation=True (one-step off-policy decode)")
+    ap.add_argument("--forced-lengths", action="store_true",
+                    help="--train-steps only: completions end at lengths drawn per row and step (a log-normal capped "
+                         "at --new-tokens, bench/step_realism.py) instead of all at --new-tokens: the varying shapes "
+                         "of a real run, for memory over many steps")
+    ap.add_argument("--clip-rate", type=float, default=0.0645,
+                    help="--forced-lengths: the share of completions drawn past the cap (they stop at it)")
     opts = ap.parse_args(argv)
     opts.modes = [m for m in opts.modes.split(",") if m]
+    if opts.forced_lengths and (not opts.train_steps or opts.async_generation):
+        ap.error("--forced-lengths needs --train-steps and no --async-generation (the forcing hook is the decoder's, "
+                 "one call at a time)")
     if opts.tiny and opts.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     res = None

@@ -222,3 +222,20 @@ def test_a_variant_that_cannot_be_built_is_recorded_and_the_next_runs(tmp_path):
     assert "| ours/liger (step) |" in res["table"] and "failed: ValueError" in res["table"]
     with pytest.raises(SystemExit, match="--pieces"):
         osr.main(["--device", "cpu", "--tiny", "--pieces", "bogus"])
+
+
+def test_train_steps_with_forced_lengths_decode_the_drawn_lengths(tmp_path):
+    """``opd_step_bench.py --train-steps N --forced-lengths``: each ``train()`` step's completions end at that step's
+    drawn lengths (the memory bench of varying shapes), and the step's logged mean length is theirs."""
+    import opd_step_bench as sb
+
+    res = sb.main(["--device", "cpu", "--tiny", "--skip-bench", "--train-steps", "2", "--forced-lengths",
+                   "--new-tokens", "24", "--prompts", "8", "--train-json", str(tmp_path / "train.json")])
+    lens = [sr.draw_lengths(8, 24, 0, b)[0] for b in range(2)]
+    assert len(set(map(sum, lens))) == 2  # two different batches of lengths, not all at the cap
+    assert [(c["batch"], c["tokens"], c["mismatched"]) for c in res["forced_lengths"]] == [
+        (b, sum(lens[b]), 0) for b in range(2)]
+    assert [r["completions/mean_length"] for r in res["steps"]] == [pytest.approx(sum(x) / 8) for x in lens]
+    with pytest.raises(SystemExit):  # the hook forces one decoder call at a time
+        sb.main(["--device", "cpu", "--tiny", "--skip-bench", "--train-steps", "2", "--forced-lengths",
+                 "--async-generation"])
