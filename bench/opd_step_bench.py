@@ -17,7 +17,7 @@ usage:  python bench/opd_step_bench.py [--device cuda] [--steps 3] [--warmup 1] 
         python bench/opd_step_bench.py --device cpu --tiny          (CPU smoke test of the same code)
         python bench/opd_step_bench.py --train-steps 3 --skip-bench  (issue 3: OPDTrainer.train() for N steps)
         python bench/opd_step_bench.py --train-steps 60 --skip-bench --compiled-variant --forced-lengths \
-            --new-tokens 2048 --train-json /tmp/memv/train.json     (memory over steps of varying lengths;
+            --new-tokens 1024 --train-json /tmp/memv/train.json     (memory over steps of varying lengths;
                                                                       then python -m bench.memory_steps /tmp/memv/opd_train)
 """
 
