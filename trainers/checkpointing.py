@@ -1,13 +1,14 @@
 """Saving and resuming ``OPDTrainer``: its resume state and its Hugging Face exports (a mixin of ``OPDTrainer``).
 
 - Resume state: transformers' own ``checkpoint-<step>/`` (weights, optimizer, scheduler, RNG, trainer_state.json)
-  under ``<output_dir>/resume``, plus ``CLOCK_STATE`` (the training window's used share and the off-policy stream)
-  so the clock schedules, the save hedges and the SFT phase resume where the save left them.
+  under ``<output_dir>/resume``, plus ``CLOCK_STATE`` (the training window's used share, the off-policy stream, the
+  number of processes and the recipe's batch) so the clock schedules, the save hedges and the SFT phase resume where
+  the save left them, and a resume on another number of processes says what changes.
 - Exports: every save also writes a loadable HF directory ``ckpt_dir/checkpoint-<step>/`` (the run contract's
   scored exports), keeps the ``ckpt_keep`` newest and records it in ``metrics/exports.jsonl``.
 
-The methods read the trainer's ``cadence``, ``offpolicy``, ``time_fraction`` and ``engine``, set in
-``OPDTrainer.__init__``; apart from it the mixin has no use.
+The methods read the trainer's ``cadence``, ``offpolicy``, ``time_fraction``, ``start_time`` and ``engine``, set in
+``OPDTrainer.__init__``, and set its ``_fraction0`` on resume; apart from it the mixin has no use.
 """
 
 from __future__ import annotations
