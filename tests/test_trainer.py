@@ -503,11 +503,33 @@ def test_step_memory_on_cpu_reports_the_resident_peak_only():
     assert out["memory/peak_gib"] == pytest.approx(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, rel=0.01)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_computes_in_fp32(tmp_path, monkeypatch, caplog, native):
+    """``bf16: true`` on a CPU that emulates bf16 (no AVX512-BF16 / AMX) is turned off with one warning: there bf16
+    autocast made the formal recipe's CPU miniature ~9x slower (SFT steps 71-80 s against 8.3 s), and fp32 is exact.
+    A CPU with native bf16 keeps it."""
+    import logging
+
+    from trainers import opd_config
+
+    assert isinstance(opd_config.cpu_bf16_native(), bool)  # the real probe answers on this machine
+    monkeypatch.setattr(opd_config, "cpu_bf16_native", lambda: native)
+    with caplog.at_level(logging.WARNING, logger="trainers.opd_config"):
+        args = make_args(tmp_path, bf16=True)
+    said = [r.getMessage() for r in caplog.records if r.name == "trainers.opd_config"]
+    assert args.bf16 is native and args.use_cpu
+    assert said == ([] if native else ["bf16: this CPU has no native bf16 (AVX512-BF16 / AMX), where bf16 autocast runs "
+                                       "several times slower than fp32: training computes in fp32"])
+    assert args.decode_torch_dtype(torch.float32) == (torch.bfloat16 if native else torch.float32)
+
+
 @pytest.mark.parametrize("bf16,expect", [(True, torch.bfloat16), (False, torch.float32)])
-def test_bf16_autocast_reaches_the_backbone_of_every_forward(tmp_path, tokenizer, curriculum_path, bf16, expect):
+def test_bf16_autocast_reaches_the_backbone_of_every_forward(tmp_path, tokenizer, curriculum_path, bf16, expect,
+                                                             monkeypatch):
     """fp32 weights + ``bf16: true`` (the formal recipe): the student's and the teacher's backbones compute in bf16.
     TRL's ``_get_last_hidden_state`` calls the backbone past accelerate's autocast wrapper of ``forward``, so without
     ``OPDTrainer``'s own autocast every forward ran in fp32 (an SFT step of the formal recipe: 246 s on an H200)."""
+    monkeypatch.setattr("trainers.opd_config.cpu_bf16_native", lambda: True)  # bf16 on any CPU, as on a GPU
     tr = make_trainer(tmp_path, tokenizer, curriculum_path, bf16=bf16, debug_max_steps=1)
     seen = []
     hooks = [m.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, i, o: seen.append((mod.training, o.dtype)))
@@ -585,6 +607,8 @@ def test_decoder_reads_a_bf16_copy_of_fp32_weights_under_autocast(tmp_path, toke
     from the trained weights before every generation (half the bytes read a decoded token); its rotary buffers stay
     fp32. Without autocast, or with decode_dtype float32, it decodes the student itself."""
     import trainers.fast_generation as fg
+
+    monkeypatch.setattr("trainers.opd_config.cpu_bf16_native", lambda: True)  # bf16 on any CPU, as on a GPU
 
     tr = make_trainer(tmp_path, tokenizer, curriculum_path, fast_generation=True, debug_max_steps=2, **kw)
     decoded, real = [], fg.generator_for  # the model each generation decodes with
