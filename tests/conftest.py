@@ -1,15 +1,19 @@
 """Test-session housekeeping: what the tests' libraries write under /tmp goes, at the end, with the session.
 
 - torch.compile's caches (inductor, triton) default to ``/tmp/torchinductor_<user>``: the session points them at a
-  directory of its own (the tests' subprocesses inherit it) and removes it at the end.
+  directory of its own (the tests' subprocesses inherit it) and removes it at the end. Inductor's precompiled C++
+  headers (~150 MB) ignore that setting and go to ``/tmp/torchinductor_<user>`` anyway: removed at the end when the
+  session created that directory.
 - vLLM's CPU backend leaves an empty ``/tmp/vllm_dist_<uuid>`` file per engine (its distributed init's file store):
   those that appeared during the session are removed at the end.
 """
 
 from __future__ import annotations
 
+import getpass
 import glob
 import os
+import re
 import shutil
 import tempfile
 
@@ -22,6 +26,9 @@ def pytest_configure(config):
     root = tempfile.mkdtemp(prefix="opd-tests-")
     _session["root"] = root
     _session["vllm_before"] = set(glob.glob("/tmp/vllm_dist_*"))
+    default = _inductor_default_dir()  # where torch._inductor.codecache puts its precompiled headers
+    if default and not os.path.exists(default):
+        _session["inductor_default"] = default
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         if var not in os.environ:
             os.environ[var] = os.path.join(root, sub)
@@ -35,8 +42,19 @@ def pytest_unconfigure(config):
     for var in _session.pop("set", []):
         os.environ.pop(var, None)
     shutil.rmtree(root, ignore_errors=True)
+    if _session.get("inductor_default"):
+        shutil.rmtree(_session.pop("inductor_default"), ignore_errors=True)
     for path in set(glob.glob("/tmp/vllm_dist_*")) - _session.pop("vllm_before", set()):
         try:
             os.remove(path)
         except OSError:
             pass
+
+
+def _inductor_default_dir() -> str | None:
+    """``torch._inductor.runtime.cache_dir_utils.default_cache_dir()`` without importing torch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        return None
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
