@@ -39,8 +39,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+
+import step_realism as sr  # noqa: E402
 
 QWEN15 = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
               intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
@@ -481,9 +484,6 @@ def run_trainer(opts):
              processing_class=tok, teacher_processing_class=tok)
     forced, hook = None, contextlib.nullcontext()
     if opts.forced_lengths:  # each step's completions end at lengths drawn as the realistic bench's (step_realism)
-        sys.path.insert(0, str(ROOT / "bench"))
-        import step_realism as sr
-
         forced = sr.ForcedLengths(opts.new_tokens, tok.eos_token_id, seed=0, clip_rate=opts.clip_rate)
         sr.install_forced(tr, forced)
         hook = sr.fast_generator_hook()

@@ -254,13 +254,14 @@ def export_phase(run: Path, clock_s: float, hedges: list[float], summ: dict) -> 
            "save_s": statistics.median(full or cost) if cost else None,
            "final_save_s": max(cost[-1], statistics.median(full)) if full else (cost[-1] if cost else None)}
     resume = statistics.median([e.get("resume_state_s") or 0 for e in ex]) if ex else 0.0
-    detail = (f"{len(ex)} saves at steps {steps}: "
-              + (f"{run / 'metrics' / 'exports.jsonl'} has no hedge records (a trainer older than 2026-12-05 wrote "
-                 "it): which save was which hedge's is unknown, rehearse again" if unrecorded else
-                 f"hedges {hedges} crossed by a finished step {len(crossed)}/{len(hedges)}")
-              + (f", no save at {', '.join(missed)}" if missed else "" if unrecorded else
-                 ", each saved" + "".join(f" ({h:g} at step {saved[h]})" for h in crossed))
-              + f"; final at step {final_step}; "
+    if unrecorded:
+        hedge_note = (f"{run / 'metrics' / 'exports.jsonl'} has no hedge records (a trainer older than 2026-12-05 "
+                      "wrote it): which save was which hedge's is unknown, rehearse again")
+    else:
+        hedge_note = (f"hedges {hedges} crossed by a finished step {len(crossed)}/{len(hedges)}"
+                      + (f", no save at {', '.join(missed)}" if missed else
+                         ", each saved" + "".join(f" ({h:g} at step {saved[h]})" for h in crossed)))
+    detail = (f"{len(ex)} saves at steps {steps}: {hedge_note}; final at step {final_step}; "
               f"export {med['export_s'] or 0:.1f} s + resume state {resume:.1f} s a save; training and its final save "
               f"done at {done:.0f} s of the {clock_s:.0f} s clock")
     return Phase("exports", seconds=sum(cost) if cost else None, ok=ok, detail=detail), med

@@ -512,7 +512,6 @@ def test_bf16_on_a_cpu_without_native_bf16_computes_in_fp32(tmp_path, monkeypatc
 
     from trainers import opd_config
 
-    assert isinstance(opd_config.cpu_bf16_native(), bool)  # the real probe answers on this machine
     monkeypatch.setattr(opd_config, "cpu_bf16_native", lambda: native)
     with caplog.at_level(logging.WARNING, logger="trainers.opd_config"):
         args = make_args(tmp_path, bf16=True)
