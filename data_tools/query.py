@@ -39,7 +39,10 @@ import glob
 import sys
 from pathlib import Path
 
-import duckdb
+try:
+    import duckdb
+except ImportError:  # optional: bash run.sh never needs it (the formal image has none); make query does
+    duckdb = None
 
 from data_tools.runio import default_output_dir
 
@@ -133,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     run = Path(args.run) if args.run else default_output_dir()
     if not run.exists():
         print(f"query: run directory {run} does not exist (set OUTPUT_DIR or --run)", file=sys.stderr)
+        return 1
+    if duckdb is None:
+        print(f"query: duckdb is not installed, and make query needs it (pip install 'duckdb>=2.0,<2.1'); the tables "
+              f"themselves are parquet / JSON files under {run}, readable with pyarrow", file=sys.stderr)
         return 1
     try:
         con, views = connect(run)

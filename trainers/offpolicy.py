@@ -28,9 +28,9 @@ import logging
 from typing import Callable
 
 import torch
-from trl.trainer.utils import pad
 
 from data_tools.prompts import prompt_ids
+from trainers.trl_compat import pad
 
 log = logging.getLogger(__name__)
 

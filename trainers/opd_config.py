@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from trl import DistillationConfig
 
 from data_tools.clock import DEFAULT_MAX_WALL_S, DEFAULT_RESERVE_S
 from trainers.heads import HEAD_KERNELS, liger_unavailable
 from trainers.sampler import MODES as CURRICULUM_MODES
+from trainers.trl_compat import DistillationConfig
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +309,9 @@ class OPDConfig(DistillationConfig):
         if sched in TIME_SCHEDULES:
             self.lr_scheduler_type = "constant"
         super().__post_init__()
+        # transformers 4.57 exports ACCELERATE_MIXED_PRECISION for bf16 / fp16 and never clears it: a later config
+        # of the same process without them (bench/learning's arms, tests) then got the earlier one's autocast
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
         if sched in TIME_SCHEDULES:
             self.lr_scheduler_type = sched
         self._validate()

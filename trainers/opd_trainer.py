@@ -41,8 +41,6 @@ import time
 from typing import Any
 
 import torch
-from trl import DistillationTrainer
-from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from trainers import heads, losses
 from trainers.async_rollouts import AsyncRollouts, AsyncStop
@@ -56,6 +54,7 @@ from trainers.opd_config import TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
 from trainers.schedules import adam_update_sumsq
 from trainers.step_log import NonFiniteError, StepHooks, StepLog
+from trainers.trl_compat import DistillationTrainer, pad, profiling, shuffle_sequence_dict, split_tensor_dict
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         args = args or OPDConfig()
         vllm_asked = bool(args.use_vllm)
         if args.use_vllm and not vllm_usable():
-            log.warning("use_vllm is set but vLLM colocate needs CUDA and an importable vllm: generating with the fast decoder "
+            log.warning("use_vllm is set but vLLM colocate needs CUDA, an importable vllm and TRL >= 1.10: generating with the fast decoder "
                         "(data_tools.generation.fast_decoder) where it applies, else HF generate")
             args.use_vllm = False
         model, teacher_model, self._self_teacher = student_and_teacher(model, teacher_model, args, processing_class,
@@ -259,7 +258,8 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
     def create_optimizer(self, model=None):
         """TRL's / transformers' optimizer, plus the off-policy steps' rate (``sft_learning_rate``) and the re-warm-up
         after a reset hand-over (``sft_handover_reset``) as step hooks."""
-        opt = super().create_optimizer(model)
+        # transformers 5 takes the model; 4.57 (the formal image's) takes none
+        opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
         self.offpolicy.install_rate_hooks(opt, step=lambda: int(self.state.global_step))
         torch_opt = getattr(opt, "optimizer", opt)
         if isinstance(torch_opt, torch.optim.Optimizer) and not getattr(torch_opt, "_opd_update_probe", False):
@@ -395,14 +395,12 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
     def _vllm_generate_with_logprobs(self, prompt_ids, images):
         """TRL's vLLM branch, keeping the engine's sampled-token log-probs in ``self._sampling_logps``."""
-        from trl.extras.profiling import profiling_context
-
         if self.state.global_step != self._last_loaded_step:
-            with profiling_context(self, "sync_weights"):
+            with profiling(self, "sync_weights"):
                 self.vllm_generation.sync_weights()
             self._last_loaded_step = self.state.global_step
         _, completion_ids, logprobs, _ = self.vllm_generation.generate(
-            prompts=prompt_ids, images=images, num_generations=1, profiler=profiling_context(self, "vLLM.generate"))
+            prompts=prompt_ids, images=images, num_generations=1, profiler=profiling(self, "vLLM.generate"))
         self._sampling_logps = [[math.nan if lp[0] is None else lp[0] for lp in seq] for seq in logprobs]
         return completion_ids
 
