@@ -66,6 +66,7 @@ from data_tools import rehearsal
 from data_tools.clock import DEFAULT_CURATE_SHARE, NO_CLOCK, RUN_START_ENV, run_start_time
 from data_tools.config import parse_config
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
+from data_tools.generation.fallback import first_line, say_once
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.grader import ANSWER_FILTERS, grade_batch
@@ -518,13 +519,34 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     # fault-injection hook of the tests: the process measuring this shard dies after its first student chunk
     die_after = os.environ.get(FAULT_ENV) == str(shard) and shards > 1
 
+    kind = cfg.engine  # becomes "hf" for the rest of the stage once vLLM has failed (vllm_failed)
+
+    def vllm_failed(e: Exception, where: str) -> None:
+        """vLLM (an untested version, e.g. the formal image's 0.17) failed: the hf engine measures the rest."""
+        nonlocal engine, kind
+        if kind == "hf" or isinstance(e, (EngineDead, KeyboardInterrupt)) or "hf" in getattr(engine, "name", ""):
+            raise e
+        say_once(f"stage one: the vLLM engine failed {where} ({first_line(e)}); the hf engine (the fast decoder) "
+                 "generates the rest of stage one")
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 - a broken engine may not close cleanly; its processes are ours to drop
+                pass
+        engine, kind = None, "hf"
+
     def open_engine(model: str):
         nonlocal engine
         if engine is not None and engine.model == model:
             return engine
         if engine is not None:
             engine.close()
-        engine = make_engine(cfg.engine, model, **engine_kw)
+            engine = None
+        try:
+            engine = make_engine(kind, model, **engine_kw)
+        except Exception as e:  # noqa: BLE001 - any start-up failure of vLLM; the hf engine's own are raised
+            vllm_failed(e, "to start")
+            engine = make_engine(kind, model, **engine_kw)
         engine_used.update(name=engine.name, dtype=engine.dtype)
         timings["engine_startup_s"] = round(timings.get("engine_startup_s", 0.0) + engine.startup_s, 1)
         return engine
@@ -534,8 +556,14 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
 
     def run_chunk(eng, role: str, i: int, prompts: list[str]) -> None:
         t0 = time.time()
-        tokens = generate_chunk(eng, role, i, prep.visit, prompts, cfg, prep.parts, n_of[role], model_of[role],
-                                n_chunks=n_chunks)
+        eng = open_engine(model_of[role])  # the same engine, unless vLLM failed and the hf engine took over
+        try:
+            tokens = generate_chunk(eng, role, i, prep.visit, prompts, cfg, prep.parts, n_of[role], model_of[role],
+                                    n_chunks=n_chunks)
+        except Exception as e:  # noqa: BLE001 - a vLLM failure mid-stage: the chunk is measured again (nothing kept)
+            vllm_failed(e, f"in {role} chunk {i}")
+            tokens = generate_chunk(open_engine(model_of[role]), role, i, prep.visit, prompts, cfg, prep.parts,
+                                    n_of[role], model_of[role], n_chunks=n_chunks)
         budget.record(role, time.time() - t0, tokens)
         timings[f"{role}_s"] = round(timings.get(f"{role}_s", 0.0) + time.time() - t0, 1)
         if die_after and role == "student":

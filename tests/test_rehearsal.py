@@ -144,3 +144,58 @@ def test_curate_records_the_share_in_its_manifest_and_fingerprint(tmp_path, monk
         C.curate(C.CurateConfig(**cfg))
     m2 = C.curate(C.CurateConfig(**{**cfg, "output_dir": str(tmp_path / "real")}))
     assert m2["rehearsal"] is None and m2["counts"]["curriculum"] == 0  # nothing verifies without it
+
+
+@pytest.mark.parametrize("when", ["start", "mid-chunk"])
+def test_stage_one_falls_back_to_the_hf_engine_when_vllm_fails(tmp_path, monkeypatch, caplog, when):
+    """An untested vLLM (the formal image's 0.17) failing to start, or failing inside a chunk, does not end stage
+    one: one line, the hf engine measures that chunk again and the rest; every chunk is measured once."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    import stages.curate as C
+    from data_tools.generation import fallback
+    from data_tools.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(None))
+    kinds, calls = [], []
+
+    class Broken(_Engine):
+        name = "vllm-cuda"
+
+        def generate(self, prompts, **kw):
+            calls.append(self.name)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore text")
+
+    def make(kind, model, **kw):
+        kinds.append(kind)
+        if kind != "hf" and when == "start":
+            raise ImportError("vllm 0.17: cannot import name 'X'")
+        eng = Broken() if kind != "hf" else _Engine()
+        if kind == "hf":
+            eng.name = "hf-cuda"
+            real = eng.generate
+
+            def gen(prompts, **kw):
+                calls.append("hf-cuda")
+                return real(prompts, **kw)
+
+            eng.generate = gen
+        eng.tokenizer, eng.close, eng.model = tok, lambda: None, model
+        return eng
+
+    monkeypatch.setattr(C, "make_engine", make)
+    monkeypatch.setattr(fallback, "_said", set())
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(24)))
+    cfg = C.CurateConfig(train_data=str(data), teacher_context="privileged", max_tokens=16, chunk_size=12,
+                         teacher_samples=2, student_samples=2, output_dir=str(tmp_path / "run"), engine="vllm")
+    with caplog.at_level(logging.WARNING):
+        m = C.curate(cfg)
+    said = [r.getMessage() for r in caplog.records if "the vLLM engine failed" in r.getMessage()]
+    assert len(said) == 1 and ("to start" in said[0] if when == "start" else "in teacher chunk 0" in said[0])
+    assert kinds[0] == "vllm" and set(kinds[1:]) == {"hf"}
+    # 2 chunks x 2 roles measured by the hf engine; the broken vLLM was tried once (mid-chunk) or never (start)
+    assert calls.count("hf-cuda") == 4 and calls.count("vllm-cuda") == (1 if when == "mid-chunk" else 0)
+    assert m["counts"]["rollouts"] == 24 * 4

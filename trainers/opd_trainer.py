@@ -223,18 +223,25 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         if not self.use_vllm or a.vllm_mode != "colocate" or a.vllm_probe_tolerance <= 0:
             return
         from trainers import guards
-        from trainers.fast_generation import fast_path_unsupported
 
         reason = guards.probe_vllm(self, a.vllm_probe_tolerance)
         failed = self._any_process(reason is not None) if self.accelerator.num_processes > 1 else reason is not None
-        if not failed:
-            return
+        if failed:
+            self._drop_vllm(f"the vLLM colocate probe {reason or 'failed on another process'}")
+
+    def _drop_vllm(self, why: str) -> None:
+        """vLLM failed (its start-up probe, or a generation at any step): the engine released, one line, and every
+        later generation by the fast decoder (``fast_generation``) or TRL's HF generate; the run goes on."""
+        from trainers import guards
+        from trainers.fast_generation import fast_path_unsupported
+
+        a = self.args
         guards.release_vllm(self)
         self.use_vllm = a.use_vllm = False
         self._rollout_is, self._sampling_logps = False, None
         self._fast_generation = (a.fast_generation is not False) and fast_path_unsupported(self) is None
         self.engine = "hf-generate-fast" if self._fast_generation else "hf-generate"
-        guards.say_once(f"use_vllm: the vLLM colocate probe {reason or 'failed on another process'}; generating with "
+        guards.say_once(f"use_vllm: {why}; generating with "
                         f"{'the fast decoder (data_tools.generation.fast_decoder)' if self._fast_generation else 'HF generate'} "
                         f"instead, use_vllm off for this run")
 
@@ -389,9 +396,19 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
             out = fast_generate_single_turn(self, prompt_ids)
             if out is not None:
                 return out
-        if self._rollout_is:
-            return self._vllm_generate_with_logprobs(prompt_ids, images)
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+        if not self.use_vllm:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+        try:
+            if self._rollout_is:
+                return self._vllm_generate_with_logprobs(prompt_ids, images)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+        except Exception as e:  # noqa: BLE001 - an untested vLLM (the formal image's) failing mid-run must not end it
+            if self.accelerator.num_processes > 1:
+                raise  # the other processes would wait at vLLM's collectives: stop, resume from the last state
+            from data_tools.generation.fallback import first_line
+
+            self._drop_vllm(f"vLLM failed at step {self.state.global_step} ({first_line(e)})")
+            return self._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
 
     def _vllm_generate_with_logprobs(self, prompt_ids, images):
         """TRL's vLLM branch, keeping the engine's sampled-token log-probs in ``self._sampling_logps``."""
