@@ -214,3 +214,52 @@ def generate(split: str, n: int, seed: int = 0, ladder: str = "easy") -> list[di
                      "solution": f"{solution} The answer is \\boxed{{{answer}}}.", "source": prefix,
                      "level": str(level)})
     return rows
+
+
+#: DAPO-Math-17k's user message around a problem, as the formal TRAIN_DATA carries it (verl format).
+DAPO_WRAPPER = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+                "Remember to put your answer on its own line after \"Answer:\".")
+
+
+def write_verl_parquet(rows: list[dict], path) -> None:
+    """``rows`` (``generate``'s) as a verl-format parquet with the Arrow types of the formal ``TRAIN_DATA``:
+    ``data_source``, ``prompt`` (list<struct<role, content>>, one user message in DAPO's wrapper), ``ability``,
+    ``reward_model`` (struct<ground_truth, style>) and ``extra_info`` (struct<index>)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    msg = pa.struct([("content", pa.string()), ("role", pa.string())])
+    schema = pa.schema([("data_source", pa.string()), ("prompt", pa.list_(msg)), ("ability", pa.string()),
+                        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+                        ("extra_info", pa.struct([("index", pa.int64())]))])
+    table = pa.Table.from_pylist([{
+        "data_source": r.get("source", "synth"),
+        "prompt": [{"content": DAPO_WRAPPER.format(problem=r["problem"]), "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": str(r["answer"]), "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": i},
+    } for i, r in enumerate(rows)], schema=schema)
+    pq.write_table(table, str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m data_tools.synth",
+                                 description="Write generated problems to a file (a stand-in for a real data set).")
+    ap.add_argument("--split", default="train", choices=("train", "test"))
+    ap.add_argument("--n", type=int, default=60, help="how many problems")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ladder", default="easy", choices=LADDERS)
+    ap.add_argument("--verl", metavar="OUT.parquet", required=True,
+                    help="write the verl format of the formal TRAIN_DATA (DAPO's prompt wrapper, reward_model)")
+    a = ap.parse_args(argv)
+    rows = generate(a.split, a.n, a.seed, a.ladder)
+    write_verl_parquet(rows, a.verl)
+    print(f"{len(rows)} {a.ladder} {a.split} problems -> {a.verl} (verl format)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
