@@ -25,17 +25,16 @@ pylatexenc), so that stage one's "verified" and the trainer's reward accept noth
      the metric does: an integer gold needs an integer-valued element; here only plain decimal literals
      (``42``, ``-7``, ``42.0``) are compared, exactly.
 
-  An integer gold therefore needs the integer itself: ``\\frac{84}{2}``, ``41+1``, ``10^3``, ``1\\,000``,
-  ``(1, 000)``, ``42 apples`` are wrong for 42 / 1000, as in the metric.
+  An integer gold therefore needs the integer itself: ``\\frac{84}{2}``, ``41+1``, ``6 \\times 7``, ``10^3``,
+  ``1\\,000``, ``42 apples`` are wrong for 42 / 1000, as in the metric.
 
 **Stricter than the metric** (it rewards these, this profile does not), by design:
 
 - a completion that hit the length cap (``truncated=True``) counts only when its last box is final -- nothing
   but closing punctuation after it -- as every profile here does (the metric sees no cap);
 - answers that the metric reads through pylatexenc or sympy: ``\\textbf{42}``, ``\\mathbf{42}``,
-  ``\\left(42\\right)``, ``2\\sqrt{3}`` for ``\\sqrt{12}``, ``\\frac{1}{2}`` for ``\\frac{2}{4}``-style
-  golds, ``1\\_000``-style literals, and any gold that is not a plain integer, tuple or string beyond
-  tests 1 and 2;
+  ``\\left(42\\right)``, ``42\\,`` for 42; and for golds that are not integers, equal expressions that are
+  not equal strings after tests 1 and 2 (``2\\sqrt{3}`` for ``\\sqrt{12}``, ``x+1`` for ``1+x``);
 - the metric's own second opinion: JustRL's ``grade.py`` asks CompassVerifier-3B about every completion the
   rule grader rejects; this profile is the rule grader alone.
 """
