@@ -58,6 +58,17 @@ def test_verl_parquet_has_the_formal_types_and_loads_problems_answers_ids(tmp_pa
         "answer": "reward_model.ground_truth", "id": "extra_info.index", "source": "data_source"}
 
 
+def test_without_extra_info_index_the_usual_id_column_names_the_row(tmp_path):
+    schema = SCHEMA.append(pa.field("id", pa.string()))
+    rows = [_row(WRAP.format(problem="What is 2 + 5?"), "7", 3) | {"id": "ignored"},
+            _row(WRAP.format(problem="What is 2 + 6?"), "8", None) | {"id": "dapo-17"}]
+    f = tmp_path / "ids.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), f)
+    res = load_problems(f)
+    assert [r["problem_id"] for r in res.rows] == ["3", "dapo-17"]
+    assert res.columns["id"] == "extra_info.index, else id"
+
+
 def test_bad_verl_rows_are_rejected_naming_row_and_field(tmp_path):
     f = _write(tmp_path / "bad.parquet", [
         _row(WRAP.format(problem="What is 2 + 2?"), "4", 0),
@@ -198,3 +209,12 @@ def test_formal_grader_profile_is_a_validated_setting(tmp_path):
     with pytest.raises(ValueError, match="answer_filter 'numeric' does not apply under grader_profile formal"):
         CurateConfig(output_dir=str(tmp_path / "o"), grader_profile="formal", answer_filter="numeric")
     assert CurateConfig(output_dir=str(tmp_path / "o")).grader_profile == "default"
+
+
+def test_chunks_graded_under_one_profile_are_not_reused_under_another(tmp_path):
+    from stages.curate import CurateConfig, _fingerprint
+
+    models = {"student": {"path": "s"}, "teacher": {"path": "t"}}
+    default = _fingerprint(CurateConfig(output_dir=str(tmp_path / "o")), models)
+    formal = _fingerprint(CurateConfig(output_dir=str(tmp_path / "o"), grader_profile="formal"), models)
+    assert len(default) == len(formal) == 16 and default != formal
