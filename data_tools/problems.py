@@ -3,6 +3,12 @@
 Accepts the usual column names (design.md section 3) and reports which ones it used. Every row
 that cannot be used goes to ``rejects`` with its reason, never silently dropped: no problem text,
 no answer, an answer the grader cannot parse, or a duplicate of an earlier problem.
+
+verl's RL format (``prompt`` a list of chat messages, ``reward_model`` a struct with ``ground_truth``; the formal
+run's ``TRAIN_DATA``) is read too: the problem is the one user message, with DAPO-Math's instruction wrapper
+recognised and removed (``DAPO_PREFIX`` ... ``DAPO_SUFFIX``, any whitespace between words), since our own prompt
+style adds the instruction; a message in any other wrapper is kept verbatim and counted in the load summary.
+The answer is ``reward_model.ground_truth``, the id ``extra_info.index`` where the row has one.
 """
 
 from __future__ import annotations
@@ -25,6 +31,13 @@ SOLUTION_COLUMNS = ("solution", "reference_solution", "rationale")
 ID_COLUMNS = ("problem_id", "unique_id", "id", "idx")
 SOURCE_COLUMNS = ("source", "data_source", "subject", "type")
 LEVEL_COLUMNS = ("level", "difficulty")
+
+#: DAPO-Math-17k's user message: this prefix, the problem, this suffix (verl's DAPO recipe data).
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.")
+DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
+_DAPO_RE = re.compile(r"\s*" + r"\s+".join(map(re.escape, DAPO_PREFIX.split())) + r"\s+(?P<problem>.*?)\s+"
+                      + r"\s+".join(map(re.escape, DAPO_SUFFIX.split())) + r"\s*", re.S)
 
 _GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
 _CALC = re.compile(r"<<[^>]*>>")  # GSM8K calculator annotations: "<<48/2=24>>"
@@ -49,12 +62,22 @@ class LoadResult:
     duplicates: int = 0
     conflicts: int = 0
     n_read: int = 0
+    #: verl format only: rows whose DAPO wrapper was removed; rows whose user message was in no wrapper we
+    #: recognise (kept verbatim), and the first few of those row indices.
+    unwrapped: int = 0
+    wrapper_unrecognised: int = 0
+    unrecognised_rows: list[int] = field(default_factory=list)
 
     def report(self) -> str:
-        """One line for the log: counts and the columns used."""
+        """One line for the log: counts and the columns used (for verl data the problem column names the wrappers
+        found, and the line the first rows whose wrapper was not recognised)."""
         cols = ", ".join(f"{k}<-{v}" for k, v in self.columns.items())
-        return (f"{self.source}: read {self.n_read} rows, kept {len(self.rows)}, rejected {len(self.rejects)} "
+        line = (f"{self.source}: read {self.n_read} rows, kept {len(self.rows)}, rejected {len(self.rejects)} "
                 f"({self.duplicates} duplicates, {self.conflicts} duplicates with a conflicting answer); columns: {cols}")
+        if self.wrapper_unrecognised:
+            more = ", ..." if self.wrapper_unrecognised > len(self.unrecognised_rows) else ""
+            line += f"; wrapper not recognised in rows {', '.join(map(str, self.unrecognised_rows))}{more}"
+        return line
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -99,6 +122,85 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     raise ValueError(f"{path}: unsupported data file (use .jsonl, .parquet or a datasets directory)")
 
 
+def unwrap_dapo(text: str) -> str | None:
+    """The problem inside DAPO-Math's user-message wrapper, or None when ``text`` is not in that wrapper."""
+    m = _DAPO_RE.fullmatch(text)
+    return m.group("problem").strip() if m else None
+
+
+#: Where each role's value comes from in a verl row (named in the load summary and in every reject reason).
+VERL_FIELDS = {"problem": "prompt (the user message)", "answer": "reward_model.ground_truth", "id": "extra_info.index",
+               "source": "data_source"}
+
+
+def _is_verl(columns: set[str]) -> bool:
+    return "reward_model" in columns and "prompt" in columns and _pick(columns, ANSWER_COLUMNS) is None
+
+
+def _verl_user_text(prompt: Any) -> str:
+    """The one user message of a verl ``prompt`` (a plain string is taken as it is).
+
+    Raises:
+        ValueError: the reason, naming the field.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"field 'prompt' must be a list of {{role, content}} messages, got {type(prompt).__name__}")
+    users = []
+    for j, msg in enumerate(prompt):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ValueError(f"field 'prompt': message {j} is not a {{role, content}} struct")
+        if msg["role"] == "user":
+            users.append(msg.get("content"))
+    if len(users) != 1:
+        roles = [m["role"] for m in prompt]
+        raise ValueError(f"field 'prompt': expected one message with role 'user', found {len(users)} (roles {roles})")
+    if not isinstance(users[0], str):
+        raise ValueError(f"field 'prompt': the user message's content is {type(users[0]).__name__}, not text")
+    return users[0]
+
+
+def _from_verl(records: list[dict[str, Any]], res: LoadResult) -> tuple[list[dict[str, Any]], str]:
+    """verl rows as flat records (problem, answer, problem_id, data_source), and where their ids came from; a row
+    that cannot be read becomes an error record whose reason names the field."""
+    out: list[dict[str, Any]] = []
+    id_fallbacks: set[str] = set()
+    for i, rec in enumerate(records):
+        if "__error__" in rec:
+            out.append(rec)
+            continue
+        flat: dict[str, Any] = {"data_source": rec.get("data_source")}
+        extra = rec.get("extra_info")
+        if isinstance(extra, dict) and extra.get("index") is not None:
+            flat["problem_id"] = extra["index"]
+        elif (ic := next((c for c in ID_COLUMNS if rec.get(c) is not None), None)) is not None:
+            flat["problem_id"] = rec[ic]  # the usual id rule
+            id_fallbacks.add(ic)
+        try:
+            text = _verl_user_text(rec.get("prompt"))
+            rm = rec.get("reward_model")
+            if not isinstance(rm, dict):
+                raise ValueError(f"field 'reward_model' must be a struct with ground_truth, got {type(rm).__name__}")
+            gt = rm.get("ground_truth")
+            if isinstance(gt, bool) or (gt is not None and not isinstance(gt, (str, int))):
+                raise ValueError(f"field 'reward_model.ground_truth' must be text or an integer, got {type(gt).__name__}")
+        except ValueError as e:
+            out.append({**flat, "__error__": str(e), "__row__": rec})
+            continue
+        problem = unwrap_dapo(text)
+        if problem is not None:
+            res.unwrapped += 1
+        elif text.strip():
+            problem = text.strip()  # another wrapper, or none: kept as written and counted
+            res.wrapper_unrecognised += 1
+            if len(res.unrecognised_rows) < 5:
+                res.unrecognised_rows.append(i)
+        flat.update(problem=problem, answer=gt)
+        out.append(flat)
+    return out, ", else ".join([VERL_FIELDS["id"], *sorted(id_fallbacks)])
+
+
 def _pick(columns: set[str], candidates: tuple[str, ...]) -> str | None:
     return next((c for c in candidates if c in columns), None)
 
@@ -140,13 +242,20 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
         records = records[:limit]
     res = LoadResult(src, n_read=len(records))
     cols = set().union(*(r.keys() for r in records)) - {"__error__", "__raw__"}
+    labels: dict[str, str] = {}  # column -> the name reject reasons and the summary give it
+    if _is_verl(cols):
+        records, id_label = _from_verl(records, res)
+        cols = {k for r in records for k in r if not k.startswith("__")}
+        labels = {"problem": VERL_FIELDS["problem"], "answer": VERL_FIELDS["answer"], "problem_id": id_label,
+                  "data_source": VERL_FIELDS["source"]}
     pc, ac = _pick(cols, PROBLEM_COLUMNS), _pick(cols, ANSWER_COLUMNS)
     if (pc is None or ac is None) and any("__error__" not in r for r in records):
         raise ValueError(f"{src}: need a problem column (one of {PROBLEM_COLUMNS}) and an answer column "
                          f"(one of {ANSWER_COLUMNS}); found columns {sorted(cols)}")
     sc, ic = _pick(cols, SOLUTION_COLUMNS), _pick(cols, ID_COLUMNS)
     src_c, lc = _pick(cols, SOURCE_COLUMNS), _pick(cols, LEVEL_COLUMNS)
-    res.columns = {k: v for k, v in dict(problem=pc, answer=ac, solution=sc, id=ic, source=src_c, level=lc).items() if v}
+    res.columns = {k: labels.get(v, v) for k, v in dict(problem=pc, answer=ac, solution=sc, id=ic, source=src_c, level=lc).items() if v}
+    pname, aname = labels.get(pc, pc), labels.get(ac, ac)
     stem = path.stem if path.is_file() else path.name
     seen: dict[str, tuple[str, str]] = {}  # normalised problem text -> (problem_id, answer)
     ids: set[str] = set()
@@ -156,6 +265,7 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
         pid = pid or f"{stem}-{i}"
 
         def reject(reason: str) -> None:
+            reason = f"row {i}: {reason}" if labels else reason  # verl rows: the row and the field in every reason
             res.rejects.append({"row_index": i, "problem_id": pid, "reason": reason,
                                 "raw": json.dumps(rec, default=str)[:2000]})
 
@@ -165,10 +275,10 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
         problem, answer_raw = _text(rec.get(pc)), _text(rec.get(ac))
         solution = _text(rec.get(sc)) if sc else ""
         if not problem:
-            reject(f"empty problem (column {pc!r})")
+            reject(f"empty problem (column {pname!r})")
             continue
         if not answer_raw:
-            reject(f"no answer (column {ac!r})")
+            reject(f"no answer (column {aname!r})")
             continue
         answer = answer_raw
         if "####" in answer_raw:  # GSM8K: rationale, then "#### N"
@@ -180,7 +290,7 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
                 continue
         gold = parse_gold(answer)
         if gold is None:
-            reject(f"answer does not parse: {answer[:200]!r}")
+            reject(f"answer does not parse (column {aname!r}): {answer[:200]!r}")
             continue
         key = " ".join(problem.split()).lower()
         if key in seen:  # counted once: a conflict (another answer) or a duplicate (the same answer)
@@ -193,7 +303,7 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
                 reject(f"duplicate problem (first seen as {first_id})")
             continue
         if pid in ids:
-            reject(f"duplicate problem_id {pid!r} (column {ic!r}) for a different problem")
+            reject(f"duplicate problem_id {pid!r} (column {labels.get(ic, ic)!r}) for a different problem")
             continue
         seen[key] = (pid, gold)
         ids.add(pid)
@@ -202,4 +312,7 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
                          "level": _text(rec.get(lc)) or None if lc else None})
     if gsm8k_rows:
         res.columns["answer"] = f"{ac} (GSM8K '#### N' in {gsm8k_rows} rows)"
+    if labels and pc:  # the counts travel with the columns into stage one's manifest
+        res.columns["problem"] = (f"{labels[pc]}: DAPO's wrapper removed in {res.unwrapped} rows, not recognised in "
+                                  f"{res.wrapper_unrecognised} rows (kept verbatim)")
     return res

@@ -21,10 +21,16 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 #: "Respond with just the final answer." 0.107 accuracy at T=0.6 (clip 0.57) vs 0.102 for
 #: "Give only the final answer, written as \boxed{answer}." (clip 0.66, and the model often
 #: wrote the literal "\boxed{answer}"); stating the answer in the prompt lifted it to 0.40.
+#: ``formal`` is the formal metric's own user message (JustRL's evals/gen_vllm.py ``PROMPT_TEMPLATE``): the
+#: stripped problem, one space, the same instruction -- byte for byte what the scored model is asked, so stage
+#: one's pass rates and the trainer's rollouts see the prompt the metric uses.
 STYLES = {
     "reasoning": INSTRUCTION,
     "short": "Respond with just the final answer.",
+    "formal": INSTRUCTION,
 }
+#: What joins the problem and the instruction: a newline, or the metric's single space under ``formal``.
+_SEPARATOR = {"formal": " "}
 
 #: The privileged-context teacher (on-policy self-distillation, OPSD) sees the problem plus the
 #: verified reference; the student never does. Wording after the OPSD recipe (siyan-zhao/OPSD).
@@ -47,10 +53,15 @@ def _instruction(style: str) -> str:
 def student_messages(problem: str, style: str = "reasoning") -> list[dict[str, str]]:
     """Chat messages the student (and a plain teacher) sees for ``problem``.
 
+    Under ``formal`` the content is the metric's: ``f"{problem.strip()} {INSTRUCTION}"``.
+
     Raises:
         ValueError: unknown ``style``.
     """
-    return [{"role": "user", "content": f"{problem}\n{_instruction(style)}"}]
+    instruction = _instruction(style)
+    if style in _SEPARATOR:
+        return [{"role": "user", "content": f"{problem.strip()}{_SEPARATOR[style]}{instruction}"}]
+    return [{"role": "user", "content": f"{problem}\n{instruction}"}]
 
 
 def privileged_messages(problem: str, reference: str, style: str = "reasoning") -> list[dict[str, str]]:

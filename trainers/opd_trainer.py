@@ -472,7 +472,8 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         texts = self.processing_class.batch_decode(ids_list, skip_special_tokens=True)
         t1 = time.perf_counter()
         verdicts = grade_batch(texts, [x["answer"] for x in inputs], truncated=truncated,
-                               timeout_s=a.grader_timeout_s, workers=a.grader_workers, answer_filter=a.answer_filter)
+                               timeout_s=a.grader_timeout_s, workers=a.grader_workers, answer_filter=a.answer_filter,
+                               profile=a.grader_profile)
         self.steps.timers["time/reward"] += time.perf_counter() - t1
         # A truncated completion earns nothing: its \boxed{} may precede a retraction the cap cut off.
         rewards = torch.tensor([1.0 if v.correct and not t else 0.0 for v, t in zip(verdicts, truncated)],

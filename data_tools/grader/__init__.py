@@ -73,7 +73,16 @@ Answer filters (``answer_filter``, named as lm-evaluation-harness names its answ
   answer "the answer is 41 * 74" and scored 0.223 under ``"math"``, 0.009 under ``"numeric"``
   (bench/LEARNING.md). Golds that are not plain numbers are graded as ``"math"``.
 
-CLI: ``python -m data_tools.grader FILE.jsonl`` (``-`` for stdin); see ``main``.
+Grader profiles (``profile``):
+
+- ``"default"``: the pipeline above, with its answer filter.
+- ``"formal"``: the formal metric's rule grader (JustRL's ``grade_answer_verl``) and nothing more lenient
+  (``formal``): only the last ``\\boxed{}`` of the whole completion is read ("Answer: 42" and "the answer
+  is 42" are not answers), and an integer gold needs the integer itself (``\\frac{84}{2}``, ``41+1``,
+  ``10^3`` are wrong for 42 / 1000). ``answer_filter`` does not apply. Verdicts carry the path
+  ``"formal"`` (or ``"no_answer"``).
+
+CLI: ``python -m data_tools.grader [--profile formal] FILE.jsonl`` (``-`` for stdin); see ``main``.
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ from functools import lru_cache
 from typing import Callable, Sequence
 
 from .extraction import _clean, _extract, _is_final, extract_gsm8k_answer
+from .formal import grade_formal
 from .normalise import _TEXT_WRAP_RE, _norm_str, _strip_outer
 from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, percent_of, rewrite_mixed
 from .sandbox import MAX_ANSWER_CHARS, _math_verify, _to_latex, _too_risky
@@ -100,10 +110,13 @@ __all__ = [
     "extract_gsm8k_answer",
     "set_verifier",
     "ANSWER_FILTERS",
+    "PROFILES",
 ]
 
 #: Answer filters ``grade`` / ``grade_batch`` accept (module docstring).
 ANSWER_FILTERS = ("math", "numeric")
+#: Grader profiles ``grade`` / ``grade_batch`` accept (module docstring): ``formal`` grades as the formal metric.
+PROFILES = ("default", "formal")
 
 
 @dataclass(frozen=True)
@@ -111,7 +124,7 @@ class Verdict:
     correct: bool
     extracted: str | None  # the answer string taken from the prediction (None if none found)
     # "exact", "numeric", "math_verify" ("sympy" without math-verify), "fallback", "no_answer", "timeout",
-    # "error", "not_a_number"
+    # "error", "not_a_number"; "formal" under the formal profile
     path: str
 
 
@@ -228,7 +241,7 @@ def _gold_text(gold: str) -> str:
 
 
 def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5.0,
-          answer_filter: str = "math") -> Verdict:
+          answer_filter: str = "math", profile: str = "default") -> Verdict:
     """Grade one model output against a reference answer.
 
     Args:
@@ -245,16 +258,22 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
             ``WORKER_START_TIMEOUT_S``).
         answer_filter: ``"math"`` (equal as mathematics) or ``"numeric"`` (a plain-number gold
             needs a plain-number answer); see the module docstring.
+        profile: ``"default"`` (the pipeline above) or ``"formal"`` (the formal metric's rule, ``formal``;
+            ``answer_filter`` and ``timeout_s`` do not apply: it runs no sympy).
 
     Returns:
         A ``Verdict``; ``path`` says which step decided. Never raises on any string input
         (internal failures give ``path="error"``); raises ``TypeError`` if pred/gold are not str,
-        ``ValueError`` for an unknown ``answer_filter``.
+        ``ValueError`` for an unknown ``answer_filter`` or ``profile``.
     """
     if not isinstance(pred, str) or not isinstance(gold, str):
         raise TypeError("grade(pred, gold): both must be str")
-    if answer_filter not in ANSWER_FILTERS:
-        raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {answer_filter!r}")
+    _check(answer_filter, profile)
+    if profile == "formal":
+        try:
+            return Verdict(*grade_formal(pred, gold, truncated))
+        except Exception:  # noqa: BLE001 - as every other path: a verdict, never an exception
+            return Verdict(False, None, "error")
     try:
         g = _gold_text(gold)
         letter = _mc_letter(_norm_str(g)) if g else None
@@ -357,6 +376,13 @@ def _fallback(answer: str, gold: str) -> Verdict:
     return Verdict(bool(judge), answer, "fallback")
 
 
+def _check(answer_filter: str, profile: str) -> None:
+    if answer_filter not in ANSWER_FILTERS:
+        raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {answer_filter!r}")
+    if profile not in PROFILES:
+        raise ValueError(f"grader profile must be one of {PROFILES}, got {profile!r}")
+
+
 def grade_batch(
     preds: Sequence[str],
     golds: Sequence[str],
@@ -365,28 +391,27 @@ def grade_batch(
     timeout_s: float = 5.0,
     workers: int | None = None,
     answer_filter: str = "math",
+    profile: str = "default",
 ) -> list[Verdict]:
     """Grade many answers; order preserved; each bounded by ``timeout_s`` seconds of sympy.
 
     ``workers`` threads (default: CPU count, at most 8) each drive their own math-verify
     subprocess, so the sympy step runs in parallel. Safe to call from any thread. Raises
-    ``ValueError`` if the sequences differ in length or ``answer_filter`` is unknown
-    (``ANSWER_FILTERS``; see ``grade``).
+    ``ValueError`` if the sequences differ in length or ``answer_filter`` / ``profile`` is unknown
+    (``ANSWER_FILTERS``, ``PROFILES``; see ``grade``).
     """
-    if answer_filter not in ANSWER_FILTERS:
-        raise ValueError(f"answer_filter must be one of {ANSWER_FILTERS}, got {answer_filter!r}")
+    _check(answer_filter, profile)
     n = len(preds)
     if len(golds) != n or (truncated is not None and len(truncated) != n):
         raise ValueError("grade_batch: preds, golds (and truncated) must have the same length")
     tr = list(truncated) if truncated is not None else [False] * n
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
-    if workers <= 1 or n <= 1:
-        return [grade(p, g, truncated=t, timeout_s=timeout_s, answer_filter=answer_filter)
-                for p, g, t in zip(preds, golds, tr)]
+    kw = dict(timeout_s=timeout_s, answer_filter=answer_filter, profile=profile)
+    if workers <= 1 or n <= 1 or profile == "formal":  # formal is string work alone: threads would only add overhead
+        return [grade(p, g, truncated=t, **kw) for p, g, t in zip(preds, golds, tr)]
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        return list(ex.map(lambda a: grade(a[0], a[1], truncated=a[2], timeout_s=timeout_s, answer_filter=answer_filter),
-                           zip(preds, golds, tr)))
+        return list(ex.map(lambda a: grade(a[0], a[1], truncated=a[2], **kw), zip(preds, golds, tr)))
 
 
 #: Reference answers that mark a missing answer; ``parse_gold`` rejects them (lower-cased, a final "." dropped).

@@ -1,4 +1,4 @@
-"""CLI: ``python -m data_tools.grader FILE.jsonl``."""
+"""CLI: ``python -m data_tools.grader [--profile formal] FILE.jsonl``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Sequence
 
-from . import ANSWER_FILTERS, grade_batch
+from . import ANSWER_FILTERS, PROFILES, grade_batch
 
 
 class _JSONFloat(float):
@@ -73,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="grading threads (default: cores)")
     ap.add_argument("--answer_filter", default="math", choices=ANSWER_FILTERS,
                     help="math: equal as mathematics; numeric: a number gold needs a number literal (module docstring)")
+    ap.add_argument("--profile", default="default", choices=PROFILES,
+                    help="default: the pipeline above; formal: the formal metric's rule (only the last \\boxed{}, an "
+                         "integer gold needs the integer itself; --answer_filter does not apply)")
     args = ap.parse_args(argv)
 
     try:
@@ -126,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_s=args.timeout,
         workers=args.workers,
         answer_filter=args.answer_filter,
+        profile=args.profile,
     )
     for j, v in zip(todo, verdicts):
         rows[j].update(correct=v.correct, extracted=v.extracted, grader_path=v.path)
