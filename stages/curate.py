@@ -66,7 +66,6 @@ from data_tools import rehearsal
 from data_tools.clock import DEFAULT_CURATE_SHARE, NO_CLOCK, RUN_START_ENV, run_start_time
 from data_tools.config import parse_config
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
-from data_tools.generation.fallback import first_line, say_once
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.grader import ANSWER_FILTERS, PROFILES, grade_batch
@@ -535,6 +534,8 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
         nonlocal engine, kind
         if kind == "hf" or isinstance(e, (EngineDead, KeyboardInterrupt)) or "hf" in getattr(engine, "name", ""):
             raise e
+        from data_tools.generation.fallback import first_line, say_once  # here: it imports torch (stage one starts without)
+
         say_once(f"stage one: the vLLM engine failed {where} ({first_line(e)}); the hf engine (the fast decoder) "
                  "generates the rest of stage one")
         if engine is not None:
