@@ -58,3 +58,57 @@ def _inductor_default_dir() -> str | None:
     except (KeyError, OSError):
         return None
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+# --------------------------------------------------------------------------- the formal stack: no vLLM, no duckdb
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+#: Where vLLM does not import (the formal image's stack on a CPU: ``make test-formal``), a test that would start a
+#: real generation engine through vLLM is skipped with this reason: the hf engine would stand in for it, minutes a
+#: test on two cores, measuring nothing the main environment's run of the same test does not.
+NO_VLLM = "needs vLLM (this environment has none, as the formal image's stack on a CPU): the main suite runs it"
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _skip_vllm_engines_where_vllm_is_absent(monkeypatch):
+    """Without vLLM, ``make_engine("auto" | "vllm", ...)`` skips the test (NO_VLLM); a test that replaces
+    ``make_engine`` with a stand-in of its own still runs (its patch comes after this one)."""
+    if _has("vllm"):
+        yield
+        return
+    from data_tools.generation import engines
+
+    real = engines.make_engine
+
+    def make_engine(kind, model, **kw):
+        if kind in ("auto", "vllm"):
+            pytest.skip(NO_VLLM)
+        return real(kind, model, **kw)
+
+    monkeypatch.setattr(engines, "make_engine", make_engine)
+    for mod in ("stages.curate", "stages.evaluate"):
+        m = importlib.import_module(mod)
+        if getattr(m, "make_engine", None) is real:
+            monkeypatch.setattr(m, "make_engine", make_engine)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that query a run's tables need duckdb (``make query``), optional since the formal image has none."""
+    if _has("duckdb"):
+        return
+    skip = pytest.mark.skip(reason="needs duckdb (make query's only dependency; this environment has none, as the "
+                                   "formal image)")
+    for item in items:
+        if "query" in item.name or "duckdb" in item.name:
+            item.add_marker(skip)

