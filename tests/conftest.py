@@ -6,6 +6,9 @@
   session created that directory.
 - vLLM's CPU backend leaves an empty ``/tmp/vllm_dist_<uuid>`` file per engine (its distributed init's file store):
   those that appeared during the session are removed at the end.
+- A machine with the formal layout (a writable ``/out``) would take every run the tests start without OUTPUT_DIR:
+  the session turns that layout off (``OPD_FORMAL_OUT`` empty) unless the caller named a root; tests of the layout
+  name their own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def pytest_configure(config):
     default = _inductor_default_dir()  # where torch._inductor.codecache puts its precompiled headers
     if default and not os.path.exists(default):
         _session["inductor_default"] = default
+    if "OPD_FORMAL_OUT" not in os.environ:
+        os.environ["OPD_FORMAL_OUT"] = ""
+        _session.setdefault("set", []).append("OPD_FORMAL_OUT")
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         if var not in os.environ:
             os.environ[var] = os.path.join(root, sub)
