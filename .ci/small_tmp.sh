@@ -10,12 +10,14 @@
 # host's disk and are not counted. The cache variables that would let a library write elsewhere than HOME
 # (XDG_CACHE_HOME, HF_HOME, TORCHINDUCTOR_CACHE_DIR, ...) are unset, as on a fresh machine.
 #
-# /tmp's use (df, 1 KiB blocks) is sampled every SMALL_TMP_SAMPLE_S seconds (0.5) while the command runs.
+# /tmp's use (statvfs, as df reports it) is sampled every SMALL_TMP_SAMPLE_S seconds (0.1) while the command runs.
 # It prints the command's exit code, its wall seconds, the peak and the final use of /tmp in MiB (and what is
 # left there), and exits non-zero when the command failed (its exit code) or the peak or the final use went
-# over SMALL_TMP_LIMIT_MIB (16; exit 3). SMALL_TMP_SIZE_MIB sets the tmpfs's size (256).
+# over SMALL_TMP_LIMIT_MIB (16; exit 3). SMALL_TMP_SIZE_MIB sets the tmpfs's size (256). A sample can miss a
+# file written and deleted between two samples; the tmpfs's size is the hard bound (a write past it fails the
+# command), so SMALL_TMP_SIZE_MIB=16 makes the limit strict.
 set -uo pipefail
-limit=${SMALL_TMP_LIMIT_MIB:-16} size=${SMALL_TMP_SIZE_MIB:-256} every=${SMALL_TMP_SAMPLE_S:-0.5}
+limit=${SMALL_TMP_LIMIT_MIB:-16} size=${SMALL_TMP_SIZE_MIB:-256} every=${SMALL_TMP_SAMPLE_S:-0.1}
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0" >&2; exit 2; }
 
 if [ "${_SMALL_TMP_NS:-}" != "$$" ]; then  # outside: re-run this script in a new mount namespace
@@ -49,15 +51,35 @@ base=$(used_kib)  # the empty tmpfs (and the keep mount points): 0 here
 echo "small_tmp: /tmp is a fresh ${size} MiB tmpfs, HOME=/tmp TMPDIR=/tmp; limit ${limit} MiB; kept from the host's /tmp: $kept"
 t0=$(date +%s.%N)
 "$@" & cmd=$!
-trap 'kill -TERM $cmd 2>/dev/null' TERM INT  # passed on: the command stops itself (run.sh saves and exits)
-# the sampler prints one number a sample; the largest is the peak (it ends when the command has ended)
-peak=$(while kill -0 $cmd 2>/dev/null; do used_kib; sleep "$every"; done | sort -n | tail -1)
+sig=0
+trap 'sig=1; kill -TERM $cmd 2>/dev/null' TERM INT  # passed on: the command stops itself (run.sh saves and exits)
+# The sampler prints the largest use it saw once the command has ended: statvfs in one python3 process (df once a
+# sample where there is none). It runs beside the command, so this shell waits in `wait`, which a signal interrupts.
+if command -v python3 >/dev/null 2>&1; then
+  exec 8< <(python3 -c '
+import os, sys, time
+pid, every, peak = int(sys.argv[1]), float(sys.argv[2]), 0
+while True:
+    st = os.statvfs("/tmp")
+    peak = max(peak, (st.f_blocks - st.f_bfree) * st.f_frsize // 1024)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(every)
+print(peak)' "$cmd" "$every")
+else
+  exec 8< <(while kill -0 $cmd 2>/dev/null; do used_kib; sleep "$every"; done | sort -n | tail -1)
+fi
 wait $cmd; rc=$?
+while [ $sig = 1 ]; do sig=0; wait $cmd; rc=$?; done  # a signal cut the wait short: wait for the command's own end
+read -r peak <&8
+exec 8<&-
 wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 left=$(used_kib)
 [ -n "$peak" ] && [ "$peak" -ge "$left" ] || peak=$left
-mib() { awk -v k="$1" -v b="$base" 'BEGIN { printf "%.1f", (k - b) / 1024 }'; }
-echo "small_tmp: exit $rc after $wall s; /tmp peak $(mib "$peak") MiB, left $(mib "$left") MiB (limit $limit MiB)"
+mib() { awk -v k="$1" -v b="$base" 'BEGIN { printf "%.2f MiB (%d KiB)", (k - b) / 1024, k - b }'; }
+echo "small_tmp: exit $rc after $wall s; /tmp peak $(mib "$peak"), left $(mib "$left") (limit $limit MiB)"
 if [ "$left" -gt "$base" ]; then
   echo "small_tmp: left under /tmp (KiB, largest first):"
   du -xak /tmp 2>/dev/null | awk -F'\t' '$2 != "/tmp" { print "  " $0 }' | sort -k1,1rn | head -15

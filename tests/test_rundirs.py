@@ -216,19 +216,19 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare")
 @needs_root
 def test_small_tmp_script_measures_the_peak_and_fails_over_the_limit(tmp_path):
     script = str(REPO / ".ci" / "small_tmp.sh")
-    env = dict(os.environ, SMALL_TMP_LIMIT_MIB="4", SMALL_TMP_SAMPLE_S="0.1")
+    env = dict(os.environ, SMALL_TMP_LIMIT_MIB="4", SMALL_TMP_SAMPLE_S="0.05")
     env.pop("OPD_CACHE", None)
-    # 8 MiB for half a second, then removed: the peak catches it, nothing is left
+    # 8 MiB for 1.5 s (the sampler starts within it), then removed: the peak catches it, nothing is left
     r = subprocess.run([script, "bash", "-c", 'test "$HOME" = /tmp && test "$TMPDIR" = /tmp && test -z "$(ls -A /tmp)" '
-                        '&& head -c 8M /dev/zero > /tmp/x && sleep 0.5 && rm /tmp/x'],
+                        '&& head -c 8M /dev/zero > /tmp/x && sleep 1.5 && rm /tmp/x'],
                        env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 3 and "/tmp peak 8.0 MiB, left 0.0 MiB (limit 4 MiB)" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 3 and "/tmp peak 8.00 MiB (8192 KiB), left 0.00 MiB (0 KiB) (limit 4 MiB)" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([script, "bash", "-c", "head -c 1M /dev/zero > /tmp/y; exit 7"], env=env,
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 7 and "left 1.0 MiB" in r.stdout and "the command failed (exit 7)" in r.stderr
+    assert r.returncode == 7 and "left 1.00 MiB (1024 KiB)" in r.stdout and "the command failed (exit 7)" in r.stderr
     # a path under the host's /tmp named in OPD_CACHE stays reachable, on the host's disk (not counted)
     keep = tmp_path / "cache"
     r = subprocess.run([script, "bash", "-c", f'head -c 6M /dev/zero > "{keep}/z"'], env=dict(env, OPD_CACHE=str(keep)),
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "peak 0.0 MiB" in r.stdout and "passed" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "peak 0.00 MiB (0 KiB)" in r.stdout and "passed" in r.stdout, r.stdout + r.stderr
     assert (keep / "z").stat().st_size == 6 * MIB
