@@ -122,16 +122,15 @@ def _mib(b: int) -> str:
 class SmallFs:
     """The small file systems of this machine (/tmp's, and HOME's when it is small), by device."""
 
-    def __init__(self, env: Env | None = None, statvfs: Callable = os.statvfs, tmp: str = "/tmp"):
+    def __init__(self, env: Env | None = None, statvfs: Callable = os.statvfs):
         env = _env(env)
         mode = (env.get(SMALL_TMP_ENV) or "auto").strip().lower()
         if mode not in ("auto", "1", "0"):
             raise ValueError(f"{SMALL_TMP_ENV} must be auto, 1 or 0, got {env.get(SMALL_TMP_ENV)!r}")
         self.devices: dict[int, str] = {}  # device -> how it was judged small
-        self.statvfs = statvfs
         if mode == "0":
             return
-        for what, p in (("/tmp", Path(tmp)), ("HOME", _home(env))):
+        for what, p in (("/tmp", Path("/tmp")), ("HOME", _home(env))):
             try:
                 dev, total, free = _fs(p, statvfs)
             except OSError:
