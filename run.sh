@@ -20,6 +20,12 @@
 # MAX_WALL_TIME_SECONDS counts from this script's start (set-up included); training stops at
 # MAX_WALL_TIME_SECONDS - DEADLINE_RESERVE_SECONDS (less the evaluation reserve of a recipe that keeps
 # one) and its final export is done within the reserve.
+# OUTPUT_DIR defaults to /out/opd/$EXPERIMENT_NAME where /out is a writable directory (the formal layout: CKPT_DIR
+# then defaults to /out/checkpoints; OPD_FORMAL_OUT names another root, empty none), else to
+# ${OPD_CACHE:-${XDG_CACHE_HOME:-~/.cache}/opd}/runs/$EXPERIMENT_NAME (CKPT_DIR: $OUTPUT_DIR/checkpoints).
+# Where /tmp is small (under 2 GiB total or free; OPD_SMALL_TMP=1 / 0 forces it on / off) temp files go to
+# $OUTPUT_DIR/tmp and, where HOME is on a small file system too, HOME and every library's cache to $OUTPUT_DIR/home
+# (TMPDIR, HOME, HF_HOME, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT, ...: data_tools/rundirs.py).
 # Exit codes: a failing stage's own code (74: disk full); 75 when another run holds OUTPUT_DIR or CKPT_DIR; 2 for a bad
 # recipe or clock or a preflight refusal; 130 / 143 after Ctrl-C / SIGTERM (the running stage stops first; training saves).
 set -uo pipefail
@@ -77,20 +83,33 @@ elif gpu_listed; then name=r1_distill_1p5b; why="STUDENT_MODEL is set and CUDA i
 else name=demo_cpu; why="STUDENT_MODEL is set but no CUDA device is visible; the demo recipe runs on STUDENT_MODEL"
 fi
 set_recipe "$name"
-# same root as data_tools.runio.cache_root: $OPD_CACHE, else $XDG_CACHE_HOME/opd, else ~/.cache/opd
-: "${OUTPUT_DIR:=${OPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/opd}/runs/$EXPERIMENT_NAME}"
-: "${CKPT_DIR:=$OUTPUT_DIR/checkpoints}"
+# The run's directories, and the scratch environment where /tmp is small: data_tools/rundirs.py's rule (the header
+# above), the one the stages' own defaults follow. Standard library only: before set-up, the system's python3.
+boot=$PY; command -v "$boot" >/dev/null 2>&1 || boot=python3
+dirs=$("$boot" -m data_tools.rundirs shell --experiment "$EXPERIMENT_NAME") || exit 2
+eval "$dirs"  # OUTPUT_DIR CKPT_DIR SCRATCH SCRATCH_NOTE
 export EXPERIMENT_NAME OUTPUT_DIR CKPT_DIR
+if [ -n "$SCRATCH_NOTE" ]; then  # before anything runs: set-up, the stages and every library they load follow it
+  if [ $plan = 1 ]; then
+    echo "run.sh: $SCRATCH_NOTE (a run exports these; --plan creates nothing)"
+  elif mkdir -p "${SCRATCH[@]#*=}"; then
+    export "${SCRATCH[@]}"
+    echo "run.sh: $SCRATCH_NOTE"
+  else
+    echo "run.sh: warning: $SCRATCH_NOTE: cannot create them (above); temp files and caches stay where they are" >&2
+  fi
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 elapsed() { echo $(( $(date +%s) - ${t0%.*} )); }
 say() { printf '\n=== [%4ds] %s\n' "$(elapsed)" "$*"; }
 
 if [ $skip_setup = 0 ] && { [ $plan = 0 ] || [ ! -x $PY ]; }; then
-  if ! make -s setup >/tmp/opd-setup.$$.log 2>&1; then
-    tail -20 /tmp/opd-setup.$$.log; echo "run.sh: make setup failed (log: /tmp/opd-setup.$$.log)" >&2; exit 1
+  setup_log=${TMPDIR:-/tmp}/opd-setup.$$.log
+  if ! make -s setup >"$setup_log" 2>&1; then
+    tail -20 "$setup_log"; echo "run.sh: make setup failed (log: $setup_log)" >&2; exit 1
   fi
-  rm -f /tmp/opd-setup.$$.log
+  rm -f "$setup_log"
 fi
 # Packages, GPUs, model and data paths, output directories, free disk: in a second, before anything is spent.
 preflight() {

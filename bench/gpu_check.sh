@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass of the GPU checks on a CUDA machine, with or without vLLM (issue 12), from the repo root:
 #
-#   bash bench/gpu_check.sh [RESULTS_DIR]     # default /tmp/opd-gpu-check
+#   bash bench/gpu_check.sh [RESULTS_DIR]     # default ${TMPDIR:-/tmp}/opd-gpu-check
 #
 # 1. the GPU tests (`pytest -m gpu`);
 # 2. the demo_gpu recipe end to end, its stages in run.sh's order (curate, train, evaluate the start
@@ -15,7 +15,7 @@
 # Writes RESULTS_DIR/: gpu_tests.log, stage_times.tsv, <stage>.log, run/ (the run's OUTPUT_DIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-res=${1:-/tmp/opd-gpu-check}
+res=${1:-${TMPDIR:-/tmp}/opd-gpu-check}
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 MATH500=${MATH500:-../shared/data/math500_test.jsonl}
 MATH_CAP=${MATH_CAP:-1536}

@@ -334,17 +334,14 @@ def resolve_plan(curate: str | None, train: str | None, protocols: list[str], en
     student = str(pick("STUDENT_MODEL", "student_model", EMBEDDED) or EMBEDDED)  # "" is the embedded model too
     teacher = pick("TEACHER_MODEL", "teacher_model", None)  # none: a self-teacher (the student)
     evals = {p: question_file(p, env, repo) for p in protocols}
-    if env.get("OUTPUT_DIR"):
-        out = Path(env["OUTPUT_DIR"])
-    else:
-        from data_tools.runio import default_output_dir  # here: runio imports pyarrow (see _spec)
+    from data_tools.rundirs import default_ckpt_dir, default_output_dir  # run.sh's rule (formal layout under /out)
 
-        out = default_output_dir(env.get("EXPERIMENT_NAME") or None)
+    out = Path(env["OUTPUT_DIR"]) if env.get("OUTPUT_DIR") else default_output_dir(env.get("EXPERIMENT_NAME") or None, env)
     model_dtype = str(t.get("model_dtype") or "float32")
     export_dtype = str(t.get("export_dtype") or "auto")
     return Plan(student=student, teacher=str(teacher) if teacher else None,
                 train_data=str(pick("TRAIN_DATA", "train_data", "synth:train:200")), eval_data=evals,
-                output_dir=out, ckpt_dir=Path(env.get("CKPT_DIR") or out / "checkpoints"),
+                output_dir=out, ckpt_dir=default_ckpt_dir(out, env),
                 head_kernel=str(t.get("head_kernel") or "trl"), model_dtype=model_dtype,
                 export_dtype=model_dtype if export_dtype == "auto" else export_dtype,
                 ckpt_keep=int(t.get("ckpt_keep") or 3), resume_keep=int(t.get("save_total_limit") or 1))
@@ -514,6 +511,18 @@ def check_disk(rep: Report, plan: Plan, params: int | None, free: Callable[[Path
                      "fail with a full disk (exit 74)")
 
 
+def check_small_tmp(rep: Report, plan: Plan, env: Mapping[str, str]) -> None:
+    """A warning when OUTPUT_DIR or CKPT_DIR lies on a small /tmp (or HOME) file system (``data_tools.rundirs``):
+    run.sh moves temp files and caches off it, but tables, resume states and exports stay where these point."""
+    from data_tools.rundirs import SmallFs
+
+    small = SmallFs(env)
+    on = [f"{what} {d}" for what, d in (("OUTPUT_DIR", plan.output_dir), ("CKPT_DIR", plan.ckpt_dir)) if small.holds(d)]
+    if on:
+        rep.warn(f"{' and '.join(on)} on a small file system ({'; '.join(small.devices.values())}): the run's tables, "
+                 "resume states and exports will not fit there; set OUTPUT_DIR to a directory on a disk")
+
+
 # ------------------------------------------------------------------------------------------------ all of it
 
 def run_checks(args: argparse.Namespace, env: Mapping[str, str], versions: Mapping[str, str] | None = None,
@@ -558,6 +567,7 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str], versions: Mappi
                  "protocol, or leave EVAL_DATA unset and name eval_data in each protocol's config")
     check_writable(rep, "OUTPUT_DIR", plan.output_dir, create=not args.plan)
     check_writable(rep, "CKPT_DIR", plan.ckpt_dir, create=not args.plan)
+    check_small_tmp(rep, plan, env)
     size = model_params(student) if student else None
     if size is None and plan.student == EMBEDDED:
         size = (134_515_008, "float32")  # SmolLM2-135M-Instruct, before its one-time conversion

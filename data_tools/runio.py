@@ -22,28 +22,15 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+# the defaults of the run's directories, one rule with run.sh (which asks data_tools.rundirs for them)
+from data_tools.rundirs import cache_root, default_ckpt_dir, default_output_dir  # noqa: F401 - re-exported
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Exit code of a run that finds another run holding its lock (BSD ``EX_TEMPFAIL``).
 EXIT_LOCKED = 75
 #: Exit code of a run stopped by an I/O failure such as a full disk (BSD ``EX_IOERR``).
 EXIT_IO = 74
-
-
-def cache_root() -> Path:
-    """``$OPD_CACHE`` or ``$XDG_CACHE_HOME/opd`` (default ``~/.cache/opd``): model cache and default runs."""
-    if os.environ.get("OPD_CACHE"):
-        return Path(os.environ["OPD_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "opd"
-
-
-def default_output_dir(experiment: str | None = None) -> Path:
-    """Scratch directory of a run: ``$OUTPUT_DIR``, else ``<cache_root>/runs/<EXPERIMENT_NAME or 'default'>``."""
-    if os.environ.get("OUTPUT_DIR"):
-        return Path(os.environ["OUTPUT_DIR"]).expanduser()
-    name = experiment or os.environ.get("EXPERIMENT_NAME") or "default"
-    return cache_root() / "runs" / name
 
 
 def check_outside_repo(path: Path, what: str = "OUTPUT_DIR") -> Path:

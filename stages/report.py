@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
-from data_tools.runio import default_output_dir, write_json
+from data_tools.runio import default_ckpt_dir, default_output_dir, write_json
 
 #: (metric key, panel title) of the training plot, in panel order.
 PANELS = [
@@ -113,7 +112,8 @@ def plot_training(metrics: list[dict], dest: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stages.report")
     ap.add_argument("--run", default=None, help="run directory (default: $OUTPUT_DIR or the default run)")
-    ap.add_argument("--ckpt_dir", default=None, help="checkpoint root (default: $CKPT_DIR or <run>/checkpoints)")
+    ap.add_argument("--ckpt_dir", default=None, help="checkpoint root (default: $CKPT_DIR, else /out/checkpoints for a run under "
+                                                          "the formal /out, else <run>/checkpoints)")
     args = ap.parse_args(argv)
     run = Path(args.run) if args.run else default_output_dir()
     if not run.exists():
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         evals.append({k: s.get(k) for k in ("label", "protocol", "declared_protocol", "model", "checkpoint_step",
                                             "pass_at_1", "pass_at_1_stderr", "clip_rate", "n_problems", "n_samples")})
     last = metrics[-1] if metrics else {}
-    ckpt_root = Path(args.ckpt_dir or os.environ.get("CKPT_DIR") or run / "checkpoints")
+    ckpt_root = Path(args.ckpt_dir) if args.ckpt_dir else default_ckpt_dir(run)
     ckpts = sorted((p for p in ckpt_root.glob("checkpoint-*") if p.name.split("-")[1].isdigit()),
                    key=lambda p: int(p.name.split("-")[1]))
     wall = training_seconds(raw)

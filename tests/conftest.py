@@ -4,8 +4,11 @@
   directory of its own (the tests' subprocesses inherit it) and removes it at the end. Inductor's precompiled C++
   headers (~150 MB) ignore that setting and go to ``/tmp/torchinductor_<user>`` anyway: removed at the end when the
   session created that directory.
-- vLLM's CPU backend leaves an empty ``/tmp/vllm_dist_<uuid>`` file per engine (its distributed init's file store):
-  those that appeared during the session are removed at the end.
+- vLLM's CPU backend leaves an empty ``vllm_dist_<uuid>`` file per engine in the temp dir (its distributed init's
+  file store): those that appeared during the session are removed at the end.
+- A machine with the formal layout (a writable ``/out``) would take every run the tests start without OUTPUT_DIR:
+  the session turns that layout off (``OPD_FORMAL_OUT`` empty) unless the caller named a root; tests of the layout
+  name their own.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ def pytest_configure(config):
         return
     root = tempfile.mkdtemp(prefix="opd-tests-")
     _session["root"] = root
-    _session["vllm_before"] = set(glob.glob("/tmp/vllm_dist_*"))
+    _session["vllm_before"] = set(glob.glob(_vllm_dist_files()))
     default = _inductor_default_dir()  # where torch._inductor.codecache puts its precompiled headers
     if default and not os.path.exists(default):
         _session["inductor_default"] = default
+    if "OPD_FORMAL_OUT" not in os.environ:
+        os.environ["OPD_FORMAL_OUT"] = ""
+        _session.setdefault("set", []).append("OPD_FORMAL_OUT")
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         if var not in os.environ:
             os.environ[var] = os.path.join(root, sub)
@@ -44,11 +50,16 @@ def pytest_unconfigure(config):
     shutil.rmtree(root, ignore_errors=True)
     if _session.get("inductor_default"):
         shutil.rmtree(_session.pop("inductor_default"), ignore_errors=True)
-    for path in set(glob.glob("/tmp/vllm_dist_*")) - _session.pop("vllm_before", set()):
+    for path in set(glob.glob(_vllm_dist_files())) - _session.pop("vllm_before", set()):
         try:
             os.remove(path)
         except OSError:
             pass
+
+
+def _vllm_dist_files() -> str:
+    """Where vLLM puts its file store (``vllm.utils.network_utils``: the temp dir, which TMPDIR moves)."""
+    return os.path.join(tempfile.gettempdir(), "vllm_dist_*")
 
 
 def _inductor_default_dir() -> str | None:

@@ -319,7 +319,7 @@ def test_run_sh_without_venv_on_a_gpu_node_never_calls_pip(tmp_path):
     env = dict(base, PATH=f"{stub}:{os.environ['PATH']}", OUTPUT_DIR=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
     r = subprocess.run(["bash", str(repo / "run.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "make setup failed" in r.stderr and log.read_text().split() == ["make", "-s", "setup"]
-    kept = re.search(r"\(log: (/tmp/opd-setup\.\d+\.log)\)", r.stderr)  # run.sh keeps a failed set-up's log
+    kept = re.search(r"\(log: (\S+/opd-setup\.\d+\.log)\)", r.stderr)  # run.sh keeps a failed set-up's log
     assert kept, r.stderr
     Path(kept.group(1)).unlink(missing_ok=True)
 

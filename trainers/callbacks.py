@@ -72,13 +72,24 @@ def rotate_exports(ckpt_dir: Path, keep: int) -> list[Path]:
     """Delete all but the ``keep`` highest-step exports in ``ckpt_dir`` (and stale temp dirs); returns the removed."""
     removed = []
     for _, path in checkpoint_steps(ckpt_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_export(path)
         removed.append(path)
     for tmp in Path(ckpt_dir).glob(".tmp-checkpoint-*"):
         # left by a process killed while exporting; ours is renamed before we get here
         if tmp.is_dir() and time.time() - tmp.stat().st_mtime > 60:
             shutil.rmtree(tmp, ignore_errors=True)
     return removed
+
+
+def _remove_export(path: Path) -> None:
+    """Delete an export without a reader ever seeing it half deleted: one rename takes it out of ``checkpoint-*``
+    (to a ``.tmp-checkpoint-*`` name, which the stale sweep above removes if this process dies first), then it goes."""
+    aside = path.with_name(f".tmp-{path.name}-removed-{os.getpid()}")
+    try:
+        os.replace(path, aside)
+    except OSError:
+        aside = path  # gone already, or not renamable here: deleted where it is
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def share_file_modes(directory: Path) -> None:
@@ -101,8 +112,9 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
 
     Contents: safetensors weights, ``config.json``, ``generation_config.json``, tokenizer files and
     ``opd_checkpoint.json`` (step, time, ``extra``). Written into ``.tmp-checkpoint-<step>-*`` in the
-    same directory, then renamed, so a reader (vLLM, evaluation) never sees a partial export.
-    An existing export of the same step is replaced.
+    same directory, then renamed, so a reader (vLLM, evaluation, the formal orchestrator scoring
+    ``/out/checkpoints``) never sees a partial export. An existing export of the same step, and the
+    exports rotated out, are renamed out of ``checkpoint-*`` before they are deleted.
 
     Args:
         model: an unwrapped ``PreTrainedModel``.
@@ -132,9 +144,17 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
         meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {})}
         (tmp / "opd_checkpoint.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
         share_file_modes(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        if dest.exists():  # an export of this step already: renamed aside first (see _remove_export), deleted after
+            aside = dest.with_name(f"{tmp.name}-replaced")
+            os.replace(dest, aside)
+            try:
+                os.replace(tmp, dest)
+            except BaseException:
+                os.replace(aside, dest)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

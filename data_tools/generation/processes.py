@@ -194,14 +194,33 @@ class Watchdog:
         signal.signal(signal.SIGUSR1, self._prev)
 
 
+#: A Unix socket's path holds at most 107 bytes (sun_path is 108 with its NUL): a longer one cannot be bound.
+SOCKET_PATH_MAX = 107
+#: What vLLM's socket paths add to the IPC folder's parent: "/opd-vllm-ipc-<pid, 7 digits>-<8>" then "/<uuid4>".
+IPC_NAME_BYTES = 30 + 37
+
+
+def ipc_root(tmp: str | None = None) -> str:
+    """The folder that holds the IPC folder: the temp dir (``tmp``, default ``tempfile.gettempdir()``), unless socket
+    paths under it would pass the kernel's limit (a TMPDIR deep in OUTPUT_DIR, as run.sh sets where /tmp is small);
+    then /tmp, where a socket, which holds no data, costs nothing even on a small tmpfs."""
+    tmp = tmp or tempfile.gettempdir()
+    if len(os.fsencode(tmp)) + IPC_NAME_BYTES <= SOCKET_PATH_MAX or not os.access("/tmp", os.W_OK | os.X_OK):
+        return tmp
+    return "/tmp"
+
+
 def private_ipc_dir() -> None:
     """Point vLLM's ZMQ sockets (``VLLM_RPC_BASE_PATH``, default the system temp dir) at a folder of this process,
     removed when it exits: each engine start otherwise leaves ~7 socket files in /tmp that nothing deletes.
-    One folder per process (a second engine reuses it); a value the user set is kept."""
+    One folder per process (a second engine reuses it); a value the user set is kept. The folder is made where
+    vLLM's socket paths fit the kernel's limit (:func:`ipc_root`)."""
     if os.environ.get("VLLM_RPC_BASE_PATH"):
         return
-    sweep_stale_ipc_dirs(tempfile.gettempdir())
-    path, owner = tempfile.mkdtemp(prefix=f"opd-vllm-ipc-{os.getpid()}-"), os.getpid()
+    root = ipc_root()
+    for r in dict.fromkeys((tempfile.gettempdir(), root)):
+        sweep_stale_ipc_dirs(r)
+    path, owner = tempfile.mkdtemp(prefix=f"opd-vllm-ipc-{os.getpid()}-", dir=root), os.getpid()
     os.environ["VLLM_RPC_BASE_PATH"] = path
     # only the process that made it removes it (a forked child inherits the atexit list)
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
