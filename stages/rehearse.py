@@ -8,7 +8,14 @@ settings as the real run, and changes only what makes every phase fit a short cl
 one chunk a role per engine worker, sized so that the SFT phase gets at least two steps; the clock is
 ``REHEARSAL_SECONDS`` with a reserve of a tenth of it; no evaluation (the exports are loaded back here instead).
 Random-weight models (``data_tools.formal_models``) verify nothing, so stage one counts a stated share of samples as
-verified (``REHEARSAL_VERIFIED``, default 0.5: ``data_tools.rehearsal``; empty = the grader alone).
+verified (``REHEARSAL_VERIFIED``, default 0.5: ``data_tools.rehearsal``; empty = the grader alone). Its formal models
+are the formal pair's shapes: student and teacher both of the 1.5B shape (the formal teacher, JustRL-DeepSeek-1.5B,
+is the student after RL); ``--which teacher-7b`` writes a Qwen2.5-7B-shaped teacher, a stress option for time and
+memory.
+
+The formal machine is one GPU (a B300), so one GPU is the formal layout: the projection holds for the layout the
+rehearsal ran on and says which, and a rehearsal for the formal run runs on one GPU (``CUDA_VISIBLE_DEVICES=0`` on a
+machine with more; run.sh uses every visible GPU, for users who have them).
 
     python -m stages.rehearse plan --curate C.yaml --train T.yaml --seconds S --workers W   # KEY=VALUE for run.sh
     python -m stages.rehearse clean --run DIR                                              # empty a rehearsal dir
@@ -19,8 +26,8 @@ verified (``REHEARSAL_VERIFIED``, default 0.5: ``data_tools.rehearsal``; empty =
 ``metrics/exports.jsonl``, ``train_summary.json``, ``run_stages.jsonl``, and ``gpu_memory.csv`` where run.sh sampled
 ``nvidia-smi``), loads every export back (transformers, and vLLM where it imports) and generates a few tokens,
 prints one row a phase (seconds, peak memory and headroom against the device, tokens/s, PASS / FAIL) and the
-projection for the real clock, writes ``rehearsal.json`` / ``rehearsal.md`` in the run directory, and exits 1 when
-any phase failed.
+projection for the real clock on the rehearsal's layout, writes ``rehearsal.json`` / ``rehearsal.md`` in the run
+directory, and exits 1 when any phase failed.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ class Phase:
 class Report:
     phases: list[Phase] = field(default_factory=list)
     projection: list[tuple[str, str]] = field(default_factory=list)
+    projection_for: str = ""          # the layout the projection holds for (projection_layout)
     device_gib: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -185,6 +193,7 @@ def stage_one_phases(run: Path) -> tuple[list[Phase], dict]:
                          detail=f"{len(chunks)} chunk(s), {problems} problems, {len(rows)} samples, mean "
                                 f"{tokens / len(rows):.0f} tokens"))
     rates["startup_s"] = float((man.get("timings") or {}).get("engine_startup_s") or 0.0)
+    rates["workers"] = int((man.get("workers") or {}).get("shards") or 1)  # engine workers, all nodes: one a GPU
     rates["problems"] = int(man["counts"].get("problems_measured", 0))
     rates["rows"] = int(man["counts"].get("curriculum", 0))
     rates["rehearsal"] = man.get("rehearsal")
@@ -310,6 +319,15 @@ def load_back(ckpt_dir: Path, vllm_on: bool = True) -> list[Phase]:
     return out
 
 
+def projection_layout(workers: int) -> str:
+    """What the projection holds for: the rehearsal's rates are those of its own layout (``workers`` engine workers,
+    one a GPU). The formal machine is one GPU, so that is the formal layout."""
+    if workers <= 1:
+        return "on one engine worker, the formal machine's layout (one GPU)"
+    return (f"on {workers} engine workers (one a GPU), this rehearsal's layout, not the formal machine's one GPU "
+            "(rehearse with CUDA_VISIBLE_DEVICES=0 for the formal run's projection)")
+
+
 def project(rates: dict, med: dict, ex: dict, curate: dict, train: dict, real_t: float, real_r: float,
             real_e: float, setup_s: float) -> list[tuple[str, str]]:
     """The real clock's counts from the rehearsal's measured rates (each row says what it assumes)."""
@@ -390,6 +408,7 @@ def build_report(run: Path, curate_cfg: str, train_cfg: str, real_t: float, real
         rep.notes.append("no GPU memory samples (no nvidia-smi): training's peak is the process's resident memory")
     if rates:
         rep.projection = project(rates, med, ex, curate, train, real_t, real_r, real_e, setup_s)
+        rep.projection_for = projection_layout(rates["workers"])
     return rep
 
 
@@ -404,7 +423,8 @@ def format_report(rep: Report) -> str:
                      f"{'' if p.tokens_per_s is None else f'{p.tokens_per_s:,.0f}'} | {'PASS' if p.ok else 'FAIL'} | "
                      f"{p.detail} |")
     if rep.projection:
-        lines += ["", "| projected for the real clock | value |", "|---|---|"]
+        title = " ".join(x for x in ("projected for the real clock", rep.projection_for) if x)
+        lines += ["", f"| {title} | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in rep.projection]
     lines += [f"({n})" for n in rep.notes]
     lines.append(f"\nrehearsal: {'PASS' if rep.ok else 'FAIL'} "
@@ -452,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     (a.run / "rehearsal.md").write_text(text + "\n")
     (a.run / "rehearsal.json").write_text(json.dumps(
         {"ok": rep.ok, "device_gib": rep.device_gib, "phases": [p.__dict__ for p in rep.phases],
-         "projection": dict(rep.projection), "notes": rep.notes}, indent=2, default=str) + "\n")
+         "projection": dict(rep.projection), "projection_for": rep.projection_for, "notes": rep.notes}, indent=2,
+        default=str) + "\n")
     return 0 if rep.ok else 1
 
 

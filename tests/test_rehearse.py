@@ -92,6 +92,22 @@ def test_report_passes_a_complete_rehearsal_and_projects_the_real_clock(tmp_path
     assert proj["saves"] == f"{saves} x 3.0 s (export + resume state) = {saves * 3:.0f} s"  # the median full save
     assert proj["on-policy steps"].startswith(f"~{int((window - steps * 8.0 - saves * 3.0) / 4.0):,} x 4.0 s")
     assert "fits" in proj["final save vs the reserve"]
+    # one engine worker (the manifest names no others): the formal machine's layout, one GPU
+    assert rep.projection_for == "on one engine worker, the formal machine's layout (one GPU)"
+    assert ("| projected for the real clock on one engine worker, the formal machine's layout (one GPU) | value |"
+            in rehearse.format_report(rep))
+
+
+def test_a_projection_from_several_gpus_says_it_is_not_the_formal_layout(tmp_path):
+    run = tmp_path / "run"
+    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves={5: [0.8], 6: [0.9]})
+    man = json.loads((run / "curate" / "manifest.json").read_text())
+    man["workers"] = {"workers": 8, "nnodes": 1, "shards": 8}  # stage one's record on a node of 8 GPUs
+    (run / "curate" / "manifest.json").write_text(json.dumps(man))
+    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    assert rep.projection_for.startswith("on 8 engine workers (one a GPU), this rehearsal's layout, not the formal "
+                                         "machine's one GPU")
+    assert "CUDA_VISIBLE_DEVICES=0" in rehearse.format_report(rep)
 
 
 def test_report_fails_a_rehearsal_without_its_phases(tmp_path):
@@ -197,4 +213,6 @@ def test_cpu_miniature_of_the_formal_rehearsal(tmp_path):
     assert man["rehearsal"]["value"] == "0.5" and man["config"]["max_tokens"] == 8192  # the formal lengths
     first = json.loads((rdir / "metrics" / "train.jsonl").read_text().splitlines()[0])
     assert first["engine"] == "hf-generate-fast"  # use_vllm's fallback where vLLM cannot run
-    assert "projected for the real clock" in (rdir / "rehearsal.md").read_text()
+    assert ("projected for the real clock on one engine worker, the formal machine's layout (one GPU)"
+            in (rdir / "rehearsal.md").read_text())
+    assert rep["projection_for"] == "on one engine worker, the formal machine's layout (one GPU)"
