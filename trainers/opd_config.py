@@ -272,7 +272,9 @@ class OPDConfig(DistillationConfig):
             self.output_dir = str(default_output_dir(self.experiment_name))
         self.output_dir = str(Path(self.output_dir).expanduser())
         if not self.ckpt_dir:
-            self.ckpt_dir = str(Path(self.output_dir) / "checkpoints")
+            from data_tools.runio import default_ckpt_dir  # the formal layout's /out/checkpoints, else <output_dir>/checkpoints
+
+            self.ckpt_dir = str(default_ckpt_dir(self.output_dir))
         if not self.curriculum_path:
             self.curriculum_path = str(Path(self.output_dir) / "curate" / "curriculum.parquet")
         import torch
