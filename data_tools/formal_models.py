@@ -214,7 +214,9 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
         saved = os.environ.get("TIKTOKEN_CACHE_DIR")
         os.environ["TIKTOKEN_CACHE_DIR"] = ""
         try:
-            backend = TikTokenConverter(str(src), pattern=QWEN2_PATTERN).converted()
+            # transformers 4.57 iterates additional_special_tokens (None fails), 5.x names it extra_special_tokens: give both
+            backend = TikTokenConverter(str(src), pattern=QWEN2_PATTERN, additional_special_tokens=[],
+                                        extra_special_tokens=[]).converted()
         finally:
             if saved is None:
                 del os.environ["TIKTOKEN_CACHE_DIR"]
