@@ -263,14 +263,10 @@ if [ "${eval_policy%%:*}" = reserve ]; then
     o=$(eval_estimate "$proto" 1) || o=$(( e / 2 ))
     eval_s=$(( eval_s + e )); one=$(( one + o ))
   done
-  # on a slow machine evaluation must not take all of training's time: at most half of what is left,
-  # unless the final export's evaluation alone needs more (then that much, if it is left at all)
-  left=$(( CLOCK_S - RESERVE_S - $(elapsed) ))
-  most=$(( left / 2 > one ? left / 2 : one ))
-  [ $most -gt $left ] && most=$left
-  [ $most -lt 0 ] && most=0
-  [ $eval_s -gt $most ] && eval_s=$most
-  say "evaluation reserve ${eval_s}s (from stage one's measured rates: ~${one}s for the final export alone; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
+  # evaluation must not take all of training's time, nor keep a reserve no evaluation can run in (data_tools/clock.py)
+  { read -r eval_s; read -r why; } < <($PY -m data_tools.clock eval-reserve --all "$eval_s" --final "$one" \
+                                         --left $(( CLOCK_S - RESERVE_S - $(elapsed) )))
+  say "evaluation reserve ${eval_s}s ($why; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
 fi
 train=(-m stages.train --config "$TRAIN_CONFIG" --deadline_reserve_seconds $(( RESERVE_S + eval_s )) "${train_extra[@]}")
 if [ $(( NPROC * NNODES )) -gt 1 ]; then  # accelerate's launcher (torchrun underneath): one process a GPU

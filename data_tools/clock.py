@@ -210,6 +210,23 @@ def _print_plan(p: dict[str, Any]) -> None:
     print(f"  evaluation+report  {ev}")
 
 
+def eval_reserve(all_s: int, final_s: int, left_s: int) -> tuple[int, str]:
+    """Seconds of the clock kept after training for evaluation, once stage one has measured the rates, and why.
+
+    ``all_s``: every evaluation the recipe runs after training (the final export and the start model);
+    ``final_s``: the final export's alone; ``left_s``: the clock left before the final reserve. A reserve that no
+    evaluation could run in is not kept: when even the final export's evaluation needs more than is left, training
+    takes all of it (evaluation still runs afterwards if the time left then covers it). Otherwise at most half of
+    what is left, unless the final export's evaluation alone needs more (then that much).
+    """
+    left_s = max(int(left_s), 0)
+    if final_s > left_s:
+        return 0, (f"the final export's evaluation alone needs ~{final_s}s and {left_s}s are left: no evaluation reserve, "
+                   "training takes the time")
+    kept = min(int(all_s), max(left_s // 2, int(final_s)), left_s)
+    return kept, f"from stage one's measured rates: ~{final_s}s for the final export alone"
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI for run.sh; errors are one line on stderr with exit code 2."""
     ap = argparse.ArgumentParser(prog="python -m data_tools.clock")
@@ -226,8 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--protocol", required=True)
     s.add_argument("--models", type=int, default=1)
     s.add_argument("--workers", type=int, default=1, help="engine workers sharing each evaluation (one a GPU)")
+    s = sub.add_parser("eval-reserve", help="seconds kept for evaluation after training, then why (two lines)")
+    s.add_argument("--all", type=int, required=True, help="seconds of every evaluation after training")
+    s.add_argument("--final", type=int, required=True, help="seconds of the final export's evaluation alone")
+    s.add_argument("--left", type=int, required=True, help="seconds of the clock left before the final reserve")
     ns = ap.parse_args(argv)
     try:
+        if ns.cmd == "eval-reserve":
+            print("\n".join(map(str, eval_reserve(ns.all, ns.final, ns.left))))
+            return 0
         if ns.cmd == "eval-estimate":
             manifest = json.loads(Path(ns.manifest).read_text())
             size = protocol_size(ns.protocol, Path(__file__).resolve().parents[1])

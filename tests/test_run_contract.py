@@ -95,6 +95,22 @@ def test_clock_defaults_have_one_owner(tmp_path):
         assert (got.get("max_wall_time_seconds"), got.get("deadline_reserve_seconds")) == want, path
 
 
+@pytest.mark.parametrize("all_s,final_s,left_s,kept", [
+    (850, 425, 348, 0),      # not even the final export's evaluation fits: training takes it all (the demo on a slow CPU)
+    (400, 200, 1000, 400),   # everything fits in half of what is left
+    (900, 200, 1000, 500),   # at most half of what is left ...
+    (900, 600, 1000, 600),   # ... unless the final export's alone needs more
+    (300, 100, -20, 0),      # nothing left at all
+])
+def test_an_evaluation_reserve_that_no_evaluation_fits_goes_to_training(all_s, final_s, left_s, kept):
+    s, why = clock.eval_reserve(all_s, final_s, left_s)
+    assert s == kept
+    assert ("training takes the time" in why) == (final_s > max(left_s, 0))
+    r = subprocess.run([sys.executable, "-m", "data_tools.clock", "eval-reserve", "--all", str(all_s), "--final",
+                        str(final_s), "--left", str(left_s)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.splitlines() == [str(kept), why]
+
+
 def test_eval_estimate_from_measured_rates():
     size = clock.protocol_size("synth_heldout", REPO)
     assert size == {"n_problems": 48, "n_samples": 4, "max_tokens": 24}
