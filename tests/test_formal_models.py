@@ -154,7 +154,7 @@ def test_tiny_pair_loads_generates_and_shares_one_tokenizer(tiny_pair):
     assert ts.get_vocab() == tt.get_vocab() and ts.chat_template == tt.chat_template
     rows = {}
     for w in ("student", "teacher"):
-        m = AutoModelForCausalLM.from_pretrained(tiny_pair / w)
+        m = AutoModelForCausalLM.from_pretrained(tiny_pair / w, dtype="auto")  # 4.57 loads fp32 unless asked
         assert m.dtype == torch.bfloat16 and m.config.num_hidden_layers == 2 and m.config.hidden_size == 128
         rows[w] = m.get_output_embeddings().weight.shape[0]
         assert m.get_output_embeddings().weight.data_ptr() != m.get_input_embeddings().weight.data_ptr()  # untied
