@@ -238,7 +238,10 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
         single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, backend.token_to_id(BOS))])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=EOS,
                                    chat_template=CHAT_TEMPLATE, model_max_length=16384,
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False,
+                                   # as R1-Distill's: no token_type_ids (transformers 4.57 adds them otherwise, and
+                                   # generate(**tokenizer(...)) then refuses them)
+                                   model_input_names=["input_ids", "attention_mask"])
 
 
 def _init_tensor(name: str, shape: tuple, dtype, std: float, seed: int):
