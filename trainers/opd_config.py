@@ -313,10 +313,13 @@ class OPDConfig(DistillationConfig):
         sched = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
         if sched in TIME_SCHEDULES:
             self.lr_scheduler_type = "constant"
+        # ACCELERATE_MIXED_PRECISION is process-wide: transformers 4.57 exports it for bf16 / fp16 and never clears it,
+        # 5.x reads it as the default of mixed_precision. A later config of the same process without bf16
+        # (bench/learning's arms, tests) then got the earlier one's autocast: this config's own value, before and after
+        mp = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        os.environ["ACCELERATE_MIXED_PRECISION"] = mp
         super().__post_init__()
-        # transformers 4.57 exports ACCELERATE_MIXED_PRECISION for bf16 / fp16 and never clears it: a later config
-        # of the same process without them (bench/learning's arms, tests) then got the earlier one's autocast
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        os.environ["ACCELERATE_MIXED_PRECISION"] = mp
         if sched in TIME_SCHEDULES:
             self.lr_scheduler_type = sched
         self._validate()
