@@ -68,6 +68,17 @@ def describe_os_error(e: BaseException, path: Path | str) -> str:
     return f"cannot write to {path}: {e}"
 
 
+def io_failure(e: BaseException, dirs) -> str | None:
+    """One line for a full disk or an unwritable directory under one of ``dirs``, else None: an ``OSError`` of
+    another kind (transformers' "no file named model.safetensors" for a model folder without weights, say) is the
+    input's fault, not the disk's, and is reported as itself."""
+    whys = [describe_os_error(e, d) for d in dirs]
+    full = next((w for w in whys if w.startswith("disk full")), None)
+    if full or (isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)):
+        return full or whys[0]
+    return None
+
+
 def check_writable(directory: Path | str) -> Path:
     """Create ``directory`` if needed and write (then remove) a probe file in it; returns it.
 

@@ -71,7 +71,7 @@ from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.grader import ANSWER_FILTERS, PROFILES, grade_batch
 from data_tools.models import resolve_model
 from data_tools.problems import LoadResult, load_problems
-from data_tools.runio import (EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, describe_os_error,
+from data_tools.runio import (EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, default_output_dir, io_failure,
                               run_lock, write_json, write_parquet)
 from data_tools.workers import (Worker, WorkerFailed, config_argv, device_slices, node_layout, pop_shard_flag,
                                 run_workers, worker_init)
@@ -816,9 +816,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"opd curate: error: {e}; finished chunks of every shard are kept, a re-run resumes them all",
               file=sys.stderr)
         return 1
-    except OSError as e:  # disk full or the directory turned read-only mid-run
-        print(f"opd curate: error: {describe_os_error(e, cfg.output_dir if cfg else '.')}", file=sys.stderr)
-        return EXIT_IO
+    except OSError as e:  # disk full or the directory turned read-only mid-run; else (a model without weights) exit 2
+        why = io_failure(e, [cfg.output_dir if cfg else "."])
+        print(f"opd curate: error: {why or e}", file=sys.stderr)
+        return EXIT_IO if why else 2
     return 0
 
 

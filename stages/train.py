@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     level = os.environ.get("OPD_LOG_LEVEL", "INFO") if int(os.environ.get("RANK") or 0) == 0 else "ERROR"
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from data_tools.config import parse_config
-    from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, run_lock
+    from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, io_failure, run_lock
     from trainers.opd_config import OPDConfig
     from trainers.opd_trainer import NonFiniteError
 
@@ -270,19 +270,6 @@ def collective_failure(e: BaseException) -> bool:
         return True
     text = str(e)
     return any(k in text for k in ("Connection closed by peer", "Connection reset by peer", "NCCL", "ProcessGroup"))
-
-
-def io_failure(e: BaseException, dirs) -> str | None:
-    """One line for a full disk or an unwritable directory under one of ``dirs``, else None."""
-    import errno
-
-    from data_tools.runio import describe_os_error
-
-    whys = [describe_os_error(e, d) for d in dirs]
-    full = next((w for w in whys if w.startswith("disk full")), None)
-    if full or (isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)):
-        return full or whys[0]
-    return None
 
 
 if __name__ == "__main__":

@@ -106,3 +106,22 @@ def test_stale_vllm_ipc_folders_of_dead_processes_are_swept(tmp_path):
         (d / "sock").write_text("")
     assert sweep_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_an_oserror_that_is_not_the_disks_is_the_inputs_exit_2_not_74(tmp_path, monkeypatch, capsys):
+    """transformers raises OSError for a model folder without weights: stage one reports it as itself with exit 2,
+    not as "cannot write to <run>" with the disk-full code 74; a full disk and a read-only directory stay 74."""
+    import errno
+
+    import stages.curate as C
+    from data_tools.runio import EXIT_IO, io_failure
+
+    no_weights = OSError("Error no file named model.safetensors, or pytorch_model.bin, found in directory /m.")
+    assert io_failure(no_weights, [tmp_path]) is None
+    assert io_failure(OSError(errno.ENOSPC, "No space left on device"), [tmp_path]).startswith("disk full")
+    assert "is not writable" in io_failure(PermissionError(errno.EACCES, "Permission denied"), [tmp_path])
+    for err, rc, said in ((no_weights, 2, "no file named model.safetensors"),
+                          (OSError(errno.ENOSPC, "No space left on device"), EXIT_IO, "disk full")):
+        monkeypatch.setattr(C, "curate", lambda cfg, e=err: (_ for _ in ()).throw(e))
+        assert C.main(["--train_data", "synth:train:4", "--output_dir", str(tmp_path / "run")]) == rc
+        assert said in capsys.readouterr().err
