@@ -83,6 +83,14 @@ elif gpu_listed; then name=r1_distill_1p5b; why="STUDENT_MODEL is set and CUDA i
 else name=demo_cpu; why="STUDENT_MODEL is set but no CUDA device is visible; the demo recipe runs on STUDENT_MODEL"
 fi
 set_recipe "$name"
+if [ "$name" = r1_distill_1p5b ]; then  # without them its configs would fall back to the 135M demo student and a self-teacher
+  unset_vars=$(for v in STUDENT_MODEL TEACHER_MODEL; do [ -n "${!v:-}" ] || printf '%s ' "$v"; done)
+  if [ -n "$unset_vars" ]; then
+    echo "run.sh: recipe r1_distill_1p5b needs STUDENT_MODEL and TEACHER_MODEL, local model directories (unset: ${unset_vars% });" \
+         "the CPU demo is: bash run.sh demo_cpu" >&2
+    exit 2
+  fi
+fi
 # The run's directories, and the scratch environment where /tmp is small: data_tools/rundirs.py's rule (the header
 # above), the one the stages' own defaults follow. Standard library only: before set-up, the system's python3.
 boot=$PY; command -v "$boot" >/dev/null 2>&1 || boot=python3

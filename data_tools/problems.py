@@ -67,6 +67,8 @@ class LoadResult:
     unwrapped: int = 0
     wrapper_unrecognised: int = 0
     unrecognised_rows: list[int] = field(default_factory=list)
+    #: verl format only: messages of other roles than the one user message (system, assistant), dropped, by role
+    other_roles: dict[str, int] = field(default_factory=dict)
 
     def report(self) -> str:
         """One line for the log: counts and the columns used (for verl data the problem column names the wrappers
@@ -77,6 +79,9 @@ class LoadResult:
         if self.wrapper_unrecognised:
             more = ", ..." if self.wrapper_unrecognised > len(self.unrecognised_rows) else ""
             line += f"; wrapper not recognised in rows {', '.join(map(str, self.unrecognised_rows))}{more}"
+        if self.other_roles:
+            line += "; messages dropped (only the user message is the problem): " + ", ".join(
+                f"{n} {r}" for r, n in sorted(self.other_roles.items()))
         return line
 
 
@@ -134,7 +139,9 @@ VERL_FIELDS = {"problem": "prompt (the user message)", "answer": "reward_model.g
 
 
 def _is_verl(columns: set[str]) -> bool:
-    return "reward_model" in columns and "prompt" in columns and _pick(columns, ANSWER_COLUMNS) is None
+    # prompt + reward_model is verl whatever else a row carries: a stray "answer" column must not turn the chat
+    # messages into a problem's text (the answer comes from reward_model.ground_truth)
+    return "reward_model" in columns and "prompt" in columns
 
 
 def _verl_user_text(prompt: Any) -> str:
@@ -179,6 +186,9 @@ def _from_verl(records: list[dict[str, Any]], res: LoadResult) -> tuple[list[dic
             id_fallbacks.add(ic)
         try:
             text = _verl_user_text(rec.get("prompt"))
+            for m in rec.get("prompt") if isinstance(rec.get("prompt"), (list, tuple)) else ():
+                if m.get("role") != "user":
+                    res.other_roles[m["role"]] = res.other_roles.get(m["role"], 0) + 1
             rm = rec.get("reward_model")
             if not isinstance(rm, dict):
                 raise ValueError(f"field 'reward_model' must be a struct with ground_truth, got {type(rm).__name__}")

@@ -67,7 +67,7 @@ def _plan(tmp_path, **env):
     (stub / "nvidia-smi").write_text("#!/bin/sh\ncat <<'EOF'\n" + SMI_8 + "EOF\n")
     (stub / "nvidia-smi").chmod(0o755)
     e = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "OPD_NUM_PROCESSES", "NNODES")}
-    e.update(PATH=f"{stub}:{os.environ['PATH']}", STUDENT_MODEL=str(tmp_path / "student"),
+    e.update(PATH=f"{stub}:{os.environ['PATH']}", STUDENT_MODEL=str(tmp_path / "student"), TEACHER_MODEL=str(tmp_path / "student"),
              OUTPUT_DIR=str(tmp_path / "out"), **env)
     return subprocess.run(["bash", "run.sh", "--plan"], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
 

@@ -302,6 +302,7 @@ def test_run_sh_without_venv_on_a_gpu_node_never_calls_pip(tmp_path):
         stub = _stub_bin(tmp_path / f"bin-{name}", log, python, gpu=True)
         for plan in ([], ["--plan"]):
             env = dict(base, PATH=f"{stub}:{os.environ['PATH']}", STUDENT_MODEL=str(tmp_path / "no-model"),
+                       TEACHER_MODEL=str(tmp_path / "no-model"),
                        TRAIN_DATA="synth:train:4", OUTPUT_DIR=str(tmp_path / "out"), OPD_CACHE=str(tmp_path / "cache"),
                        PIP_NO_INDEX="1")
             r = subprocess.run(["bash", str(repo / "run.sh"), *plan], cwd=tmp_path, env=env, capture_output=True,

@@ -132,9 +132,15 @@ def _model_dir(path: Path) -> Path:
     return path
 
 
-def test_plan_formal_recipe_prints_every_config_and_budget():
-    r = _run_sh("--plan", "r1_distill_1p5b", env={"MAX_WALL_TIME_SECONDS": "43200", "DEADLINE_RESERVE_SECONDS": "900",
-                                                  "TRAIN_DATA": "synth:train:10"})
+def test_plan_formal_recipe_prints_every_config_and_budget(tmp_path):
+    env = {"MAX_WALL_TIME_SECONDS": "43200", "DEADLINE_RESERVE_SECONDS": "900", "TRAIN_DATA": "synth:train:10"}
+    # naming the formal recipe requires its models: never the embedded demo student with a self-teacher
+    for missing in ({}, {"STUDENT_MODEL": str(_model_dir(tmp_path / "s"))}):
+        r = _run_sh("--plan", "r1_distill_1p5b", env={**env, **missing})
+        assert r.returncode == 2 and "run.sh: recipe r1_distill_1p5b needs STUDENT_MODEL and TEACHER_MODEL" in r.stderr
+        assert ("unset: TEACHER_MODEL)" if missing else "unset: STUDENT_MODEL TEACHER_MODEL)") in r.stderr, r.stderr
+    s = str(_model_dir(tmp_path / "s"))  # one directory for both: nothing to compare, no tokenizer loaded
+    r = _run_sh("--plan", "r1_distill_1p5b", env={**env, "STUDENT_MODEL": s, "TEACHER_MODEL": s})
     assert r.returncode == 0, r.stderr
     out = r.stdout
     for f in ("configs/curate_r1_distill_1p5b.yaml", "configs/opd_r1_distill_1p5b.yaml",
@@ -157,7 +163,8 @@ def test_plan_without_argument_picks_the_demo_and_says_why(tmp_path):
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-x)'\n")
     (fake / "nvidia-smi").chmod(0o755)
-    e = dict(os.environ, STUDENT_MODEL=student, TRAIN_DATA="synth:train:10", PATH=f"{fake}:{os.environ['PATH']}")
+    e = dict(os.environ, STUDENT_MODEL=student, TEACHER_MODEL=student, TRAIN_DATA="synth:train:10",
+             PATH=f"{fake}:{os.environ['PATH']}")
     e.pop("CUDA_VISIBLE_DEVICES", None)
     r = subprocess.run(["bash", str(REPO / "run.sh"), "--plan"], capture_output=True, text=True, env=e, timeout=60)
     from data_tools.preflight import torch_is_cpu_build

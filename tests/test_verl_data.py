@@ -218,3 +218,19 @@ def test_chunks_graded_under_one_profile_are_not_reused_under_another(tmp_path):
     default = _fingerprint(CurateConfig(output_dir=str(tmp_path / "o")), models)
     formal = _fingerprint(CurateConfig(output_dir=str(tmp_path / "o"), grader_profile="formal"), models)
     assert len(default) == len(formal) == 16 and default != formal
+
+
+def test_an_extra_answer_column_and_other_roles_do_not_hide_the_verl_reading(tmp_path):
+    """prompt + reward_model is verl whatever else a row has: a stray ``answer`` column does not make the chat
+    messages the problem's text (the answer is reward_model.ground_truth), and a system or assistant message beside
+    the user's is dropped and counted in the summary, never silently."""
+    rows = [_row(WRAP.format(problem="What is 6 x 7?"), "42", 0), _row("", "8", 1, prompt=[
+        {"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "What is 2^3?"},
+        {"role": "assistant", "content": "8"}])]
+    schema = SCHEMA.append(pa.field("answer", pa.string()))
+    f = tmp_path / "with_answer.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "answer": "wrong"} for r in rows], schema=schema), f)
+    res = load_problems(f)
+    assert [(r["problem"], r["answer"]) for r in res.rows] == [("What is 6 x 7?", "42"), ("What is 2^3?", "8")]
+    assert res.other_roles == {"assistant": 1, "system": 1}
+    assert "messages dropped (only the user message is the problem): 1 assistant, 1 system" in res.report()
