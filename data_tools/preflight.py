@@ -512,14 +512,15 @@ def check_disk(rep: Report, plan: Plan, params: int | None, free: Callable[[Path
 
 
 def check_small_tmp(rep: Report, plan: Plan, env: Mapping[str, str]) -> None:
-    """A warning when OUTPUT_DIR or CKPT_DIR lies on a small /tmp (or HOME) file system (``data_tools.rundirs``):
-    run.sh moves temp files and caches off it, but tables, resume states and exports stay where these point."""
+    """A refusal when OUTPUT_DIR or CKPT_DIR lies on a small /tmp (or HOME) file system (``data_tools.rundirs``):
+    run.sh moves temp files and caches off it, but tables, resume states and exports stay where these point, and
+    would fill it hours into the run (HOME=/tmp without /out and without OUTPUT_DIR leads there)."""
     from data_tools.rundirs import SmallFs
 
     small = SmallFs(env)
     on = [f"{what} {d}" for what, d in (("OUTPUT_DIR", plan.output_dir), ("CKPT_DIR", plan.ckpt_dir)) if small.holds(d)]
     if on:
-        rep.warn(f"{' and '.join(on)} on a small file system ({'; '.join(small.devices.values())}): the run's tables, "
+        rep.refuse(f"{' and '.join(on)} on a small file system ({'; '.join(small.devices.values())}): the run's tables, "
                  "resume states and exports will not fit there; set OUTPUT_DIR to a directory on a disk")
 
 

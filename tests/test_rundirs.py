@@ -232,3 +232,20 @@ def test_small_tmp_script_measures_the_peak_and_fails_over_the_limit(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "peak 0.00 MiB (0 KiB)" in r.stdout and "passed" in r.stdout, r.stdout + r.stderr
     assert (keep / "z").stat().st_size == 6 * MIB
+
+
+def test_preflight_refuses_a_run_directory_on_the_small_tmp():
+    """HOME=/tmp on a small tmpfs, no /out, no OUTPUT_DIR: the run's own directory would land on the tmpfs and fill it
+    hours in; the preflight refuses it in one line instead of warning (/tmp treated as small: OPD_SMALL_TMP=1)."""
+    from types import SimpleNamespace
+
+    from data_tools import preflight
+
+    out = Path("/tmp/opd-never-created/runs/default")  # its nearest existing ancestor is /tmp itself: nothing is made
+    for env, refused in (({"OPD_SMALL_TMP": "1"}, True), ({"OPD_SMALL_TMP": "0"}, False)):
+        rep = preflight.Report()
+        preflight.check_small_tmp(rep, SimpleNamespace(output_dir=out, ckpt_dir=out / "checkpoints"), env)
+        assert len(rep.refusals) == (1 if refused else 0) and rep.warnings == []
+        if refused:
+            assert rep.refusals[0].startswith(f"OUTPUT_DIR {out} and CKPT_DIR") and "set OUTPUT_DIR" in rep.refusals[0]
+    assert not out.parent.parent.exists()
