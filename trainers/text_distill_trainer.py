@@ -131,18 +131,6 @@ class DistillationTrainer(Trainer):
                                     batch_size=self._train_batch_size * self.args.gradient_accumulation_steps,
                                     sampler_fn=self._get_train_sampler, is_training=True)
 
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False):
-        """transformers >= 4.53's helper where it exists; else the same DataLoader built here."""
-        parent = getattr(super(), "_get_dataloader", None)
-        if parent is not None:
-            return parent(dataset=dataset, description=description, batch_size=batch_size, sampler_fn=sampler_fn,
-                          is_training=is_training)
-        from torch.utils.data import DataLoader  # pragma: no cover - transformers < 4.53
-
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler_fn(dataset), collate_fn=self.data_collator,
-                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
-        return self.accelerator.prepare(loader)
-
     def _get_train_sampler(self, dataset=None):
         dataset = self.train_dataset if dataset is None else dataset
         gen_batch = self.args.per_device_train_batch_size * self.accelerator.num_processes * \
