@@ -25,7 +25,7 @@ its own LaTeX reader + sympy; the second table prints the agreement with and wit
 false accepts. Without math-verify installed at all, the plain math-verify columns print "-".
 
 Plain math-verify is ``parse("$gold$")``, ``parse(pred)``, ``verify(gold, pred)`` with default
-config (signal timeouts on, main thread), which is what design.md section 8 timed (34.6/s).
+config (signal timeouts on, main thread), which is what docs/design.md section 8 timed (34.6/s).
 Both are warmed up first on MATH-500 reference answers (see main). Timings are single-threaded (workers=1) for both, wall clock, answers per second.
 """
 

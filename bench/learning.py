@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights (design.md section 8), TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights (docs/design.md section 8), TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
     sources = [x.strip() for x in (extra.pool_from or "").split(",") if x.strip()]
     if extra.stage == "pool" and not sources:

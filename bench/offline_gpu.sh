@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run bench commands on a GPU machine that has torch / transformers / pyarrow but no package index
-# (this project's validation machines, design.md section 8): install carried wheels, rebuild the
+# (this project's validation machines, docs/design.md section 8): install carried wheels, rebuild the
 # embedded student's package from carried parts, run a queue of commands in the background (one
 # command after another, never two on the GPU at once), and pack what they wrote.
 #

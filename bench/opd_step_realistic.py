@@ -350,7 +350,7 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
            "batch": {"completions": opts.completions, "G": opts.G, "cap": opts.cap, "prompt_len": opts.prompt_len,
                      "micro_batch": opts.micro_batch, "grad_accum": opts.completions // opts.micro_batch},
            "lengths": {"distribution": f"log-normal, sigma {opts.sigma}, mu solved for P(L > cap) = {opts.clip_rate}",
-                       "source": "design.md section 1: 6.45% of MATH-500 samples clipped at a 12,288 cap, scaled to "
+                       "source": "docs/design.md section 1: 6.45% of MATH-500 samples clipped at a 12,288 cap, scaled to "
                                  "the bench cap; sigma assumed (bench/step_realism.py)", "seed": opts.seed},
            "variant_notes": notes, "pieces": {}, "floor": {}, "timed_batch": opts.warmup}
 

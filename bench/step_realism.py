@@ -4,7 +4,7 @@ every generator alike, and the memory-bandwidth floor of decoding that batch.
 Length distribution
 -------------------
 Reasoning completions are long-tailed. The only length statistic this project has measured is the reference
-recipe's MATH-500 clip rate: 6.45% of samples hit the 12,288-token cap (design.md section 1, "clip rate 0.0645 at
+recipe's MATH-500 clip rate: 6.45% of samples hit the 12,288-token cap (docs/design.md section 1, "clip rate 0.0645 at
 step 40"). We take a log-normal, ln L ~ Normal(mu, sigma), the usual model of a positive, right-skewed length, and
 
 - scale it to the bench's cap: mu is solved so that P(L > cap) = ``clip_rate`` (6.45%) at the cap of the run
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: design.md section 1: MATH-500 clip rate of the reference recipe at its 12,288-token cap.
+#: docs/design.md section 1: MATH-500 clip rate of the reference recipe at its 12,288-token cap.
 CLIP_RATE = 0.0645
 #: Log-normal shape parameter (assumption, see the module docstring).
 SIGMA = 0.75

@@ -2,7 +2,7 @@
 
 Built on TRL's ``TrlParser`` (``trl/scripts/utils.py``) over dataclasses: ``--config FILE.yaml``
 sets the defaults, unknown YAML keys are an error, ``--field value`` flags override. Between the
-two sits the formal run contract (design.md section 6): the environment variables below win over
+two sits the formal run contract (docs/design.md section 6): the environment variables below win over
 the YAML recipe, so a launcher can point one recipe at other models, data and directories.
 """
 
@@ -19,7 +19,7 @@ import yaml
 
 from data_tools import rehearsal
 
-# TRL 1.16 warns five times on import that it was tested up to vLLM 0.31 (we pin 0.32, design.md
+# TRL 1.16 warns five times on import that it was tested up to vLLM 0.31 (we pin 0.32, docs/design.md
 # section 8): known and harmless, so only that message is silenced.
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
 from trl import TrlParser  # noqa: E402 - after the filter above

@@ -3,7 +3,7 @@
 Pure functions over a per-sample table (rows with ``problem_id``, ``correct``, ``finish_reason``),
 so the numbers in ``summary.json`` can be recomputed from ``samples.parquet`` with duckdb.
 
-Conventions (design.md section 7; lm-evaluation-harness for the standard error):
+Conventions (docs/design.md section 7; lm-evaluation-harness for the standard error):
 
 - **pass@1** = mean correctness over *all* samples. With the same k samples per problem this equals
   the mean of the per-problem pass rates.

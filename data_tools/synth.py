@@ -1,7 +1,7 @@
 """Deterministic generators of math problems with exact answers and worked solutions.
 
 The embedded student (SmolLM2-135M-Instruct) cannot solve MATH problems, so the CPU demo uses a
-ladder of easy ones whose difficulty spreads its pass rate between 0 and 1 (design.md section 8
+ladder of easy ones whose difficulty spreads its pass rate between 0 and 1 (docs/design.md section 8
 measured 0.04-0.29 by level on addition-style problems). Ladder ``easy`` (source ``synth:``):
 
 1. one-digit addition            4. fractions, percentages, two-digit x one-digit

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-# No hub at run time (design.md section 8): never try the network for models, datasets or telemetry.
+# No hub at run time (docs/design.md section 8): never try the network for models, datasets or telemetry.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

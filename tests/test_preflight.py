@@ -131,7 +131,7 @@ def test_the_card_and_the_imports_are_required_and_the_rest_optional():
 
 
 def test_the_formal_images_versions_pass_with_only_vllm_untested():
-    """The formal image (docs/design.md, "The formal machine"): torch 2.10, vLLM 0.17, transformers 4.57, TRL 1.0 (or
+    """The formal image (docs/design.md section 1): torch 2.10, vLLM 0.17, transformers 4.57, TRL 1.0 (or
     0.29), numpy 1.26.4, pyarrow 23.0.1, datasets 4.7, accelerate 1.12, no duckdb: no refusal on its GPU; vLLM 0.17,
     which ran on no machine here, is the one untested version (the formal recipe trains with the fast decoder)."""
     image = {"torch": "2.10.0+cu129", "vllm": "0.17.0", "transformers": "4.57.6", "trl": "1.0.0", "numpy": "1.26.4",

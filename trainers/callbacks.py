@@ -1,4 +1,4 @@
-"""Run-contract callbacks and checkpoint helpers (design.md section 6).
+"""Run-contract callbacks and checkpoint helpers (docs/design.md section 6).
 
 - ``DeadlineCallback``: the horizon is the wall clock. Training stops before a step that would end
   past ``max_wall_time_seconds - deadline_reserve_seconds`` counted from the *run's start*

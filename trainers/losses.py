@@ -1,6 +1,6 @@
 """Loss terms of on-policy distillation with a verifier reward (pure functions, no trainer state).
 
-Objective (design.md section 5), for a prompt x, G student samples y ~ pi_theta(.|x), a teacher
+Objective (docs/design.md section 5), for a prompt x, G student samples y ~ pi_theta(.|x), a teacher
 context c(x) and a verifier reward r(x, y) in {0, 1}:
 
 - sampled reverse KL per token:   k1_t = log pi_theta(y_t | x, y_<t) - log pi_T(y_t | c, y_<t)
@@ -224,7 +224,7 @@ def sampled_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp:
     w_t the rollout importance weight (1 without one). Sources: Thinking Machines / tinker
     ``distillation/train_on_policy.py`` (per-token advantage -kl_coef * k1, discount 0); verl
     ``loss_mode=k1, use_policy_gradient=True`` (PPO clip, optional ``log_prob_min_clamp``, KL clamped
-    to +-10); TRL GRPO (per-token loss times the vLLM IS ratio); design.md section 5.
+    to +-10); TRL GRPO (per-token loss times the vLLM IS ratio); docs/design.md section 5.
 
     Args:
         logp: ``(n,)`` student log-probs of the sampled tokens, with grad.
@@ -274,7 +274,7 @@ def sampled_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp:
 def full_vocab_loss(kl: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, num_items: torch.Tensor | float,
                     *, w_kl: float = 1.0, w_reward: float = 1.0, is_weights: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full-vocabulary reverse KL plus the reward policy-gradient term (design.md section 5).
+    """Full-vocabulary reverse KL plus the reward policy-gradient term (docs/design.md section 5).
 
     loss = w_kl * sum_t w_t KL_t / N - w_reward * sum_t w_t A_seq(t) * log pi_theta(y_t) / N, w_t the
     rollout importance weight (1 without one): the positions were reached by the rollout engine's samples.

@@ -30,7 +30,7 @@ def cpu_bf16_native() -> bool:
     except (AttributeError, RuntimeError):  # a torch without the probe: assume native, as before
         return True
 
-#: ``max_steps`` given to transformers: the wall clock ends training, never a step count (design.md section 6).
+#: ``max_steps`` given to transformers: the wall clock ends training, never a step count (docs/design.md section 6).
 UNBOUNDED_STEPS = 10**9
 KL_MODES = ("sampled", "full")
 TEACHER_CONTEXTS = ("teacher", "privileged")
@@ -255,7 +255,7 @@ class OPDConfig(DistillationConfig):
         "help": "Leave 'no': saving is driven by ckpt_every_steps / ckpt_every_minutes and the deadline."})
     save_total_limit: int | None = field(default=1, metadata={"help": "Resume states kept in <output_dir>/resume."})
     bf16: bool | None = field(default=False, metadata={
-        "help": "bf16 autocast. Off by default: design.md section 8 saw bf16 autocast break SmolLM2 GRPO on GPU. On "
+        "help": "bf16 autocast. Off by default: docs/design.md section 8 saw bf16 autocast break SmolLM2 GRPO on GPU. On "
                 "a CPU without native bf16 (AVX512-BF16 / AMX) it is turned off with a warning: emulated, it runs "
                 "several times slower than fp32."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Activation checkpointing (on for long completions)."})

@@ -1,6 +1,6 @@
 """Schedules over the wall clock: pure ``fraction -> factor`` maps and a torch ``LambdaLR`` that reads them.
 
-A formal run's step count is unknown in advance (the horizon is time, design.md section 6), so a
+A formal run's step count is unknown in advance (the horizon is time, docs/design.md section 6), so a
 decay over ``max_steps`` cannot be used. These schedules take the *fraction of the training window
 used*, f in [0, 1] (``OPDTrainer.time_fraction()``), and return a multiplier of the peak value:
 

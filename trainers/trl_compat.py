@@ -1,6 +1,6 @@
 """The one module that knows which TRL is installed: every TRL name the trainers use is imported from here.
 
-opd runs on TRL 0.29 to 1.16 (docs/design.md, "The formal machine": the formal image's TRL is whatever its base
+opd runs on TRL 0.29 to 1.16 (docs/design.md section 1: the formal image's TRL is whatever its base
 image carried, and images of vLLM 0.17's time carry 0.29 to 1.x). What differs across that range, and what stands
 in for it where TRL lacks it:
 

