@@ -25,7 +25,7 @@ help:
 	@echo "make query   SQL=\"...\"            duckdb over the run's tables (OUTPUT_DIR picks the run)"
 	@echo "make test                        fast CPU tests;  make test-all: also the slow ones"
 	@echo "make bench-grader                grader speed vs plain math-verify, agreement with and without it;  make bench: GPU step benchmark"
-	@echo "make bench-realistic [ARGS=...]    GPU: the realistic stage-two step (128 x 8k drawn lengths, 7B teacher; issue 15)"
+	@echo "make bench-realistic [ARGS=...]    GPU: the realistic stage-two step (128 x 8k drawn lengths, 7B teacher)"
 	@echo "make learning [LEARN_DIR=...]     learning efficacy: the objective's arms at equal GPU seconds (bench/LEARNING.md)"
 	@echo "Extra flags for any stage: ARGS=\"--field value ...\""
 

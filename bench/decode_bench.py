@@ -1,4 +1,4 @@
-"""Decode micro-bench (issue 15): one realistic stage-two generation call, decoder levers on and off.
+"""Decode micro-bench: one realistic stage-two generation call, decoder levers on and off.
 
 The formal recipe's batch: 32 prompts x G = 4 = 128 completions, a cap of 8,192 new tokens, sampled at
 T = 1. Completion lengths per row follow a log-normal (median 1,500 tokens; sigma set so that 6% of rows

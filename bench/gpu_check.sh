@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One pass of the GPU checks on a CUDA machine, with or without vLLM (issue 12), from the repo root:
+# One pass of the GPU checks on a CUDA machine, with or without vLLM, from the repo root:
 #
 #   bash bench/gpu_check.sh [RESULTS_DIR]     # default ${TMPDIR:-/tmp}/opd-gpu-check
 #

@@ -1,4 +1,4 @@
-"""Head-kernel benchmark (issue 15, lever d): time and peak memory of the vocabulary terms, naive vs TRL vs Liger.
+"""Head-kernel benchmark (the realistic step's lever d): time and peak memory of the vocabulary terms, naive vs TRL vs Liger.
 
 Shapes of the realistic step's micro-batch head: n = 8,192 completion tokens, a Qwen2.5-1.5B-shaped
 student head (151,936 rows x 1,536, tied embedding: the weight gets a gradient) and a 7B-shaped

@@ -1,4 +1,4 @@
-"""Learning efficacy (issue 13): which stage-two recipe makes a small student better per GPU second.
+"""Learning efficacy: which stage-two recipe makes a small student better per GPU second.
 
     python -m bench.learning --out DIR                       # the GPU experiment (all arms, defaults below)
     python -m bench.learning --out DIR --preset cpu_smoke    # seconds-long budgets, to check the plumbing on a CPU
@@ -41,7 +41,7 @@ A sequential arm (j, k, l) is also evaluated at its hand-over, after its last of
 ``HANDOVER_MARK`` = -1, its ``train_s`` and ``step`` say when): the report gives last mark − hand-over per run, what
 the on-policy steps did to the model they started from.
 
-Regime (iii) (issue 41, bench/learning/run-3-plan.md; ``--preset regime3``): ``--student_layers N`` cuts the student to
+Regime (iii) (bench/learning/run-3-plan.md; ``--preset regime3``): ``--student_layers N`` cuts the student to
 N of its decoder layers (``bench.learning_setup``) and the start's SFT heals it, the teacher is the whole model + SFT,
 ``--train_data`` / ``--unseen_arm_problems`` give the arms problems neither saw, ``--kl_probe_problems`` measures the
 start's per-token reverse KL under the teacher, and the setup's lines (teacher − start, on the problems the start

@@ -97,7 +97,7 @@ PRESETS: dict[str, dict] = {
     "cpu_smoke": dict(n_train=48, n_test=6, budget_s=6.0, marks="3,6", teacher_sft_s=4.0,
                       per_device_train_batch_size=8, num_generations=4, max_completion_length=16, eval_samples=2, stage_one_problems=16, sft_batch_size=8,
                       eval_batch=64, sft_filter="none"),
-    # regime (iii) of issue 41 (bench/LEARNING.md "Run 3"): a student cut to 12 of the 30 layers and healed by SFT, the
+    # regime (iii) (bench/LEARNING.md "Run 3"): a student cut to 12 of the 30 layers and healed by SFT, the
     # full model fine-tuned as its teacher, arms on problems neither saw, long answers, few measured problems, the
     # formal schedule (linear over each arm's training seconds, warm-up in seconds), the plan's 320-token cap and
     # avg@4 on 1,500 held-out problems. GSM8K train in file order: the start and the teacher SFT on problems 1-4400,

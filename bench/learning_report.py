@@ -224,7 +224,7 @@ def contrasts(cfg: LearningConfig, evals: dict[str, list[dict]], groups: dict[st
 
 
 def setup_measures(cfg: LearningConfig, f: str) -> dict:
-    """The setup's measurement before any arm (issue 41): teacher − start on the held-out problems, paired, with
+    """The setup's measurement before any arm (the gap a teacher must show first): teacher − start on the held-out problems, paired, with
     df = problems − 1; the problems the start fails (none of its samples right): how many, and the teacher's avg@k
     on them; and ``data/setup_kl.json`` (the per-token reverse KL of the start's samples under the teacher) when
     measured. Raises FileNotFoundError without both evaluations."""

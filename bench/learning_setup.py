@@ -1,4 +1,4 @@
-"""Regime (iii)'s setup pieces of bench/learning.py (issue 41): a student cut from the full model, and the per-token
+"""Regime (iii)'s setup pieces of bench/learning.py: a student cut from the full model, and the per-token
 reverse KL of the start's samples under the teacher.
 
 - :func:`kept_layers` / :func:`cut_layers` / :func:`cut_model`: a causal LM keeping N of its decoder layers, saved as

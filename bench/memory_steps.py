@@ -1,6 +1,6 @@
 """Is a run's memory flat over its steps? Reads a training run's ``metrics/train.jsonl`` (``memory/allocated_gib``:
 held at each step's end; ``memory/step_peak_gib``: the step's own peak; ``trainers.model_utils.StepMemory``) and fits
-a line to each over the on-policy steps (issue 37: "memory per step flat over >= 50 steps, or the climb found").
+a line to each over the on-policy steps (the question: is memory per step flat over >= 50 steps, or where does it climb).
 
     python -m bench.memory_steps RUN_DIR [--skip 5] [--horizon-steps 1800] [--limit-gib 1.0] [--md OUT.md]
 

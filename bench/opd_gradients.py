@@ -1,4 +1,4 @@
-"""Why on-policy distillation learns less per sequence than SFT: its gradients on one real batch (issue 13, step 1).
+"""Why on-policy distillation learns less per sequence than SFT: its gradients on one real batch.
 
     python -m bench.opd_gradients --grad_layers 2 --resamples 4 --max_new_tokens 32 --prompts 2   # CPU (slow)
     python -m bench.opd_gradients --student DIR/start --teacher DIR/teacher --resamples 16           # one GPU

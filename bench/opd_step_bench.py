@@ -16,7 +16,7 @@ other trainer's weights in the same process are not counted.
 
 usage:  python bench/opd_step_bench.py [--device cuda] [--steps 3] [--warmup 1] [--modes sampled,full]
         python bench/opd_step_bench.py --device cpu --tiny          (CPU smoke test of the same code)
-        python bench/opd_step_bench.py --train-steps 3 --skip-bench  (issue 3: OPDTrainer.train() for N steps)
+        python bench/opd_step_bench.py --train-steps 3 --skip-bench  (OPDTrainer.train() for N steps)
         python bench/opd_step_bench.py --train-steps 80 --skip-bench --compiled-variant --forced-lengths
             --new-tokens 1024 --train-json /tmp/memv/train.json     (memory over steps of varying lengths;
                                                  then python -m bench.memory_steps /tmp/memv/opd_train --skip 30)
@@ -451,7 +451,7 @@ def run_bench(opts):
 
 
 def run_trainer(opts):
-    """Issue 3: OPDTrainer.train() for a few steps on the 1.5B shape; step time and peak memory from its metrics."""
+    """OPDTrainer.train() for a few steps on the 1.5B shape; step time and peak memory from its metrics."""
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
@@ -472,7 +472,7 @@ def run_trainer(opts):
     if "compile_layers" in OPDConfig.__dataclass_fields__:
         extra["compile_layers"] = bool(opts.compiled_variant)  # --compiled-variant: the shipped default on CUDA
     if opts.async_generation:
-        extra["async_generation"] = True  # issue 15 lever (a): decode of step k+1 overlaps step k's update
+        extra["async_generation"] = True  # lever (a): decode of step k+1 overlaps step k's update
     args = OPDConfig(output_dir=str(out), num_generations=opts.G, kl_mode=opts.modes[0], teacher_context="teacher",
                      model_dtype="bfloat16", per_device_train_batch_size=opts.prompts, gradient_accumulation_steps=1,
                      max_completion_length=opts.new_tokens,

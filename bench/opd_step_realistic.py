@@ -1,4 +1,4 @@
-"""Realistic stage-two step bench (issue 15): OPDTrainer (per lever) vs trl.DistillationTrainer on the formal batch.
+"""Realistic stage-two step bench: OPDTrainer (per lever) vs trl.DistillationTrainer on the formal batch.
 
 ``--case realistic`` (default): the formal recipe's batch, 32 prompts x G = 4 = 128 completions, cap 8,192 new
 tokens, completion lengths drawn per sample from a long-tailed log-normal with EOS forced at the drawn length for
@@ -80,7 +80,7 @@ TINY_TEACHER = dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, 
                     intermediate_size=192, vocab_size=sb.TINY["vocab_size"] + 128, tie_word_embeddings=False,
                     rope_theta=1e6, max_position_embeddings=4096, rms_norm_eps=1e-6)
 
-#: lever -> (OPDConfig field, value when on, value when off); names fixed by issue 15's plan.
+#: lever -> (OPDConfig field, value when on, value when off); names fixed by the bench's plan (bench/RESULTS.md).
 LEVERS = {"compact": ("decode_compaction", True, False), "compile": ("decode_compile", True, False),
           "grow": ("decode_kv_growth", True, False), "async": ("async_generation", True, False),
           "liger": ("head_kernel", "liger", "trl")}

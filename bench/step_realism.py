@@ -1,4 +1,4 @@
-"""What makes the realistic stage-two step realistic (issue 15): drawn completion lengths, EOS forced at them for
+"""What makes the realistic stage-two step realistic: drawn completion lengths, EOS forced at them for
 every generator alike, and the memory-bandwidth floor of decoding that batch.
 
 Length distribution
@@ -255,7 +255,7 @@ def weight_bytes(model) -> int:
 
 def decode_floor(lengths: list[int], prompt_lens: list[int], w_bytes: int, kv_tok: int,
                  bandwidth: float) -> dict:
-    """Memory-bandwidth floor of decoding a batch (issue 15): seconds and bytes.
+    """Memory-bandwidth floor of decoding a batch: seconds and bytes.
 
     Row r emits ``lengths[r]`` tokens: token 0 from the prefill, tokens t = 1..L_r-1 from decode steps. Decode step
     t (t = 1 .. max L - 1) reads the weights once (``w_bytes``) and, for every row still live (L_r > t), its KV of

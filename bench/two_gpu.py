@@ -1,4 +1,4 @@
-"""Two-GPU run of OPDTrainer (issue 6): same-batch loss check and weak-scaling throughput, 1 vs N processes.
+"""Two-GPU run of OPDTrainer: same-batch loss check and weak-scaling throughput, 1 vs N processes.
 
 Launch (one process per GPU; the same script and config for the 1-GPU reference):
 

@@ -8,7 +8,7 @@ measured 0.04-0.29 by level on addition-style problems). Ladder ``easy`` (source
 2. two-digit addition/subtraction 5. linear equations, two-step expressions
 3. one-digit multiplication, sums of three numbers
 
-Ladder ``hard`` (source ``synth-hard:``), for the learning-efficacy experiment (issue 7), where
+Ladder ``hard`` (source ``synth-hard:``), for the learning-efficacy experiment (bench/learning.py), where
 reward-only training on easy arithmetic saturated in five GPU minutes: every problem needs two or
 more dependent steps, and each worked solution spells the steps out (what a small teacher can learn
 to imitate and a student cannot guess in one token):

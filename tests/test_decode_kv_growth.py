@@ -214,7 +214,7 @@ def test_growth_needs_compaction(caplog):
 
 
 def test_realistic_batch_expected_peak():
-    """The docstring's figures: issue 15's realistic batch (128 rows, cap 8,192, seed 0) with 256-token buckets."""
+    """The docstring's figures: the realistic bench's batch (128 rows, cap 8,192, seed 0) with 256-token buckets."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import step_realism as sr
 

@@ -2,7 +2,7 @@
 
 Each captured window is warmed up on a side stream first. A new ``torch.cuda.Stream()`` per capture walked the
 device's pool of 32 streams and cuBLAS kept a workspace per (handle, stream) it ran on (32 MiB each on an H200, never
-freed): ``memory/allocated_gib`` rose by one workspace per new stream until the pool was used up (issue 37, item 4;
+freed): ``memory/allocated_gib`` rose by one workspace per new stream until the pool was used up (memory over many steps;
 bench/RESULTS.md run 10). The CPU test holds the contract (one stream per device, reused); the GPU test measures
 the allocated memory over calls that capture new windows.
 """

@@ -1,4 +1,4 @@
-"""Fault injection (issue 16; the table of outcomes is tests/FAULTS.md).
+"""Fault injection (the table of outcomes is tests/FAULTS.md).
 
 kill -9, SIGINT and SIGTERM at several points of curation, training (also inside an export and
 inside the resume save) and evaluation, then a re-run; a full disk under training; SIGINT and

@@ -389,7 +389,7 @@ def test_hostile_shapes_linear_in_a_thread(name):
 
 
 def test_bare_answer_is_read_whole():
-    """An output that is only an answer is that answer (issue 39 item 7/8); prose still needs its final answer."""
+    """An output that is only an answer is that answer (an answer-only output must not be misread); prose still needs its final answer."""
     v = grade("41 * 74", "3034")
     assert v.correct is True and v.extracted == "41 * 74", v
     assert grade("41 * 74", "74").correct is False  # not its last number

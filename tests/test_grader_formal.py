@@ -153,7 +153,7 @@ def test_formal_recipe_configs_set_style_and_profile():
 def test_trainer_config_takes_the_profile(tmp_path):
     try:
         from trainers.opd_config import OPDConfig
-    except ImportError as e:  # TRL without DistillationConfig: the trainer's TRL range is another item of issue 46
+    except ImportError as e:  # TRL without DistillationConfig: the trainer's TRL range is tested elsewhere
         pytest.skip(f"trainers.opd_config does not import with this TRL: {e}")
     kw = dict(output_dir=str(tmp_path), report_to="none")
     assert OPDConfig(**kw).grader_profile == "default"

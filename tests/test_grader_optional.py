@@ -1,4 +1,4 @@
-"""The grader without math-verify (issue 42 item 3): its own LaTeX reader + sympy, one warning line.
+"""The grader without math-verify (math-verify is optional): its own LaTeX reader + sympy, one warning line.
 
 Runs whether or not math-verify is installed: the "without" cases block the import in a subprocess
 (``sys.modules["math_verify"] = None``), as an image that lacks the package would.

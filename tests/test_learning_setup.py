@@ -1,4 +1,4 @@
-"""Regime (iii)'s machinery of bench/learning.py (issue 41, bench/learning/run-3-plan.md): the cut student, the reverse-KL
+"""Regime (iii)'s machinery of bench/learning.py (bench/learning/run-3-plan.md): the cut student, the reverse-KL
 probe, the problems files and the unseen arm problems, the time schedule's window, the +kl / +ep run names, the
 setup's gate lines and the report's contrasts. Each value is checked against a plain reference computation."""
 

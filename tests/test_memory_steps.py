@@ -40,7 +40,7 @@ def test_flat_and_climbing_runs_are_told_apart(tmp_path, capsys):
     assert ms.main([str(flat)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("**Memory flat** over on-policy steps 9-63 (55 steps, the first 5 skipped)")
-    # issue 37's climb: 0.13 GiB a step is ~234 GiB over 1,800 steps
+    # a climb once seen: 0.13 GiB a step is ~234 GiB over 1,800 steps
     climb = _run(tmp_path, 0.13)
     assert ms.main([str(climb), "--md", str(tmp_path / "r.md")]) == 1
     res = ms.judge(ms.read_steps(climb), skip=5, horizon_steps=1800, limit_gib=1.0)

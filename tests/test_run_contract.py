@@ -158,7 +158,7 @@ def test_plan_without_argument_picks_the_demo_and_says_why(tmp_path):
     r = _run_sh("--plan", env={"STUDENT_MODEL": student, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0 and "recipe demo_cpu (STUDENT_MODEL is set but no CUDA device is visible" in r.stdout
     # a visible GPU (nvidia-smi lists one) with STUDENT_MODEL: the formal recipe, whose preflight refuses this
-    # interpreter's CPU torch where a GPU is visible (issue 39 item 2: a GPU node set up with the CPU stack)
+    # interpreter's CPU torch where a GPU is visible (a GPU node set up with the CPU stack)
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-x)'\n")

@@ -1,7 +1,7 @@
-"""Stage one and evaluation over several engine processes (``workers``, ``NNODES`` / ``NODE_RANK``; issue 36).
+"""Stage one and evaluation over several engine processes (``workers``, ``NNODES`` / ``NODE_RANK``).
 
 Fast: the worker pool (one line naming a failed worker, signals passed on, no worker outliving a killed
-parent), GPU slices, node layout, seeds, the node watch, and issue 39's leftovers (a failed load leaves no
+parent), GPU slices, node layout, seeds, the node watch, and earlier leftovers (a failed load leaves no
 ``parts/``). Slow (a tiny random Llama on the hf engine, one thread per process): 2 workers write the
 curriculum 1 worker writes; a killed worker stops the run with one line and a re-run completes it; two
 "nodes" on localhost merge one curriculum; evaluation with 2 workers writes the samples of 1.
@@ -237,7 +237,7 @@ def test_node_watch_names_a_failed_or_silent_node(tmp_path, monkeypatch):
         w.check(3, "run-a", "waiting")
 
 
-# --------------------------------------------------------------------------------- issue 39 leftovers
+# --------------------------------------------------------------------------------- leftovers of a failed load
 
 @pytest.mark.parametrize("row, error", [({"problem": "What is 1 + 1?", "answer": ""}, "no usable problems"),
                                         ({"problem": "What is 1 + 1?"}, "need a problem column")])

@@ -1,4 +1,4 @@
-"""The realistic step bench (issue 15): drawn lengths honoured by both generators, the decode floor by hand.
+"""The realistic step bench: drawn lengths honoured by both generators, the decode floor by hand.
 
 CPU, tiny shapes: one optimizer step of OPDTrainer (FastGenerator path) and of TRL's DistillationTrainer (both its
 own HF generate and the bench's fast-path substitution) through ``bench/opd_step_realistic.py``.

@@ -587,7 +587,7 @@ def live_probe():
 
 
 def test_nothing_is_kept_across_on_policy_steps(tmp_path, tokenizer, curriculum_path):
-    """No tensor made in an on-policy step outlives the next step (issue 37: a climb of ~one hidden-state tensor a
+    """No tensor made in an on-policy step outlives the next step (a climb of ~one hidden-state tensor a
     step on the GPU would be such a tensor). Step 1 makes what a run keeps (optimizer state); steps 2..6's tensors
     are all gone by the end of step 8."""
     tr = make_trainer(tmp_path, tokenizer, curriculum_path, debug_max_steps=8)

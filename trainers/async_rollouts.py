@@ -1,6 +1,6 @@
 """One-step off-policy generation: the next batch's rollouts are decoded while the current update runs.
 
-``OPDConfig.async_generation`` (issue 15, lever a). The schedule (TRL's ``experimental.async_grpo``,
+``OPDConfig.async_generation`` (the realistic step's lever a). The schedule (TRL's ``experimental.async_grpo``,
 verl's one-step off-policy recipe, NeMo-RL and slime ship the same idea with separate rollout engines):
 
     step k start:  take R_k (sampled during step k-1 by theta_{k-2}; synchronously by theta_{k-1} when

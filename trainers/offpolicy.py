@@ -2,7 +2,7 @@
 
 Stage one (``stages.curate``) writes the shortest verified teacher solution of each kept problem to the
 curriculum's ``teacher_solution`` column; ``build_train_dataset`` carries it to stage two. It enters the
-objective two ways (issue 13, run 2 of bench/LEARNING.md):
+objective two ways (run 2 of bench/LEARNING.md):
 
 - ``w_sft``: in an on-policy step, the cross-entropy of the teacher's solution of each prompt in the
   batch (once per prompt, not per sample), sum over its tokens / the global count of such tokens:

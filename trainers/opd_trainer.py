@@ -6,7 +6,7 @@ gradient-accumulation window with the buffered batch split into micro-batches, l
 the global completion-token count (``num_items_in_batch``), ``_forward_redirection`` so DDP / FSDP /
 DeepSpeed hooks fire, the chunked divergence kernel.
 
-What this subclass adds (issue 3, docs/design.md section 5):
+What this subclass adds (docs/design.md section 5):
 
 - G samples per prompt (``num_generations``) via ``CurriculumSampler`` (each prompt G times in a
   row, each generation batch repeated GA x ``num_iterations`` times, TRL's ``RepeatSampler`` contract).

@@ -13,7 +13,7 @@ used*, f in [0, 1] (``OPDTrainer.time_fraction()``), and return a multiplier of 
 With r = 0 these are transformers' ``get_constant_schedule_with_warmup`` /
 ``get_linear_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup`` (half a cycle) with the step
 ratio ``step / num_training_steps`` replaced by f. Seed evidence for decaying at all: at fixed steps,
-linear decay scored 54.22 vs 50.56 for constant (AIME24 avg@12, OPSD on Qwen3; issue 11).
+linear decay scored 54.22 vs 50.56 for constant (AIME24 avg@12, OPSD on Qwen3).
 
 Because the factor reads the clock, nothing of the schedule is in the optimizer's state: a resumed run
 continues from the fraction f0 its checkpoint saved (``OPDTrainer``'s ``opd_clock.json``), with

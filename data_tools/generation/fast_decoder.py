@@ -326,7 +326,7 @@ class FastGenerator:
             ``(b, KVH, cap, D)`` per layer with ``cap`` the window's length bucket (grown when a step needs more)
             and ``b`` its batch bucket (a compaction allocates the ``nb`` rows and frees the old storage), instead
             of ``(B, KVH, L, D)`` for the whole call. The cache then peaks at ``max over windows (b x cap) x
-            kv_token_bytes`` (``data_tools.generation.kv_cache``; 10.5 GiB instead of 28.9 GiB on issue 15's realistic
+            kv_token_bytes`` (``data_tools.generation.kv_cache``; 10.5 GiB instead of 28.9 GiB on the realistic
             batch), for one copy of the live rows' written KV per reallocation (about 30 a call) and an
             ``empty_cache`` after each. Reallocations happen between windows, never inside a capture; a graph
             captured on a replaced storage is never replayed. Same tokens as off (greedy and seeded sampling).

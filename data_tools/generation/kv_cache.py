@@ -30,7 +30,7 @@ allocates ``nb`` rows and drops the old storage). Then the cache peaks at
     max over windows (b x cap) x kv_token_bytes   (+ one layer's old K or V while it is being replaced)
 
 (``window_path`` replays a call's windows; ``FastGenerator.last["windows"]`` records the real ones). For the
-realistic batch of issue 15 (``bench/step_realism.py`` lengths, seed 0, 128 rows, prompts of <= 256 tokens,
+realistic batch of bench/opd_step_realistic.py (``bench/step_realism.py`` lengths, seed 0, 128 rows, prompts of <= 256 tokens,
 cap 8,192, L = 8,448, check every 128 steps, 256-token buckets) the largest window is the last one before the
 first compaction to 64 rows: 128 x 2,816 positions at step 2,305 in the timed batch (batch 1: 9.6 GiB), 128 x
 3,072 at step 2,561 in the warm-up batch (batch 0: 10.5 GiB), against 28.9 GiB without growth; a reallocation

@@ -1,6 +1,6 @@
 """The vLLM engine's processes: they die with the stage, are recorded in a pid file, and are watched.
 
-Faults (issue 16): the engine's processes die with this one (``PR_SET_PDEATHSIG``, asked for by the children forked
+Faults: the engine's processes die with this one (``PR_SET_PDEATHSIG``, asked for by the children forked
 or spawned while it starts, :func:`children_die_with_us`; a spawned child asks when it imports this module, which it
 does because the stages import it at top level and spawn re-imports the main module); their pids are kept in a pid
 file of the run directory, so a re-run after a ``kill -9`` ends the ones left over (:func:`reap_stale_engines`); and a
