@@ -169,11 +169,12 @@ def run_order(o, device):
     """Peak memory of one micro-batch loss with the teacher forward after vs before the student's."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from data_tools.formal_models import QWEN25_7B_INSTRUCT, R1_DISTILL_QWEN_1P5B, shape_kwargs
+
     common = dict(max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, attn_implementation="sdpa")
-    s_cfg = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, **common)
-    t_cfg = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, **common)
+    # the formal student's shape and the 7B stress teacher, as defined once in data_tools/formal_models.py
+    s_cfg = Qwen2Config(**shape_kwargs(R1_DISTILL_QWEN_1P5B), attn_implementation="sdpa")
+    t_cfg = Qwen2Config(**shape_kwargs(QWEN25_7B_INSTRUCT), attn_implementation="sdpa")
     if o.order_tiny:
         s_cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                             intermediate_size=64, vocab_size=o.vocab, tie_word_embeddings=True, **common)

@@ -45,9 +45,11 @@ import torch  # noqa: E402
 
 import step_realism as sr  # noqa: E402
 
-QWEN15 = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-              intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-              max_position_embeddings=32768, rms_norm_eps=1e-6)
+from data_tools.formal_models import R1_DISTILL_QWEN_1P5B, shape_kwargs  # noqa: E402
+
+#: The formal student's shape (DeepSeek-R1-Distill-Qwen-1.5B: untied head, rope_theta 1e4), defined once in
+#: data_tools/formal_models.py.
+QWEN15 = shape_kwargs(R1_DISTILL_QWEN_1P5B)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=2048, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, rms_norm_eps=1e-6)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -58,6 +58,7 @@ import datetime as dt
 import gc
 import json
 import math
+import re
 import shutil
 import sys
 import tempfile
@@ -73,13 +74,19 @@ import torch  # noqa: E402
 import opd_step_bench as sb  # noqa: E402
 import step_realism as sr  # noqa: E402
 
-QWEN7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-              intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, rope_theta=1e6,
-              max_position_embeddings=32768, rms_norm_eps=1e-6)
+from data_tools.formal_models import QWEN25_7B_INSTRUCT, shape_kwargs  # noqa: E402
+
+QWEN7B = shape_kwargs(QWEN25_7B_INSTRUCT)
 TINY_TEACHER = dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=192, vocab_size=sb.TINY["vocab_size"] + 128, tie_word_embeddings=False,
                     rope_theta=1e6, max_position_embeddings=4096, rms_norm_eps=1e-6)
 
+#: --pair: (student shape, teacher shape). The formal pair is one shape twice (JustRL-DeepSeek-1.5B is the student
+#: after RL); qwen25-7b puts a Qwen2.5-7B-shaped teacher beside it (the stress case).
+PAIRS = {"formal": (sb.QWEN15, sb.QWEN15), "qwen25-7b": (sb.QWEN15, QWEN7B)}
+#: ``spgN`` in a variant: the rollout batch updated in N optimizer steps (``steps_per_generation`` N, its
+#: gradient_accumulation_steps divided by N), timed as one row: the generation and all N updates.
+SPG = re.compile(r"spg(\d+)")
 #: lever -> (OPDConfig field, value when on, value when off); names fixed by the bench's plan (bench/RESULTS.md).
 LEVERS = {"compact": ("decode_compaction", True, False), "compile": ("decode_compile", True, False),
           "grow": ("decode_kv_growth", True, False), "async": ("async_generation", True, False),
@@ -102,22 +109,40 @@ def variant_overrides(names: list[str]) -> tuple[dict[str, dict], list[str]]:
                 out[name] = {**off, **on}
             else:
                 notes.append("all: skipped, no lever field exists in OPDConfig")
-        elif all(part in LEVERS for part in name.split("+")):  # one lever, or several joined by '+'
-            levers = [LEVERS[part] for part in name.split("+")]
-            missing = [f for f, _, _ in levers if f not in fields]
+        elif all(part in LEVERS or SPG.fullmatch(part) for part in name.split("+")):  # levers joined by '+'
+            parts = name.split("+")
+            levers = [LEVERS[part] for part in parts if part in LEVERS]
+            spg = [int(SPG.fullmatch(part).group(1)) for part in parts if SPG.fullmatch(part)]
+            missing = [f for f, _, _ in levers if f not in fields] + (
+                ["steps_per_generation"] if spg and "steps_per_generation" not in fields else [])
             if missing:
                 notes.append(f"{name}: skipped, OPDConfig has no field {missing!r} in this checkout")
             else:
-                out[name] = {**off, **{f: v_on for f, v_on, _ in levers}}
+                out[name] = {**off, **{f: v_on for f, v_on, _ in levers},
+                             **({"steps_per_generation": spg[-1]} if spg else {})}
         else:
-            raise SystemExit(f"unknown variant {name!r}: choose from base, {', '.join(LEVERS)} (or several joined "
-                             "by '+', e.g. compact+compile), all")
+            raise SystemExit(f"unknown variant {name!r}: choose from base, {', '.join(LEVERS)}, spgN (or several "
+                             "joined by '+', e.g. compact+compile, compact+grow+compile+spg4), all")
     return out, notes
 
 
 class GADriver(sb.Driver):
     """``opd_step_bench.Driver`` (whose step runs the gradient_accumulation_steps micro-batches of one generation)
-    with a partial warm-up."""
+    with a partial warm-up, and a rollout batch of several optimizer steps."""
+
+    def rollout(self, tokens_expected: int) -> dict:
+        """One rollout batch: ``steps_per_generation`` optimizer steps (the first generates). Seconds summed over
+        them, peaks their maximum, each step's seconds in ``update_steps_s``."""
+        k = getattr(self.tr.args, "steps_per_generation", 1)
+        rows = [self.step(tokens_expected) for _ in range(k)]
+        r = dict(rows[0])
+        for key in ("step", "generation", "teacher", "reward", "loss", "update_incl_teacher", "update"):
+            r[key] = sum(x[key] for x in rows)
+        for key in ("peak_gib", "raw_peak_gib"):
+            r[key] = max(x[key] for x in rows)
+        r["grad_norm"] = rows[-1]["grad_norm"]
+        r["updates"], r["update_steps_s"] = k, [x["step"] for x in rows]
+        return r
 
     def partial_warmup(self, micro: int) -> float:
         """Warm-up of ``micro`` micro-steps (the generation, compilation of the update's shapes) and no optimizer
@@ -187,10 +212,16 @@ def build_ours(opts, tok, student, teacher, prompts, out_dir, overrides: dict):
         rows["problem_id"].append(f"p{i}")
         rows["bucket"].append(0)
         rows["curriculum_index"].append(i)
+    common = common_args(opts)
+    spg = overrides.get("steps_per_generation", 1)
+    if common["gradient_accumulation_steps"] % spg:
+        raise SystemExit(f"spg{spg}: {opts.completions} completions in micro-batches of {opts.micro_batch} do not "
+                         f"split into {spg} optimizer steps")
+    common["gradient_accumulation_steps"] //= spg
     args = OPDConfig(output_dir=str(out_dir / "opd"), num_generations=opts.G, kl_mode="sampled",
                      teacher_context="teacher", w_kl=1.0, w_reward=1.0, model_dtype="bfloat16", save_rollouts=False,
                      ckpt_every_minutes=0, resume=False, max_wall_time_seconds=10**7, deadline_reserve_seconds=0,
-                     fast_generation=True, grader_workers=opts.grader_workers, **common_args(opts), **overrides)
+                     fast_generation=True, grader_workers=opts.grader_workers, **common, **overrides)
     return OPDTrainer(model=copy.deepcopy(student), teacher_model=teacher, args=args,
                       train_dataset=Dataset.from_dict(rows), processing_class=tok, teacher_processing_class=tok)
 
@@ -319,7 +350,7 @@ def run_realistic(opts) -> dict:
 
     hf_logging.set_verbosity_error()
     dev, cuda = opts.device, opts.device == "cuda"
-    s_shape, t_shape = (sb.TINY, TINY_TEACHER) if opts.tiny else (sb.QWEN15, QWEN7B)
+    s_shape, t_shape = (sb.TINY, TINY_TEACHER) if opts.tiny else PAIRS[opts.pair]
     variants, notes = variant_overrides([v for v in opts.variants.split(",") if v])
     for n in notes:
         print("variant " + n, flush=True)
@@ -437,7 +468,7 @@ def _run(opts, dev, cuda, variants, notes, tok, tflops, bw, student, teacher, n_
                         r = measure_generation(tr, d.timer, pids, f, i)
                     else:
                         n0 = len(f.calls)
-                        r = d.step(tokens_of(i))  # batch i (f.batch_id advances per generation call)
+                        r = d.rollout(tokens_of(i))  # batch i (f.batch_id advances per generation call)
                         r["mismatched"] = sum(c["mismatched"] for c in f.calls[n0:])
                         r["generation_calls"] = [c["batch"] for c in f.calls[n0:]]
                     r["batch"], r["warmup"] = i, i < opts.warmup
@@ -633,7 +664,11 @@ def main(argv=None):
     ap.add_argument("--case", choices=("realistic", "short"), default="realistic")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny student / teacher / vocab (CPU test of the same code)")
-    ap.add_argument("--completions", type=int, default=128, help="completions per step (ours: /G prompts x G)")
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="formal",
+                    help="formal: student and teacher both of DeepSeek-R1-Distill-Qwen-1.5B's shape (the formal pair: "
+                         "the teacher is the student after RL); qwen25-7b: a tied Qwen2.5-1.5B student and a "
+                         "Qwen2.5-7B-shaped teacher (the stress case of RESULTS run 10)")
+    ap.add_argument("--completions", type=int, default=128, help="completions per rollout batch (ours: /G prompts x G)")
     ap.add_argument("--G", type=int, default=4)
     ap.add_argument("--cap", type=int, default=8192, help="max new tokens")
     ap.add_argument("--prompt-len", type=int, default=256)

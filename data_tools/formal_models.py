@@ -83,6 +83,14 @@ QWEN25_7B_INSTRUCT = {
     "use_sliding_window": False, "sliding_window": 131072,
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
+
+
+def shape_kwargs(shape: dict) -> dict:
+    """``Qwen2Config`` keywords of a shape without its token ids: for models built in code with another tokenizer
+    (the benches: ``bench/opd_step_bench.py``, ``bench/head_bench.py``), which set their own."""
+    return {k: v for k, v in shape.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
 #: What ``--which`` writes: each model's shape (the formal teacher is the student's shape: the same dict, so the two
 #: cannot drift apart) and the model it stands for.
 SHAPES = {"student": R1_DISTILL_QWEN_1P5B, "teacher": R1_DISTILL_QWEN_1P5B, "teacher-7b": QWEN25_7B_INSTRUCT}

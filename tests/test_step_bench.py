@@ -114,6 +114,23 @@ def test_realistic_tiny_one_step_lengths_respected(tmp_path):
     assert "| ours/compact+grow (step) |" in res["table"]
 
 
+def test_realistic_tiny_rollout_batch_in_several_updates(tmp_path):
+    """``spgN``: one generation call (the drawn lengths respected), N optimizer steps, timed as one row."""
+    import opd_step_realistic as osr
+
+    ov, notes = osr.variant_overrides(["compact+grow+spg2"])
+    assert ov["compact+grow+spg2"]["steps_per_generation"] == 2 and not notes
+    res = osr.main(["--device", "cpu", "--tiny", "--completions", "16", "--micro-batch", "4", "--cap", "24",
+                    "--prompt-len", "8", "--warmup", "0", "--steps", "1", "--pieces", "ours", "--variants",
+                    "compact+grow+spg2", "--grader-workers", "0", "--fail-fast"])
+    (row,) = res["pieces"]["ours"]["compact+grow+spg2"]["rows"]
+    assert row["updates"] == 2 and len(row["update_steps_s"]) == 2 and row["generation_calls"] == [0]
+    assert row["mismatched"] == 0 and row["step"] == pytest.approx(sum(row["update_steps_s"]))
+    with pytest.raises(SystemExit, match="spg3"):
+        osr.main(["--device", "cpu", "--tiny", "--completions", "16", "--micro-batch", "4", "--cap", "24",
+                  "--warmup", "0", "--steps", "1", "--pieces", "ours", "--variants", "spg3", "--fail-fast"])
+
+
 @needs_trl_distillation
 def test_realistic_tiny_generation_mode_and_merge(tmp_path):
     """Generation-only variant mode honours the lengths on every call; --merge combines two calls' JSONs."""

@@ -234,6 +234,47 @@ def test_other_modes_train(tmp_path, tokenizer, curriculum_path, kw):
         assert logs[-1]["ppo/ratio_mean"] != pytest.approx(1.0, abs=1e-7)
 
 
+def test_steps_per_generation_splits_one_rollout_batch_into_steps(tmp_path, tokenizer, curriculum_path):
+    """steps_per_generation = 2: one generation call of 8 completions (2 prompts x 4) feeds two optimizer steps of 4,
+    each normalised by its own completion tokens; the second step is PPO-corrected against the batch's pi_old."""
+    tr = make_trainer(tmp_path, tokenizer, curriculum_path, debug_max_steps=4, steps_per_generation=2,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    assert tr.generation_batch_size == 8
+    gens, seen = [], []
+    generate, compute = tr._generate_and_score_completions, tr._compute_loss
+
+    def gen_spy(inputs):
+        out = generate(inputs)
+        gens.append(sorted({x["problem_id"] for x in inputs}))
+        assert "old_logps" in out and out["completion_ids"].size(0) == 8
+        return out
+
+    def loss_spy(model, inputs, n):
+        seen.append((float(n), float(inputs["completion_mask"].sum()), inputs["completion_ids"].size(0)))
+        return compute(model, inputs, n)
+
+    tr._generate_and_score_completions, tr._compute_loss = gen_spy, loss_spy
+    tr.train()
+    assert tr.state.global_step == 4
+    assert len(gens) == 2 and all(len(g) == 2 for g in gens) and gens[0] != gens[1]
+    assert [b for _, _, b in seen] == [4, 4, 4, 4]
+    for n, tokens, _ in seen:  # each step's divisor is its own tokens (one process), not the rollout batch's
+        assert n == pytest.approx(max(tokens, 1.0))
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    assert logs[0]["ppo/ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # first mini-batch: pi = pi_old
+    assert logs[1]["ppo/ratio_mean"] != pytest.approx(1.0, abs=1e-7)  # after one update at lr 1e-2: moved
+    assert logs[1]["throughput/tokens_per_s"] == 0.0 < logs[0]["throughput/tokens_per_s"]
+    rollouts = sorted(p.name for p in (Path(tr.args.output_dir) / "rollouts").glob("*.parquet"))
+    assert rollouts == ["step-000001.parquet", "step-000003.parquet"]  # one file per rollout batch
+
+
+def test_steps_per_generation_refused_with_async(tmp_path):
+    with pytest.raises(ValueError, match="steps_per_generation"):
+        make_args(tmp_path, steps_per_generation=2, async_generation=True, fast_generation=True)
+    with pytest.raises(ValueError, match="steps_per_generation must be >= 1"):
+        make_args(tmp_path, steps_per_generation=0)
+
+
 def test_reward_only_never_runs_the_teacher(tmp_path, tokenizer, curriculum_path):
     """w_kl = 0 (sampled mode): no teacher forward, and the gradient is the plain policy gradient."""
     teacher = tiny_model(tokenizer, seed=3)

@@ -119,6 +119,13 @@ class OPDConfig(DistillationConfig):
                 "says so and uses the fast decoder. 0 = no probe. Range >= 0."})
     num_iterations: int = field(default=1, metadata={
         "help": "Optimizer passes over each generated batch; >1 turns on the PPO ratio and clipping."})
+    steps_per_generation: int = field(default=1, metadata={
+        "help": "Optimizer steps per rollout batch (TRL GRPO's steps_per_generation, verl's ppo_mini_batch_size): one "
+                "generation call decodes per_device_train_batch_size x gradient_accumulation_steps x this many "
+                "completions (x processes), split into this many mini-batches of one optimizer step each, every "
+                "one normalised by its own completion tokens. >1: the student's log-probs before the first update "
+                "(pi_old) are computed once per rollout batch and later mini-batches are PPO-clipped against them "
+                "(sampled mode). Range >= 1."})
     epsilon_low: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon_low on the ratio."})
     epsilon_high: float = field(default=0.28, metadata={"help": "PPO clip: upper bound 1 + epsilon_high on the ratio."})
     truncated_completions: str = field(default="zero_reward", metadata={
@@ -342,6 +349,7 @@ class OPDConfig(DistillationConfig):
         need(0.0 <= self.curriculum_mix <= 1.0, f"curriculum_mix must be in [0, 1], got {self.curriculum_mix}")
         need(self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}")
         need(self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}")
+        need(self.steps_per_generation >= 1, f"steps_per_generation must be >= 1, got {self.steps_per_generation}")
         need(self.w_kl >= 0 and self.w_reward >= 0, "w_kl and w_reward must be >= 0")
         need(self.w_kl > 0 or self.w_reward > 0 or self.trains_on_teacher_solutions,
              "w_kl, w_reward, w_sft and the sft shares are all 0: nothing to train")
@@ -424,6 +432,8 @@ class OPDConfig(DistillationConfig):
             why = ("use_vllm (the async decode runs the fast decoder on a weight snapshot)" if self.use_vllm
                    else "fast_generation=False (it decodes with the fast path)" if self.fast_generation is False
                    else "num_iterations > 1 (a reused batch already carries its PPO pi_old)" if self.num_iterations > 1
+                   else "steps_per_generation > 1 (its mini-batches already carry their PPO pi_old)"
+                   if self.steps_per_generation > 1
                    else "sft_share_start / sft_share_end > 0 (off-policy steps would leave a prefetch waiting)"
                    if self.sft_share_start > 0 or self.sft_share_end > 0
                    else f"{self.world_size} processes (one background decode on one device)" if self.world_size > 1

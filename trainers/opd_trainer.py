@@ -121,7 +121,9 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         self._guard_vllm_colocate()  # never run on CUDA here: probed, else the fast decoder (trainers.guards)
         apply_matmul_precision(args.matmul_precision)  # after vLLM's engine, which sets "highest" in this process
         world = self.accelerator.num_processes
-        self.generation_batch_size = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        self.generation_batch_size = (args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+                                      * args.steps_per_generation)
+        self._buffer_pos = 0  # micro-steps served from the buffered rollout batch (its window: _prepare_inputs)
         if self.generation_batch_size % args.num_generations:
             raise ValueError(f"generation batch of {self.generation_batch_size} completions is not a multiple of "
                              f"num_generations={args.num_generations}")
@@ -431,18 +433,28 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         a = self.args
         return CurriculumSampler(buckets, order, prompts_per_batch=self.generation_batch_size // a.num_generations,
                                  num_generations=a.num_generations,
-                                 repeat_count=a.gradient_accumulation_steps * a.num_iterations,
+                                 repeat_count=a.gradient_accumulation_steps * a.steps_per_generation * a.num_iterations,
                                  mode=a.curriculum, mix=a.curriculum_mix,
                                  shuffle_within_bucket=a.curriculum_shuffle_within_bucket, seed=a.seed)
 
+    def get_train_dataloader(self):
+        # one dataloader batch = one rollout batch (steps_per_generation optimizer steps of GA micro-batches)
+        return self._get_dataloader(dataset=self.train_dataset, description="Training",
+                                    batch_size=self._train_batch_size * self.args.gradient_accumulation_steps
+                                    * self.args.steps_per_generation,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
+
     # ---- generation, reward, teacher context ----
     def _prepare_inputs(self, generation_batch):
-        # TRL's version regenerates every GA micro-steps; with num_iterations > 1 the same batch serves
-        # num_iterations optimizer steps (the sampler repeats it GA x num_iterations times to match).
+        # TRL's version regenerates every GA micro-steps. Here a rollout batch serves steps_per_generation optimizer
+        # steps of GA micro-batches each, num_iterations times over (TRL GRPO's order); an off-policy batch one
+        # step. The sampler repeats each rollout batch GA x steps_per_generation x num_iterations times, so a window
+        # cut short (an off-policy step) generates next from the same prompts.
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        ga = self.args.gradient_accumulation_steps
-        if self._step % (ga * self.args.num_iterations) == 0 or self._buffered_inputs is None:
+        a = self.args
+        ga = a.gradient_accumulation_steps
+        if self._buffered_inputs is None or self._buffer_pos >= len(self._buffered_inputs) * a.num_iterations:
             off = self.offpolicy.choose(self.time_fraction(), int(self.state.global_step),
                                         agree=self._any_process if self.accelerator.num_processes > 1 else None)
             if self.offpolicy.handover_now and self.args.sft_handover_reset:
@@ -451,8 +463,24 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                          self.offpolicy.handover_step, self.args.sft_handover_reset)
             batch = self._offpolicy_batch() if off else self._generate_and_score_completions(generation_batch)
             batch = shuffle_sequence_dict(batch)
-            self._buffered_inputs = split_tensor_dict(batch, ga)
-        return self._buffered_inputs[self._step % ga]
+            self._buffered_inputs = split_tensor_dict(batch, ga * (1 if off else a.steps_per_generation))
+            if not off and a.steps_per_generation > 1:
+                self._per_step_token_counts(self._buffered_inputs, ga)
+            self._buffer_pos = 0
+        inputs = self._buffered_inputs[self._buffer_pos % len(self._buffered_inputs)]
+        self._buffer_pos += 1
+        return inputs
+
+    def _per_step_token_counts(self, micro: list[dict[str, Any]], ga: int) -> None:
+        """Each optimizer step's loss is normalised by its own tokens (every process's): the counts the rollout batch
+        carries for all its steps are replaced, per group of ``ga`` micro-batches, by that step's."""
+        for s in range(0, len(micro), ga):
+            group = micro[s : s + ga]
+            for key, mask in (("num_items_in_batch", "completion_mask"), ("sft_num_items", "sft_completion_mask")):
+                if key in group[0]:
+                    n = self.accelerator.gather(sum(m[mask].sum() for m in group).reshape(1)).sum()
+                    for m in group:
+                        m[key] = n.to(group[0][key].dtype)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         from data_tools.grader import grade_batch
@@ -518,7 +546,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                 samp[i, :n] = torch.tensor(lps[:n], dtype=torch.float32)
             out["sampling_logps"] = samp.to(device)
             self._sampling_logps = None
-        if a.num_iterations > 1:
+        if a.num_iterations > 1 or a.steps_per_generation > 1:
             out["old_logps"] = self._policy_logps(out)
         if a.w_sft > 0:
             out.update(self._solution_rows(inputs, B))

@@ -114,6 +114,7 @@ class StepLog:
         m["time/teacher"].append(teach)
         m["time/update"].append(max(step_s - gen - rew - teach, 0.0))
         m["throughput/tokens_per_s"].append(self.gen_tokens / step_s if step_s > 0 else 0.0)
+        self.gen_tokens = 0  # a later mini-batch of the same rollout batch (steps_per_generation) generated nothing
         for k, v in self.memory.end().items():
             m[k].append(v)
         m["nonfinite/total_skipped"].append(float(self.skipped))
