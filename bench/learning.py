@@ -122,7 +122,8 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
              learning_rate=learning_rate, lr_scheduler_type="constant", max_completion_length=cfg.max_completion_length,
              temperature=cfg.temperature,
              prompt_style=cfg.prompt_style, curriculum="shuffled", seed=seed, model_dtype="float32",
-             answer_filter=cfg.answer_filter, sft_batch_size=cfg.sft_batch_size, max_grad_norm=1.0,
+             answer_filter=cfg.answer_filter, grader_profile=cfg.grader_profile or None,
+             sft_batch_size=cfg.sft_batch_size, max_grad_norm=1.0,
              # the arm's own clock (MarkClock) ends training; the product's deadline never fires
              max_wall_time_seconds=10**7, deadline_reserve_seconds=0, ckpt_every_minutes=0, ckpt_every_steps=0,
              ckpt_hedge_fractions=[], resume=False, save_rollouts=True, fast_generation=cfg.fast_generation,
@@ -235,12 +236,13 @@ def _line(cfg: LearningConfig, rows: list[dict]) -> str:
 
 
 def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name: str, eval_name: str,
-              seconds: float, steps: int = 0, curriculum: str = "curriculum") -> Path:
+              seconds: float, steps: int = 0, curriculum: str = "curriculum", objective: str = "sft") -> Path:
     """SFT of ``src`` on the reference solutions of ``data[curriculum]``'s problems (the training problems; the
     teacher's wider set under ``--teacher_n_train``, the start's own under ``--fresh_arm_problems``) for
     ``seconds`` (or ``steps`` optimizer steps when > 0) through ``stages.train``
     (``work/<dest_name>_sft/train.yaml``) at ``teacher_lr`` (the start: ``start_lr`` when set) -> ``<out>/<dest_name>``;
-    its evaluation -> ``evals/<eval_name>.parquet``. The teacher and a mid-trained (or, cut, healed) start."""
+    its evaluation -> ``evals/<eval_name>.parquet``. The teacher and a mid-trained (or, cut, healed) start.
+    ``objective="rl"``: reward only on the same problems instead (arm a's objective; the RL-made teacher)."""
     import shutil
 
     from data_tools.runio import write_parquet
@@ -252,8 +254,9 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     shutil.rmtree(work, ignore_errors=True)
     cur = [{**r, "teacher_solution": r["reference"]} for r in read_rows(data[curriculum])]
     lr = cfg.start_lr if dest_name == "start" and cfg.start_lr else cfg.teacher_lr
-    recipe = train_recipe(cfg, "sft", student=src, curriculum=write_parquet(cur, work / "curriculum.parquet"),
-                          out_dir=work, learning_rate=lr, seed=cfg.seed)
+    recipe = train_recipe(cfg, "sft" if objective == "sft" else "a", student=src,
+                          curriculum=write_parquet(cur, work / "curriculum.parquet"), out_dir=work, learning_rate=lr,
+                          seed=cfg.seed)
     t0 = time.time()
     (s,) = train(cfg, _yaml(recipe, work / "train.yaml"), [seconds], max_steps=steps)
     shutil.rmtree(dest, ignore_errors=True)
@@ -261,7 +264,8 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     rows = evaluate(cfg, str(dest), name=eval_name, mark_s=s["mark_s"], train_s=s["train_s"], step=s["step"],
                     out_dir=work)
     _write_evals(rows, eval_name, cfg)
-    print(f"[learning] {dest_name}: SFT (wall {time.time() - t0:.0f}s) -> {_line(cfg, rows)}", flush=True)
+    print(f"[learning] {dest_name}: {'SFT' if objective == 'sft' else 'RL (reward only)'} "
+          f"(wall {time.time() - t0:.0f}s) -> {_line(cfg, rows)}", flush=True)
     return dest
 
 
@@ -724,7 +728,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     elif setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
         # the teacher: the start + more SFT, or with a cut start (regime (iii)) the whole model + SFT
         fine_tune(cfg, student_path if cfg.student_layers else start, data, dest_name="teacher", eval_name="teacher",
-                  seconds=cfg.teacher_sft_s, steps=cfg.teacher_sft_steps,
+                  seconds=cfg.teacher_sft_s, steps=cfg.teacher_sft_steps, objective=cfg.teacher_objective,
                   curriculum="teacher_curriculum" if "teacher_curriculum" in data else "curriculum")
     if cfg.kl_probe_problems and has_weights(cfg.dir / "teacher") and not (cfg.dir / "data" / "setup_kl.json").exists():
         from bench.learning_setup import probe_kl

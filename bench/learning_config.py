@@ -184,6 +184,11 @@ class LearningConfig:
     marks: str = field(default="15,30,60,100,150", metadata={
         "help": "Training-clock seconds at which each arm is evaluated (the last one ends the arm; <= budget_s)."})
     teacher_sft_s: float = field(default=90.0, metadata={"help": "Training seconds of the teacher's fine-tuning."})
+    teacher_objective: str = field(default="sft", metadata={
+        "help": "How the teacher is made from the start: sft = SFT on the reference solutions; rl = reward only (arm "
+                "a's objective: the verifier's reward, no teacher, no references) at teacher_lr for teacher_sft_s "
+                "seconds (or teacher_sft_steps), as JustRL-DeepSeek-1.5B is DeepSeek-R1-Distill-Qwen-1.5B after RL "
+                "(bench/learning/run-4-plan.md)."})
     start_sft_steps: int = field(default=0, metadata={
         "help": "> 0: the start's SFT runs this many optimizer steps instead of start_sft_s seconds. A step count is "
                 "reproducible for a seed, so pieces of one experiment run on different (fresh) machines rebuild the "
@@ -227,6 +232,9 @@ class LearningConfig:
                 "classical recipe); none = on every teacher sample (an ablation; lets the CPU smoke test run arm d "
                 "with a teacher that solves nothing)."})
     prompt_style: str = field(default="reasoning", metadata={"help": "data_tools.prompts style of every prompt."})
+    grader_profile: str = field(default="", metadata={
+        "help": "Grader profile of the training reward and stage one's verification (OPDConfig.grader_profile; "
+                "formal = the formal metric's rules); empty = the trainer's default."})
     answer_filter: str = field(default="numeric", metadata={
         "help": "Grader answer filter of the training reward and stage one's verification (data_tools.grader): "
                 "numeric = the answer must be a number (arithmetic tasks); math = any equal expression."})
@@ -352,6 +360,8 @@ class LearningConfig:
                              f"num_generations ({self.num_generations})")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.teacher_objective not in ("sft", "rl"):
+            raise ValueError(f"teacher_objective must be 'sft' or 'rl', got {self.teacher_objective!r}")
         if min(self.budget_s, self.teacher_sft_s, self.learning_rate, self.teacher_lr) <= 0:
             raise ValueError("budget_s, teacher_sft_s, learning_rate and teacher_lr must be > 0")
         from data_tools.grader import ANSWER_FILTERS

@@ -1109,3 +1109,36 @@ def test_plot_axis_starts_at_zero_unless_every_point_is_high():
     assert y_floor([0.41], [0.80]) == pytest.approx(0.35)  # just above half: 0.39 -> 0.35
     with pytest.raises(ValueError, match="no points"):
         y_floor([], [])
+
+
+@pytest.mark.parametrize("objective, w_reward, off_policy", [("sft", 0.0, True), ("rl", 1.0, False)])
+def test_teacher_objective_sft_or_rl(tmp_path, monkeypatch, objective, w_reward, off_policy):
+    """--teacher_objective rl makes the teacher by reward only (arm a's objective) on the same problems; sft by SFT
+    on their references. The recipe handed to stages.train says which."""
+    import yaml
+
+    import bench.learning as bl
+    from bench.learning_config import LearningConfig
+
+    cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", teacher_objective=objective,
+                         grader_profile="formal")
+    cur = write_parquet([{"problem_id": "p0", "problem": "1+1?", "answer": "2", "reference": "so \\boxed{2}"}],
+                        tmp_path / "cur.parquet")
+    seen = {}
+
+    def fake_train(cfg_, recipe_path, marks, **kw):
+        seen.update(yaml.safe_load(Path(recipe_path).read_text()))
+        out = tmp_path / "trained"
+        out.mkdir(exist_ok=True)
+        return [{"path": str(out), "mark_s": 1.0, "train_s": 1.0, "step": 1}]
+
+    monkeypatch.setattr(bl, "train", fake_train)
+    monkeypatch.setattr(bl, "evaluate", lambda *a, **k: [])
+    monkeypatch.setattr(bl, "_write_evals", lambda *a, **k: None)
+    monkeypatch.setattr(bl, "_line", lambda *a, **k: "")
+    bl.fine_tune(cfg, "start", {"curriculum": cur}, dest_name="teacher", eval_name="teacher", seconds=1.0,
+                 objective=cfg.teacher_objective)
+    assert seen["w_reward"] == w_reward and seen["w_kl"] == 0.0 and seen["grader_profile"] == "formal"
+    assert (seen.get("sft_share_start") == 1.0) is off_policy
+    with pytest.raises(ValueError, match="teacher_objective"):
+        LearningConfig(out=str(tmp_path / "r2"), preset="cpu_smoke", teacher_objective="dpo")
