@@ -140,15 +140,12 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                      and "teacher_solution" in ds.column_names else None)
         self.offpolicy = OffPolicySchedule(args, solutions, world_size=self.accelerator.num_processes)
         if args.head_kernel == "liger":  # say which terms Liger computes; TRL's kernels keep the others
-            (_, bs), (_, bt) = self._heads(self.accelerator.unwrap_model(self.model), teacher_model)
-            tf = [logit_transform(m.config) for m in (self.accelerator.unwrap_model(self.model), teacher_model)]
-            lp = heads.liger_fits("logprob", temperature=self.temperature, scales=[t[0] for t in tf],
-                                  softcaps=[t[1] for t in tf])
-            kl = heads.liger_fits("kl", temperature=self.temperature, biases=(bs, bt), scales=[t[0] for t in tf],
-                                  softcaps=[t[1] for t in tf]) and args.kl_mode == "full" and not args.full_topk
+            pair = (self.accelerator.unwrap_model(self.model), teacher_model)
+            split = heads.liger_split(temperature=self.temperature, kl_mode=args.kl_mode, full_topk=args.full_topk,
+                                      biases=[heads.shared_head(m, self.shared_vocab)[1] for m in pair],
+                                      transforms=[logit_transform(m.config) for m in pair])
             log.info("head_kernel=liger: sampled-token log-probs by %s, full reverse KL by %s (without rollout IS "
-                     "weights)", "Liger" if lp else "TRL (temperature != 1 or a logit transform)",
-                     "Liger" if kl else "TRL" if args.kl_mode == "full" else "- (sampled mode)")
+                     "weights)", *split)
         self.add_callback(StepHooks(self))
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
@@ -385,6 +382,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
         if a.save_rollouts:
             first = pi * B
+            behaviour = self.state.global_step if rollout.behaviour_step is None else rollout.behaviour_step
             self._pending_rollouts = {
                 "step": self.state.global_step + 1,
                 "rows": [{
@@ -401,7 +399,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                     "finish_reason": "length" if truncated[i] else "stop",
                     "advantage": float(out["advantages"][i]),
                     "seq_kl": float("nan"),
-                    "behaviour_step": self.state.global_step if rollout.behaviour_step is None else rollout.behaviour_step,
+                    "behaviour_step": behaviour,
                 } for i, x in enumerate(inputs)],
             }
         return out
@@ -428,19 +426,11 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         out["sft_num_items"] = self.accelerator.gather(out["sft_completion_mask"].sum()).sum().float()
         return out
 
-    def _heads(self, unwrapped_student, unwrapped_teacher):
-        V = self.shared_vocab
-        hs, ht = unwrapped_student.get_output_embeddings(), unwrapped_teacher.get_output_embeddings()
-        # A row slice is a view; a head already V rows wide is passed whole, since the backward of a
-        # slice allocates a zero gradient of the full (V, H) base before copying into it.
-        sl = lambda t: None if t is None else (t if t.shape[0] == V else t[:V])  # noqa: E731
-        return (sl(hs.weight), sl(hs.bias)), (sl(ht.weight), sl(ht.bias))
-
     @torch.no_grad()
     def _policy_logps(self, out: dict[str, Any]) -> torch.Tensor:
         """``(B, K)`` log-probs of the completion tokens under the current (pre-update) student: pi_old."""
         model = self.accelerator.unwrap_model(self.model)
-        (w, b), _ = self._heads(model, self.accelerator.unwrap_model(self.teacher_model))
+        w, b = heads.shared_head(model, self.shared_vocab)
         scale, cap = logit_transform(model.config)
         cids, cmask = out["completion_ids"], out["completion_mask"]
         K = cids.size(1)
@@ -459,8 +449,9 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
     def _get_last_hidden_state(self, unwrapped_model, *args, **kwargs):
         # TRL's version calls the backbone (``base_model``) directly, past the top-level ``forward`` that accelerate
-        # wraps in autocast: with fp32 weights and ``bf16: true`` every forward then ran in fp32 (the formal
-        # recipe's SFT step: 246 s on an H200, ~41 TFLOP/s, 2026-12-05). The mixed precision is applied here.
+        # wraps in autocast: with fp32 weights and ``bf16: true`` every forward would run in fp32, several times
+        # slower (the formal recipe's SFT step: bench/results/2026-12-05-formal-shape-rehearsal.md). The mixed
+        # precision is applied here.
         with self.accelerator.autocast():
             return super()._get_last_hidden_state(unwrapped_model, *args, **kwargs)
 
@@ -476,7 +467,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
         t0 = time.perf_counter()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
-        (ws, bs), (wt, bt) = self._heads(unwrapped_student, unwrapped_teacher)
+        (ws, bs), (wt, bt) = (heads.shared_head(m, self.shared_vocab) for m in (unwrapped_student, unwrapped_teacher))
         s_scale, s_cap = logit_transform(unwrapped_student.config)
         t_scale, t_cap = logit_transform(unwrapped_teacher.config)
         valid = cmask.bool().to(ws.device)
@@ -570,7 +561,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         ids = torch.cat([inputs["sft_prompt_ids"][rows], cids], dim=1)
         mask = torch.cat([inputs["sft_prompt_mask"][rows], cmask], dim=1)
         h = self._get_last_hidden_state(unwrapped_student, ids, mask, cids.size(1))
-        (w, b), _ = self._heads(unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
+        w, b = heads.shared_head(unwrapped_student, self.shared_vocab)
         scale, cap = logit_transform(unwrapped_student.config)
         valid = cmask.bool().to(w.device)
         lp, entropy = losses.token_logprobs(h.to(w.device)[valid], w, b, cids.to(w.device)[valid], logit_scale=scale,
@@ -588,17 +579,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
             return None
         samp = inputs["sampling_logps"].to(old.device)[valid]
         w = losses.rollout_is_weights(old, samp, self.args.vllm_importance_sampling_cap)
-        known = ~torch.isnan(samp)
-        diff = (old.float() - samp.float()).abs()[known]
-        acc, mx = self.steps.acc, self.steps.acc_max
-        acc["is_tokens"] += float(known.sum())
-        acc["is_diff_sum"] += float(diff.sum())
-        acc["is_w_sum"] += float(w[known].sum())
-        acc["is_capped"] += float((w[known] >= self.args.vllm_importance_sampling_cap).sum())
-        if diff.numel():
-            mx["is_diff_max"] = max(mx.get("is_diff_max", 0.0), float(diff.max()))
-            mx["is_w_max"] = max(mx.get("is_w_max", 0.0), float(w[known].max()))
-            mx["is_w_neg_min"] = max(mx.get("is_w_neg_min", -math.inf), -float(w[known].min()))
+        self.steps.add_rollout_is(old, samp, w, self.args.vllm_importance_sampling_cap)
         return w
 
     # ---- step bookkeeping ----

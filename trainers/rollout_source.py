@@ -56,7 +56,7 @@ class Rollout:
     behaviour_step: int | None = None
 
     def logps_tensor(self, shape: torch.Size) -> torch.Tensor:
-        """``(B, K)`` float32 log-probs aligned with the right-padded ``completion_ids`` of ``shape``; NaN where none."""
+        """``(B, K)`` float32 log-probs aligned with the right-padded ``completion_ids`` of ``shape``; NaN: none."""
         samp = torch.full(shape, math.nan, dtype=torch.float32)
         for i, lps in enumerate(self.logprobs or ()):
             n = min(len(lps), samp.size(1))
@@ -75,7 +75,8 @@ class HFGenerate:
         return Rollout(base(prompt_ids, images, fields, has_tool_images))
 
     def read_batches(self, trainer, read, epoch_iterator, num_batches: int, device):
-        """One optimizer step's dataloader batches and their item count: transformers' ``get_batch_samples`` (``read``)."""
+        """One optimizer step's dataloader batches and their item count: transformers' ``get_batch_samples``
+        (``read``)."""
         return read(epoch_iterator, num_batches, device)
 
     def close(self) -> None:
@@ -115,9 +116,9 @@ class AsyncFast(FastDecoder):
         if trainer.use_vllm:
             raise ValueError("async_generation decodes with the fast decoder's path, not vLLM")
         if not fast or sampling_params_from(trainer.generation_config) is None:
-            raise ValueError("async_generation needs the fast HF generator (data_tools.generation.fast_decoder), which is off here: "
-                             "fast_generation=False, a sharded setup (FSDP1 / ZeRO-3), or a generation setting it "
-                             "lacks (repetition_penalty, beams, suppress_tokens, ...)")
+            raise ValueError("async_generation needs the fast HF generator (data_tools.generation.fast_decoder), "
+                             "which is off here: fast_generation=False, a sharded setup (FSDP1 / ZeRO-3), or a "
+                             "generation setting it lacks (repetition_penalty, beams, suppress_tokens, ...)")
         super().__init__()
         model = trainer.accelerator.unwrap_model(trainer.model)
         self.prefetch = AsyncRollouts(model, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
@@ -229,8 +230,8 @@ def vllm_request(args) -> bool:
     ``args.use_vllm`` is turned off with a warning, before the base trainer would build an engine."""
     asked = bool(args.use_vllm)
     if asked and not vllm_usable():
-        log.warning("use_vllm is set but vLLM colocate needs CUDA, an importable vllm and TRL >= 1.10: generating with the fast decoder "
-                    "(data_tools.generation.fast_decoder) where it applies, else HF generate")
+        log.warning("use_vllm is set but vLLM colocate needs CUDA, an importable vllm and TRL >= 1.10: generating "
+                    "with the fast decoder (data_tools.generation.fast_decoder) where it applies, else HF generate")
         args.use_vllm = False
     return asked
 
@@ -246,9 +247,9 @@ def choose(trainer, vllm_asked: bool) -> HFGenerate:
         src = VLLM(trainer, bool(a.vllm_importance_sampling_correction)).probed(trainer)
     else:
         fast = a.fast_generation
-        if fast is None:  # async_generation decodes with the fast path, also on CPU (tests); so does a recipe that asked
-            # for vLLM where it cannot run (the fallback vllm_request's warning names: 13x TRL's HF generate on a CPU, 128
-            # random-length completions of a tiny Qwen2)
+        if fast is None:  # async_generation decodes with the fast path, also on CPU (tests); so does a recipe that
+            # asked for vLLM where it cannot run (the fallback vllm_request's warning names: 13x TRL's HF generate on
+            # a CPU, 128 random-length completions of a tiny Qwen2)
             fast = torch.cuda.is_available() or a.async_generation or vllm_asked
         why = fast_path_unsupported(trainer) if fast else None
         if why:  # the source's name says what runs: TRL's HF generate
