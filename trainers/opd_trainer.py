@@ -43,8 +43,7 @@ from typing import Any
 
 import torch
 
-from trainers import heads, losses
-from trainers import rollout_source
+from trainers import heads, losses, rollout_source
 from trainers.async_rollouts import AsyncStop
 from trainers.callbacks import DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, process_start_time
 from trainers.checkpointing import CLOCK_STATE, SaveAndResume
