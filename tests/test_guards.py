@@ -137,6 +137,22 @@ def test_agreeing_vllm_probe_keeps_vllm(tmp_path, tokenizer, curriculum_path, ca
     assert len(_lines(caplog)) == 1 and "0.01 nats/token" in _lines(caplog)[0] and not tr.use_vllm
 
 
+def test_use_vllm_where_vllm_cannot_run_starts_on_the_fast_decoder(tmp_path, tokenizer, curriculum_path, caplog,
+                                                                    monkeypatch):
+    """use_vllm on a machine without vLLM colocate (no CUDA, no vllm, or an old TRL): one warning, use_vllm off before
+    the base trainer builds an engine, and the rollout source is the fast decoder; without use_vllm, on a CPU, TRL's
+    HF generate."""
+    monkeypatch.setattr(rollout_source, "vllm_usable", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        tr = make_trainer(tmp_path, tokenizer, curriculum_path, use_vllm=True)
+    said = [r.getMessage() for r in caplog.records if "use_vllm is set" in r.getMessage()]
+    assert len(said) == 1 and not tr.use_vllm and not tr.args.use_vllm
+    assert type(tr.rollouts) is rollout_source.FastDecoder and tr.rollouts.name == "hf-generate-fast"
+    plain = make_trainer(tmp_path / "plain", tokenizer, curriculum_path)
+    assert type(plain.rollouts) is rollout_source.HFGenerate and plain.rollouts.name == "hf-generate"
+
+
 def test_probe_tolerance_zero_means_no_probe(tmp_path, tokenizer, curriculum_path):
     tr = make_trainer(tmp_path, tokenizer, curriculum_path, vllm_probe_tolerance=0.0)
     vg = _as_vllm_trainer(tr, "raise")
