@@ -159,7 +159,7 @@ def build(opts):
     tr.add_callback(lc)
     tr.add_callback(sl)
     result["distributed_type"] = str(tr.accelerator.distributed_type)
-    result["engine"] = tr.engine
+    result["engine"] = tr.rollouts.name
     return tr, result
 
 

@@ -33,6 +33,7 @@ directory, and exits 1 when any phase failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -68,11 +69,11 @@ def plan(curate_cfg: str | Path, train_cfg: str | Path, seconds: float, workers:
     """
     c, t = _yaml(curate_cfg), _yaml(train_cfg)
     sft = _sft_phase(t)
-    batch, passes = int(t.get("sft_batch_size", 64)), float(t.get("sft_max_epochs", 0) or 0)
+    batch, passes = int(_train_setting(t, "sft_batch_size")), float(_train_setting(t, "sft_max_epochs") or 0)
     rows = math.ceil(2 * batch / passes / KEPT_WITH_SOLUTION) if sft and passes else 8
     chunk = max(8, math.ceil(rows / max(workers, 1)))
     reserve = min(float(t.get("deadline_reserve_seconds", DEFAULT_RESERVE_S)), max(60.0, round(0.1 * seconds)))
-    warmup = float(t.get("lr_warmup_time", 0) or 0)
+    warmup = float(_train_setting(t, "lr_warmup_time") or 0)
     if warmup >= 1:  # seconds: the same share of the real run's training window
         rt, rr, re = real or (float(t.get("max_wall_time_seconds", DEFAULT_MAX_WALL_S)),
                               float(t.get("deadline_reserve_seconds", DEFAULT_RESERVE_S)), 0.0)
@@ -85,8 +86,19 @@ def plan(curate_cfg: str | Path, train_cfg: str | Path, seconds: float, workers:
 
 def _sft_phase(t: dict) -> bool:
     """The recipe starts with off-policy SFT steps capped by ``sft_max_epochs`` (then a hand-over)."""
-    share = max(float(t.get("sft_share_start", 0) or 0), float(t.get("sft_share_end", 0) or 0))
-    return share > 0 and float(t.get("sft_max_epochs", 0) or 0) > 0
+    share = max(float(_train_setting(t, "sft_share_start") or 0), float(_train_setting(t, "sft_share_end") or 0))
+    return share > 0 and float(_train_setting(t, "sft_max_epochs") or 0) > 0
+
+
+def _train_setting(t: dict, key: str) -> Any:
+    """The training recipe's ``key``, else the trainer's default for it: ``OPDConfig``'s field, its one owner (read
+    only for a recipe that leaves the key out, since it imports torch and TRL; the formal recipe sets them all)."""
+    if key in t:
+        return t[key]
+    from trainers.opd_config import OPDConfig
+
+    f = OPDConfig.__dataclass_fields__[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def clean(run: Path) -> None:
@@ -346,14 +358,15 @@ def project(rates: dict, med: dict, ex: dict, curate: dict, train: dict, real_t:
                                     "forced by its verified share, a real teacher's differs)")]
     sft_s = 0.0
     if _sft_phase(train) and med.get("sft_step_s"):
-        steps = int(float(train.get("sft_max_epochs", 0)) * rows / int(train.get("sft_batch_size", 64)))
+        passes, batch = float(_train_setting(train, "sft_max_epochs")), int(_train_setting(train, "sft_batch_size"))
+        steps = int(passes * rows / batch)
         sft_s = steps * med["sft_step_s"]
         over = (f"; LONGER THAN THE TRAINING WINDOW: the hand-over to on-policy steps never comes (fewer "
                 f"sft_max_epochs, or a smaller time_share)" if sft_s > real_t - real_r - real_e - budget else "")
-        rows_out.append(("SFT steps", f"~{steps:,} x {med['sft_step_s']:.1f} s = {sft_s:.0f} s ({train.get('sft_max_epochs')} "
-                                      f"passes over ~{rows:,} solutions, {train.get('sft_batch_size')} a step){over}"))
-    every = float(train.get("ckpt_every_minutes", 30) or 0) * 60
-    hedges = list(train.get("ckpt_hedge_fractions") or [])
+        rows_out.append(("SFT steps", f"~{steps:,} x {med['sft_step_s']:.1f} s = {sft_s:.0f} s ({passes:g} "
+                                      f"passes over ~{rows:,} solutions, {batch} a step){over}"))
+    every = float(_train_setting(train, "ckpt_every_minutes") or 0) * 60
+    hedges = list(_train_setting(train, "ckpt_hedge_fractions") or [])
     first = hedges[0] if hedges else 1.0
     saves = (int(first * window / every) if every else 0) + len(hedges) + 1
     save_s = ex.get("save_s") or 0.0
@@ -394,7 +407,7 @@ def build_report(run: Path, curate_cfg: str, train_cfg: str, real_t: float, real
     summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}
     tp, med = training_phases(run, _sft_phase(train), summ)
     rep.phases += tp
-    xp, ex = export_phase(run, clock_s, sorted(train.get("ckpt_hedge_fractions") or []), summ)
+    xp, ex = export_phase(run, clock_s, sorted(_train_setting(train, "ckpt_hedge_fractions") or []), summ)
     rep.phases.append(xp)
     rep.phases += load_back(run / "checkpoints", vllm_on=vllm_on)
     samples = gpu_samples(run / "gpu_memory.csv")

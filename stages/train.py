@@ -89,7 +89,7 @@ def run(args, on_trainer=None) -> dict:
     world = trainer.accelerator.num_processes
     procs = (f" processes={world} (a step = {world} x {args.per_device_train_batch_size} x "
              f"{args.gradient_accumulation_steps} accumulated)" if world > 1 else "")
-    say(f"[train] engine={trainer.engine} rows={len(dataset)} G={args.num_generations} "
+    say(f"[train] engine={trainer.rollouts.name} rows={len(dataset)} G={args.num_generations} "
         f"completions/step={trainer.generation_batch_size}{procs} kl_mode={args.kl_mode} "
         f"teacher={'self(frozen initial student)' if teacher is None else args.teacher_model} "
         f"context={args.teacher_context} resume={resume}")
@@ -117,7 +117,7 @@ def run(args, on_trainer=None) -> dict:
         "began_at_s": round(began, 1),
         "horizon_s": args.horizon_seconds,
         "resumed_from": resume,
-        "engine": trainer.engine,
+        "engine": trainer.rollouts.name,
         "skipped_nonfinite_steps": trainer.steps.skipped,
         "checkpoints": sorted(str(p) for p in _exports(args.ckpt_dir)),
     }

@@ -154,7 +154,7 @@ def test_n_steps_train_n_batches_in_order_and_leave_no_thread(tmp_path, tokenize
     assert [r["async/staleness"] for r in recs] == [0.0, 1.0, 1.0, 1.0, 0.0]
     assert all(r["async/overlap_s"] >= 0 and "sampling/importance_sampling_ratio/mean" in r for r in recs)
     assert not any(t.name == THREAD and t.is_alive() for t in threading.enumerate())
-    assert tr._async._job is None and tr._async._thread is None
+    assert tr.rollouts.prefetch._job is None and tr.rollouts.prefetch._thread is None
 
 
 class _StopAt(TrainerCallback):
@@ -173,8 +173,8 @@ def test_stop_cancels_the_prefetch(tmp_path, tokenizer, curriculum_path):
                       debug_max_steps=0)
     tr.add_callback(_StopAt(2))
     pending = []
-    orig = tr._async.cancel
-    tr._async.cancel = lambda: (pending.append(tr._async._job is not None), orig())[1]
+    orig = tr.rollouts.prefetch.cancel
+    tr.rollouts.prefetch.cancel = lambda: (pending.append(tr.rollouts.prefetch._job is not None), orig())[1]
     tr.train()
     assert tr.state.global_step == 2
     assert pending[0] is True  # step 3's prefetch was in flight (or done, not taken) at the stop

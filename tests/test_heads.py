@@ -130,7 +130,7 @@ def test_heads_whole_when_full_width_views_when_sliced(tmp_path, tokenizer, curr
     tr = make_trainer(tmp_path, tokenizer, curriculum_path, model=tiny_model(tokenizer, seed=1), teacher=teacher,
                       teacher_context="teacher")
     s, t = tr.accelerator.unwrap_model(tr.model), tr.accelerator.unwrap_model(tr.teacher_model)
-    (ws, bs), (wt, bt) = tr._heads(s, t)
+    (ws, bs), (wt, bt) = heads.shared_head(s, tr.shared_vocab), heads.shared_head(t, tr.shared_vocab)
     assert ws is s.get_output_embeddings().weight  # student already V rows: no slice (and no SliceBackward)
     full_t = t.get_output_embeddings().weight
     assert wt.shape[0] == V and wt.data_ptr() == full_t.data_ptr() and wt._base is full_t  # a view, not a copy

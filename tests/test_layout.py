@@ -49,6 +49,16 @@ def test_split_batch_refuses_what_does_not_divide_with_the_numbers():
         split_batch(2, 2, 2, num_generations=3)
 
 
+def test_layout_defaults_are_the_trainers(tmp_path):
+    """``data_tools.layout.DEFAULTS`` stands in for OPDConfig's defaults where a recipe is silent (data_tools cannot
+    import trainers): each must be the value the trainer runs with."""
+    from data_tools.layout import DEFAULTS
+    from trainers.opd_config import OPDConfig
+
+    trainer = OPDConfig(output_dir=str(tmp_path / "o"))
+    assert DEFAULTS == {k: getattr(trainer, k) for k in DEFAULTS}
+
+
 def test_plan_of_the_formal_recipe_on_8_gpus():
     lay = plan(REPO / "configs" / "opd_r1_distill_1p5b.yaml", [str(i) for i in range(8)])
     assert (lay.processes, lay.workers, lay.per_device, lay.accumulation) == (8, 8, 8, 2)

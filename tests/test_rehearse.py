@@ -28,6 +28,34 @@ def test_plan_of_the_formal_recipe():
     assert rehearse.plan(FORMAL_CURATE, REPO / "configs" / "demo_cpu.yaml", 300)["R_RESERVE"] == 60
 
 
+def test_a_recipe_that_leaves_trainer_settings_out_gets_the_trainers_defaults(tmp_path):
+    """The trainer's defaults have one owner, OPDConfig: a training recipe without sft_batch_size,
+    ckpt_every_minutes, ckpt_hedge_fractions or lr_warmup_time is planned and projected exactly as one that spells out
+    the values OPDConfig gives the trainer. A copy of a default in the rehearsal that drifted from OPDConfig's fails."""
+    import yaml
+
+    from trainers.opd_config import OPDConfig
+
+    keys = ("sft_batch_size", "ckpt_every_minutes", "ckpt_hedge_fractions", "lr_warmup_time")
+    trainer = OPDConfig(output_dir=str(tmp_path / "o"))  # what the trainer runs with when the recipe is silent
+    recipe = yaml.safe_load(FORMAL_TRAIN.read_text())
+    silent = {k: v for k, v in recipe.items() if k not in keys}
+    spelled = {**silent, **{k: getattr(trainer, k) for k in keys}}
+    (tmp_path / "silent.yaml").write_text(yaml.safe_dump(silent))
+    (tmp_path / "spelled.yaml").write_text(yaml.safe_dump(spelled))
+    assert rehearse.plan(FORMAL_CURATE, tmp_path / "silent.yaml", 1200) == \
+        rehearse.plan(FORMAL_CURATE, tmp_path / "spelled.yaml", 1200)
+    assert rehearse.plan(FORMAL_CURATE, tmp_path / "silent.yaml", 1200)["R_CHUNK"] == \
+        math.ceil(2 * trainer.sft_batch_size / recipe["sft_max_epochs"] / rehearse.KEPT_WITH_SOLUTION)
+    rates = {"teacher": 0.5, "student": 1.0, "startup_s": 15.0, "rows": 18, "problems": 20}
+    med, ex, curate = {"sft_step_s": 8.0, "onpolicy_step_s": 4.0}, {"save_s": 3.0}, yaml.safe_load(FORMAL_CURATE.read_text())
+    proj = [rehearse.project(rates, med, ex, curate, t, 43200, 900, 0.0, 10.0) for t in (silent, spelled)]
+    assert proj[0] == proj[1]
+    every, hedges = trainer.ckpt_every_minutes * 60, trainer.ckpt_hedge_fractions
+    window = 43200 - 900 - 0.2 * (43200 - 900)
+    assert dict(proj[0])["saves"].startswith(f"{int(hedges[0] * window / every) + len(hedges) + 1} x ")
+
+
 def _write_run(run: Path, *, ends: list[float], saves: dict[int, list[float]], crossed: list[float] | None = None) -> None:
     """A run directory as the stages leave it: a stage-one chunk a role, 2 SFT steps then on-policy steps ending at
     ``ends`` (run-clock seconds; training began at 100 s, horizon 540 s), saves at the steps of ``saves``, each

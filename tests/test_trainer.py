@@ -352,7 +352,7 @@ def test_rollout_importance_sampling_correction(tmp_path, tokenizer, curriculum_
                       teacher=tiny_model(tokenizer, seed=2), teacher_context="teacher", vllm_importance_sampling_cap=2.0)
     rows = [tr.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
     out = tr._generate_and_score_completions(rows)
-    tr._rollout_is = True  # as under vLLM colocate, whose generation fills sampling_logps (CUDA only)
+    tr.rollouts.is_weights = True  # as under vLLM colocate, whose generation fills sampling_logps (CUDA only)
     out["advantages"] = torch.linspace(-1, 1, 8)
     lp_s, lp_t = _plain_k1_inputs(tr, out)
     mask = out["completion_mask"].bool()
@@ -655,17 +655,17 @@ def test_decoder_reads_a_bf16_copy_of_fp32_weights_under_autocast(tmp_path, toke
     monkeypatch.setattr(fg, "generator_for", lambda model, *a, **k: (decoded.append(model), real(model, *a, **k))[1])
     tr.train()
     student = tr.accelerator.unwrap_model(tr.model)
-    assert len(decoded) == 2 and tr.engine == "hf-generate-fast"
+    assert len(decoded) == 2 and tr.rollouts.name == "hf-generate-fast"
     if not copied:
-        assert all(m is student for m in decoded) and getattr(tr, "_decode_copy", None) is None
+        assert all(m is student for m in decoded) and tr.rollouts.decode_copy is None
         return
     snap = decoded[0]
-    assert decoded[1] is snap and snap is not student and snap is tr._decode_copy
+    assert decoded[1] is snap and snap is not student and snap is tr.rollouts.decode_copy
     assert {p.dtype for p in snap.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in snap.buffers() if b.is_floating_point()} == {torch.float32}
     # the copy holds the weights of the step before the last generation; refreshed, it holds the trained ones
     stale = [p.clone() for p in snap.parameters()]
-    assert fg.decode_weights(tr, student) is snap
+    assert fg.decode_weights(tr, student, tr.rollouts) is snap
     for p, q, old in zip(snap.parameters(), student.parameters(), stale):
         assert torch.equal(p, q.detach().to(torch.bfloat16))
     assert any(not torch.equal(p, old) for p, old in zip(snap.parameters(), stale))  # the last step moved them

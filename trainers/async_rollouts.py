@@ -9,10 +9,11 @@ verl's one-step off-policy recipe, NeMo-RL and slime ship the same idea with sep
                    run the update theta_{k-1} -> theta_k, all in the main thread.
     step k+1:      trains theta_k on R_{k+1} sampled by theta_{k-1}: staleness 1.
 
-``OPDTrainer`` owns one ``AsyncRollouts`` (``trainer._async``) and drives it from its generation step: it takes the
-prefetch of the step's prompts or decodes them now, and launches the next step's decode on the weights as they are
-(``OPDTrainer._async_generate``); it reads the dataloader one step ahead for the next step's prompts
-(``OPDTrainer.get_batch_samples``) and stops the decode when training stops (``AsyncStop``).
+The trainer's rollout source under ``async_generation`` (``trainers.rollout_source.AsyncFast``, ``trainer.rollouts``)
+owns one ``AsyncRollouts`` (``.prefetch``) and drives it from the generation step: it takes the prefetch of the step's
+prompts or decodes them now, and launches the next step's decode on the weights as they are (``AsyncFast.generate``);
+it reads the dataloader one step ahead for the next step's prompts (``AsyncFast.read_batches``) and stops the decode
+when training stops (``AsyncStop``).
 
 The generator decodes a *snapshot copy* of the student (same dtype, fixed addresses, so its CUDA graph is
 captured once and kept) and records the log-prob of every sampled token (``FastGenerator``'s

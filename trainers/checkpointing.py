@@ -104,7 +104,7 @@ class SaveAndResume:
                                      state_dict=state_dict, dtype=dtype, keep=a.ckpt_keep,
                                      extra={"experiment_name": a.experiment_name, "student_model": a.student_model,
                                             "teacher_model": a.teacher_model, "kl_mode": a.kl_mode,
-                                            "teacher_context": a.teacher_context, "engine": self.engine})
+                                            "teacher_context": a.teacher_context, "engine": self.rollouts.name})
             took = time.perf_counter() - t0
             log.info("exported %s in %.1fs", dest, took)
             row = {"step": self.state.global_step, "wall_s": round(time.time() - self.start_time, 3),

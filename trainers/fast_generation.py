@@ -131,10 +131,11 @@ def make_snapshot(model: torch.nn.Module, dtype: torch.dtype | None = None) -> t
 
 
 @torch.no_grad()
-def decode_weights(trainer, model: torch.nn.Module) -> torch.nn.Module:
+def decode_weights(trainer, model: torch.nn.Module, owner=None) -> torch.nn.Module:
     """The model the decoder runs for ``trainer``'s student ``model`` (unwrapped, whole weights): ``model`` itself,
-    or where ``OPDConfig.decode_dtype`` asks for another dtype, the trainer's copy in that dtype
-    (``trainer._decode_copy``, made once) with the student's current weights copied in."""
+    or where ``OPDConfig.decode_dtype`` asks for another dtype, a copy in that dtype kept as ``owner.decode_copy``
+    (made once; ``owner``: the trainer's rollout source, ``trainers.rollout_source.FastDecoder``, else ``trainer``)
+    with the student's current weights copied in."""
     choose = getattr(trainer.args, "decode_torch_dtype", None)  # an OPDConfig's; other trainers decode the model
     if choose is None or _fsdp2_modules(model):
         return model
@@ -142,9 +143,10 @@ def decode_weights(trainer, model: torch.nn.Module) -> torch.nn.Module:
     want = choose(weights)
     if want == weights:
         return model
-    snap = getattr(trainer, "_decode_copy", None)
+    owner = trainer if owner is None else owner
+    snap = getattr(owner, "decode_copy", None)
     if snap is None:
-        snap = trainer._decode_copy = make_snapshot(model, want)
+        snap = owner.decode_copy = make_snapshot(model, want)
         log.info("fast_generation: decoding from a %s copy of the student's %s weights", want, weights)
     src, dst = list(model.parameters()), list(snap.parameters())
     if len(src) != len(dst):
@@ -174,8 +176,9 @@ def fast_path_unsupported(trainer) -> str | None:
 _warned_hooks = False
 
 
-def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list[int]] | None:
-    """Drop-in for ``DistillationTrainer._generate_single_turn``'s HF branch (text-only prompts).
+def fast_generate_single_turn(trainer, prompt_ids: list[list[int]], owner=None) -> list[list[int]] | None:
+    """Drop-in for ``DistillationTrainer._generate_single_turn``'s HF branch (text-only prompts); ``owner`` keeps the
+    decode copy (``decode_weights``).
 
     Returns None when the fast path does not apply (then call TRL's path): a generation config feature
     ``FastGenerator`` lacks, or a setup ``fast_path_unsupported`` names (FSDP1, ZeRO-3).
@@ -205,7 +208,7 @@ def fast_generate_single_turn(trainer, prompt_ids: list[list[int]]) -> list[list
                 _warned_hooks = True
             return None
         args = trainer.args
-        unwrapped = decode_weights(trainer, unwrapped)
+        unwrapped = decode_weights(trainer, unwrapped, owner)
         gen = generator_for(unwrapped, trainer._tokenizer.pad_token_id, trainer.eos_token_ids,
                             **decode_options(getattr(args, "decode_compaction", False),
                                              getattr(args, "decode_compile", False),

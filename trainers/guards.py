@@ -6,12 +6,12 @@ tested in advance is checked where it starts and, if it fails, replaced by the t
 
 - **vLLM colocate** (``use_vllm: true``, ``vllm_mode: colocate``): ``probe_vllm`` generates ``PROBE_TOKENS`` tokens for
   ``PROBE_PROMPTS`` prompts of the training set through TRL's own path (``VLLMGeneration.sync_weights`` +
-  ``generate`` with the sampled token's log-prob, as ``OPDTrainer._vllm_generate_with_logprobs`` does every step) and
+  ``generate`` with the sampled token's log-prob, as ``trainers.rollout_source.VLLM`` does every step) and
   scores the same tokens with the trainer's forward (``OPDTrainer._policy_logps``, the pi_old of the rollout
   importance weights). It fails if the generation raises, returns no tokens or ids outside the model's rows, or if the
   mean |log p_vLLM - log p_trainer| over the sampled tokens (the ``sampling/sampling_logp_difference/mean`` metric) is
-  not finite or exceeds ``vllm_probe_tolerance`` (nats per token). ``OPDTrainer._guard_vllm_colocate`` then prints one
-  line (``say_once``), releases the engine (``release_vllm``) and generates with the fast decoder
+  not finite or exceeds ``vllm_probe_tolerance`` (nats per token). ``trainers.rollout_source.VLLM.probed`` then
+  prints one line (``say_once``), releases the engine (``release_vllm``) and generates with the fast decoder
   (``data_tools.generation.fast_decoder``).
 """
 

@@ -69,6 +69,27 @@ def liger_fits(term: str, *, temperature: float = 1.0, biases=(), scales=(), sof
     raise ValueError(f"unknown head term {term!r}")
 
 
+def liger_split(*, temperature: float, biases, transforms, kl_mode: str, full_topk: int) -> tuple[str, str]:
+    """Under ``head_kernel="liger"``: the kernel that computes the sampled-token log-probs and the one that computes
+    the full reverse KL, for the two models' head ``biases`` and logit ``transforms`` (``(scale, softcap)`` each);
+    the rest stay on TRL's kernels (``liger_fits``; a top-k KL is TRL's)."""
+    scales, softcaps = [t[0] for t in transforms], [t[1] for t in transforms]
+    lp = liger_fits("logprob", temperature=temperature, scales=scales, softcaps=softcaps)
+    kl = liger_fits("kl", temperature=temperature, biases=biases, scales=scales, softcaps=softcaps)
+    full = kl_mode == "full"
+    return ("Liger" if lp else "TRL (temperature != 1 or a logit transform)",
+            "Liger" if kl and full and not full_topk else "TRL" if full else "- (sampled mode)")
+
+
+def shared_head(model, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``model``'s output head ``(weight, bias)`` cut to its first ``rows`` rows (the vocabulary the student and
+    teacher share; bias None where it has none). A row slice is a view; a head already ``rows`` wide is passed
+    whole, since the backward of a slice allocates a zero gradient of the full (V, H) base before copying into it."""
+    head = model.get_output_embeddings()
+    cut = lambda t: None if t is None else (t if t.shape[0] == rows else t[:rows])  # noqa: E731
+    return cut(head.weight), cut(head.bias)
+
+
 def liger_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor) -> torch.Tensor:
     """``(n,)`` fp32 ``log softmax(hidden @ weight.T + bias)[targets]`` by Liger's fused linear cross-entropy.

@@ -22,8 +22,10 @@ What this subclass adds (docs/design.md section 5):
 - An off-policy term on stage one's verified teacher solutions (curriculum column ``teacher_solution``):
   ``w_sft`` cross-entropy in on-policy steps and a clock-scheduled share of cross-entropy-only steps; its state
   across steps is a ``trainers.offpolicy.OffPolicySchedule`` (``self.offpolicy``).
-- Optional one-step off-policy generation (``async_generation``): the next batch is decoded on a weight snapshot
-  (``trainers.async_rollouts.AsyncRollouts``, ``self._async``) while the current update runs, with rollout IS.
+- One rollout source, chosen at start-up (``trainers.rollout_source``, ``self.rollouts``): vLLM (probed, and
+  replaced by the fast decoder with one line if it fails), the fast decoder, TRL's HF generate, or one-step
+  off-policy generation on a weight snapshot while the update runs (``async_generation``); rollout IS weights
+  from the engine's log-probs.
 - Run-contract plumbing: resume state under ``<output_dir>/resume``, HF exports under ``ckpt_dir``,
   per-step metrics, rollout parquet files, a non-finite guard.
 
@@ -34,7 +36,6 @@ What this subclass adds (docs/design.md section 5):
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -42,19 +43,18 @@ from typing import Any
 
 import torch
 
-from trainers import heads, losses
-from trainers.async_rollouts import AsyncRollouts, AsyncStop
+from trainers import heads, losses, rollout_source
+from trainers.async_rollouts import AsyncStop
 from trainers.callbacks import DeadlineCallback, MetricsJsonlCallback, SaveCadenceCallback, process_start_time
 from trainers.checkpointing import CLOCK_STATE, SaveAndResume
 from trainers.data import ROLLOUT_SCHEMA
-from trainers.model_utils import (apply_matmul_precision, logit_transform, shared_vocabulary, student_and_teacher,
-                                  vllm_usable)
+from trainers.model_utils import apply_matmul_precision, logit_transform, shared_vocabulary, student_and_teacher
 from trainers.offpolicy import OffPolicySchedule, clear_optimizer_moments, solution_batch
 from trainers.opd_config import TIME_SCHEDULES, OPDConfig
 from trainers.sampler import CurriculumSampler
 from trainers.schedules import adam_update_sumsq
 from trainers.step_log import NonFiniteError, StepHooks, StepLog
-from trainers.trl_compat import DistillationTrainer, pad, profiling, shuffle_sequence_dict, split_tensor_dict
+from trainers.trl_compat import DistillationTrainer, pad, shuffle_sequence_dict, split_tensor_dict
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                  processing_class=None, callbacks=None, optimizers=(None, None), teacher_processing_class=None,
                  start_time: float | None = None):
         args = args or OPDConfig()
-        vllm_asked = bool(args.use_vllm)
-        if args.use_vllm and not vllm_usable():
-            log.warning("use_vllm is set but vLLM colocate needs CUDA, an importable vllm and TRL >= 1.10: generating with the fast decoder "
-                        "(data_tools.generation.fast_decoder) where it applies, else HF generate")
-            args.use_vllm = False
+        vllm_asked = rollout_source.vllm_request(args)  # off before the base builds an engine where vLLM cannot run
         model, teacher_model, self._self_teacher = student_and_teacher(model, teacher_model, args, processing_class,
                                                                        teacher_processing_class)
         self.shared_vocab = shared_vocabulary(model, teacher_model, processing_class)
@@ -113,12 +109,8 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
             self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
             self.teacher_model.to(self.accelerator.device)
 
-        # Rollout importance sampling needs the engine's log-prob of each sampled token (TRL asks for none).
-        self._rollout_is = bool(self.use_vllm and args.vllm_importance_sampling_correction)
-        if self._rollout_is:
-            self.vllm_generation.logprobs = 0
-        self._sampling_logps: list[list[float]] | None = None
-        self._guard_vllm_colocate()  # never run on CUDA here: probed, else the fast decoder (trainers.guards)
+        self.rollouts = rollout_source.choose(self, vllm_asked)  # vLLM (probed), fast decoder, HF generate, async
+        self._rollout: rollout_source.Rollout | None = None  # the last generation, until its batch is scored
         apply_matmul_precision(args.matmul_precision)  # after vLLM's engine, which sets "highest" in this process
         world = self.accelerator.num_processes
         self.generation_batch_size = (args.per_device_train_batch_size * world * args.gradient_accumulation_steps
@@ -127,21 +119,6 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         if self.generation_batch_size % args.num_generations:
             raise ValueError(f"generation batch of {self.generation_batch_size} completions is not a multiple of "
                              f"num_generations={args.num_generations}")
-        fast = args.fast_generation
-        if fast is None:  # async_generation decodes with the fast path, also on CPU (tests); so does a recipe that asked
-            # for vLLM where it cannot run (the fallback the warning above names: 13x TRL's HF generate on a CPU, 128
-            # random-length completions of a tiny Qwen2)
-            fast = torch.cuda.is_available() or args.async_generation or vllm_asked
-        self._fast_generation = bool(fast) and not self.use_vllm
-        if self._fast_generation:
-            from trainers.fast_generation import fast_path_unsupported
-
-            why = fast_path_unsupported(self)
-            if why:  # the engine name says what runs: TRL's HF generate
-                log.warning("fast_generation: not supported under %s; using TRL's HF generate", why)
-                self._fast_generation = False
-        self.engine = ("vllm-" + args.vllm_mode) if self.use_vllm else (
-            "hf-generate-fast" if self._fast_generation else "hf-generate")
         compile_on = args.compile_layers
         if compile_on is None:  # sharded weights (FSDP / ZeRO) are gathered inside the layers: leave them eager
             compile_on = torch.cuda.is_available() and not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
@@ -162,15 +139,12 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                      and "teacher_solution" in ds.column_names else None)
         self.offpolicy = OffPolicySchedule(args, solutions, world_size=self.accelerator.num_processes)
         if args.head_kernel == "liger":  # say which terms Liger computes; TRL's kernels keep the others
-            (_, bs), (_, bt) = self._heads(self.accelerator.unwrap_model(self.model), teacher_model)
-            tf = [logit_transform(m.config) for m in (self.accelerator.unwrap_model(self.model), teacher_model)]
-            lp = heads.liger_fits("logprob", temperature=self.temperature, scales=[t[0] for t in tf],
-                                  softcaps=[t[1] for t in tf])
-            kl = heads.liger_fits("kl", temperature=self.temperature, biases=(bs, bt), scales=[t[0] for t in tf],
-                                  softcaps=[t[1] for t in tf]) and args.kl_mode == "full" and not args.full_topk
+            pair = (self.accelerator.unwrap_model(self.model), teacher_model)
+            split = heads.liger_split(temperature=self.temperature, kl_mode=args.kl_mode, full_topk=args.full_topk,
+                                      biases=[heads.shared_head(m, self.shared_vocab)[1] for m in pair],
+                                      transforms=[logit_transform(m.config) for m in pair])
             log.info("head_kernel=liger: sampled-token log-probs by %s, full reverse KL by %s (without rollout IS "
-                     "weights)", "Liger" if lp else "TRL (temperature != 1 or a logit transform)",
-                     "Liger" if kl else "TRL" if args.kl_mode == "full" else "- (sampled mode)")
+                     "weights)", *split)
         self.add_callback(StepHooks(self))
         # The run contract travels with the trainer (not only with stages.train): wall-clock stop,
         # save cadence, per-step metrics file.
@@ -184,68 +158,11 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                                            fraction=self.time_fraction)  # the run's window, across resumes
         self.add_callback(self.cadence)
         self.add_callback(MetricsJsonlCallback(args.metrics_path, self.start_time,
-                                               static={"engine": self.engine, "experiment": args.experiment_name,
+                                               static={"engine": self.rollouts.name, "experiment": args.experiment_name,
                                                        "kl_mode": args.kl_mode,
                                                        "truncated_completions": args.truncated_completions}))
-        self._init_async()  # last: its stop callback must follow the deadline's
-
-    def _init_async(self) -> None:
-        """``async_generation``: the weight snapshot and its background decoder (``AsyncRollouts``), and the callback
-        that stops it when training stops; nothing otherwise. Raises ValueError where it cannot run."""
-        a = self.args
-        self._async: AsyncRollouts | None = None
-        self._async_is = False  # rollout IS weights from the snapshot's log-probs
-        self._behaviour_step: int | None = None  # global_step of the weights that sampled this step's rollouts
-        self._lookahead: tuple | None = None  # (epoch iterator, the next step's dataloader batches)
-        if not a.async_generation:
-            return
-        if self.accelerator.num_processes != 1:
-            raise ValueError("async_generation runs one background decode on one device; it does not support "
-                             f"{self.accelerator.num_processes} processes")
-        if self.use_vllm:
-            raise ValueError("async_generation decodes with the fast decoder's path, not vLLM")
-        from data_tools.generation.fast_decoder import decode_options, sampling_params_from
-
-        if not self._fast_generation or sampling_params_from(self.generation_config) is None:
-            raise ValueError("async_generation needs the fast HF generator (data_tools.generation.fast_decoder), which is off here: "
-                             "fast_generation=False, a sharded setup (FSDP1 / ZeRO-3), or a generation setting it "
-                             "lacks (repetition_penalty, beams, suppress_tokens, ...)")
-        model = self.accelerator.unwrap_model(self.model)
-        self._async = AsyncRollouts(model, self._tokenizer.pad_token_id, self.eos_token_ids,
-                                    dtype=a.decode_torch_dtype(next(model.parameters()).dtype),
-                                    **decode_options(a.decode_compaction, a.decode_compile,
-                                                     getattr(a, "decode_kv_growth", False)))
-        self._async_is = bool(a.vllm_importance_sampling_correction)
-        self.add_callback(AsyncStop(self._async_shutdown))
-
-    def _guard_vllm_colocate(self) -> None:
-        """``use_vllm`` colocate: ``trainers.guards.probe_vllm`` at start-up; if it fails (on any process), one line,
-        the engine released, and generation with the fast decoder (``fast_generation``) or TRL's HF generate."""
-        a = self.args
-        if not self.use_vllm or a.vllm_mode != "colocate" or a.vllm_probe_tolerance <= 0:
-            return
-        from trainers import guards
-
-        reason = guards.probe_vllm(self, a.vllm_probe_tolerance)
-        failed = self._any_process(reason is not None) if self.accelerator.num_processes > 1 else reason is not None
-        if failed:
-            self._drop_vllm(f"the vLLM colocate probe {reason or 'failed on another process'}")
-
-    def _drop_vllm(self, why: str) -> None:
-        """vLLM failed (its start-up probe, or a generation at any step): the engine released, one line, and every
-        later generation by the fast decoder (``fast_generation``) or TRL's HF generate; the run goes on."""
-        from trainers import guards
-        from trainers.fast_generation import fast_path_unsupported
-
-        a = self.args
-        guards.release_vllm(self)
-        self.use_vllm = a.use_vllm = False
-        self._rollout_is, self._sampling_logps = False, None
-        self._fast_generation = (a.fast_generation is not False) and fast_path_unsupported(self) is None
-        self.engine = "hf-generate-fast" if self._fast_generation else "hf-generate"
-        guards.say_once(f"use_vllm: {why}; generating with "
-                        f"{'the fast decoder (data_tools.generation.fast_decoder)' if self._fast_generation else 'HF generate'} "
-                        f"instead, use_vllm off for this run")
+        if args.async_generation:  # last: the prefetch is cancelled once the deadline's callback has stopped training
+            self.add_callback(AsyncStop(self.rollouts.close))
 
     def sft_phase_done(self) -> bool:
         """True once every later step is on-policy (the solution stream has no batch left under ``sft_max_epochs``
@@ -310,72 +227,17 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
         return bool(self.accelerator.reduce(t, reduction="max").item())
 
-    # ---- generation ----
+    # ---- generation (the rollout source: trainers.rollout_source) ----
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
         finally:  # also on HorizonReached / errors: no background decode outlives train()
-            self._async_shutdown()
-
-    def _async_shutdown(self) -> None:
-        if getattr(self, "_async", None) is not None:
-            self._async.cancel()
-        self._lookahead = None
+            self.rollouts.close()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """transformers' one optimizer step of dataloader batches; under ``async_generation`` also the next step's,
-        kept as a lookahead whose prompts the background decode starts on.
-
-        Ordering: the dataloader is read one step ahead *within* an epoch, so each batch is still trained exactly
-        once, at the step it has without async; the first step of every epoch (and of a resumed run) decodes
-        synchronously (staleness 0). A prefetch in flight when training stops is cancelled and dropped: its batch
-        was never trained, and a resumed run (which skips ``global_step`` steps of batches) decodes it again."""
-        if getattr(self, "_async", None) is None:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        la, self._lookahead = self._lookahead, None
-        if la is not None and la[0] is epoch_iterator:
-            batches = la[1]
-        else:
-            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        nxt, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._lookahead = (epoch_iterator, nxt) if nxt else None
-        return batches, self._get_num_items_in_batch(batches, device)
-
-    def _next_prompt_ids(self) -> list[list[int]] | None:
-        """Token ids of the next optimizer step's generation batch, or None (epoch end, last debug step)."""
-        a = self.args
-        if self._lookahead is None or (a.debug_max_steps and self.state.global_step + 1 >= a.debug_max_steps):
-            return None
-        # the first of a step's GA dataloader batches is the whole local generation batch (RepeatSampler contract)
-        prompts = [x["prompt"] for x in self._lookahead[1][0]]
-        return self._tokenize_prompts(copy.deepcopy(prompts))[0]
-
-    def _async_generate(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """This step's completions under ``async_generation``: the prefetch if it holds these prompts, else a
-        synchronous decode; then the next step's prefetch is launched on the weights as they are now (before this
-        step's update)."""
-        from data_tools.generation.fast_decoder import sampling_params_from
-
-        sp = sampling_params_from(self.generation_config)
-        model = self.accelerator.unwrap_model(self.model)
-        step = self.state.global_step
-        job = self._async.take(prompt_ids)
-        overlap = 0.0
-        if job is None:
-            job = self._async.generate_now(model, prompt_ids, sp, step)
-        else:
-            overlap = max(job.generate_s - job.wait_s, 0.0)
-        nxt = self._next_prompt_ids()
-        if nxt is not None:
-            self._async.launch(model, nxt, sp, step)
-        m = self._metrics["train"]
-        m["async/staleness"].append(float(step - job.version))
-        m["async/overlap_s"].append(overlap)  # decode seconds hidden behind the previous step's main thread
-        m["async/wait_s"].append(job.wait_s)
-        m["async/generate_s"].append(job.generate_s)
-        self._behaviour_step = job.version
-        self._sampling_logps = job.logprobs if self._async_is else None
-        return job.completions
+        """transformers' one optimizer step of dataloader batches, read by the rollout source (under
+        ``async_generation`` one step ahead: ``AsyncFast.read_batches``)."""
+        return self.rollouts.read_batches(self, super().get_batch_samples, epoch_iterator, num_batches, device)
 
     def _tokenize_prompts(self, prompts: list):
         # TRL tokenizes string prompts with processing_class(text=...), which lets a post-processor add a
@@ -388,40 +250,9 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         return super()._tokenize_prompts(prompts)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
-        if self._async is not None and self.model.training and images is None and not multimodal_fields:
-            return self._async_generate(prompt_ids)  # one-step off-policy
-        # Fast HF path (data_tools.generation.fast_decoder): same contract as TRL's HF branch; falls back to it for
-        # multimodal inputs or generation settings the fast path lacks (e.g. repetition_penalty).
-        if self._fast_generation and images is None and not multimodal_fields:
-            from trainers.fast_generation import fast_generate_single_turn
-
-            out = fast_generate_single_turn(self, prompt_ids)
-            if out is not None:
-                return out
-        if not self.use_vllm:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
-        try:
-            if self._rollout_is:
-                return self._vllm_generate_with_logprobs(prompt_ids, images)
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
-        except Exception as e:  # noqa: BLE001 - an untested vLLM (the formal image's) failing mid-run must not end it
-            if self.accelerator.num_processes > 1:
-                raise  # the other processes would wait at vLLM's collectives: stop, resume from the last state
-            from data_tools.generation.fallback import first_line
-
-            self._drop_vllm(f"vLLM failed at step {self.state.global_step} ({first_line(e)})")
-            return self._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
-
-    def _vllm_generate_with_logprobs(self, prompt_ids, images):
-        """TRL's vLLM branch, keeping the engine's sampled-token log-probs in ``self._sampling_logps``."""
-        if self.state.global_step != self._last_loaded_step:
-            with profiling(self, "sync_weights"):
-                self.vllm_generation.sync_weights()
-            self._last_loaded_step = self.state.global_step
-        _, completion_ids, logprobs, _ = self.vllm_generation.generate(
-            prompts=prompt_ids, images=images, num_generations=1, profiler=profiling(self, "vLLM.generate"))
-        self._sampling_logps = [[math.nan if lp[0] is None else lp[0] for lp in seq] for seq in logprobs]
-        return completion_ids
+        self._rollout = self.rollouts.generate(self, super()._generate_single_turn, prompt_ids, images,
+                                               multimodal_fields, has_tool_images)
+        return self._rollout.completions
 
     # ---- data order ----
     def _get_train_sampler(self, dataset=None):
@@ -539,13 +370,9 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         else:
             out["teacher_prompt_ids"], out["teacher_prompt_mask"] = out["prompt_ids"], out["prompt_mask"]
         out["rollout_index"] = torch.arange(B, device=device)
-        if self._sampling_logps is not None:  # (B, K), aligned with completion_ids; NaN = not known
-            samp = torch.full(cids.shape, math.nan, dtype=torch.float32)
-            for i, lps in enumerate(self._sampling_logps):
-                n = min(len(lps), samp.size(1))
-                samp[i, :n] = torch.tensor(lps[:n], dtype=torch.float32)
-            out["sampling_logps"] = samp.to(device)
-            self._sampling_logps = None
+        rollout, self._rollout = self._rollout or rollout_source.Rollout([]), None
+        if rollout.logprobs is not None:  # the engine's log-probs: rollout IS weights (_rollout_is_weights)
+            out["sampling_logps"] = rollout.logps_tensor(cids.shape).to(device)
         if a.num_iterations > 1 or a.steps_per_generation > 1:
             out["old_logps"] = self._policy_logps(out)
         if a.w_sft > 0:
@@ -554,6 +381,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
         if a.save_rollouts:
             first = pi * B
+            behaviour = self.state.global_step if rollout.behaviour_step is None else rollout.behaviour_step
             self._pending_rollouts = {
                 "step": self.state.global_step + 1,
                 "rows": [{
@@ -570,7 +398,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
                     "finish_reason": "length" if truncated[i] else "stop",
                     "advantage": float(out["advantages"][i]),
                     "seq_kl": float("nan"),
-                    "behaviour_step": self.state.global_step if self._behaviour_step is None else self._behaviour_step,
+                    "behaviour_step": behaviour,
                 } for i, x in enumerate(inputs)],
             }
         return out
@@ -597,19 +425,11 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         out["sft_num_items"] = self.accelerator.gather(out["sft_completion_mask"].sum()).sum().float()
         return out
 
-    def _heads(self, unwrapped_student, unwrapped_teacher):
-        V = self.shared_vocab
-        hs, ht = unwrapped_student.get_output_embeddings(), unwrapped_teacher.get_output_embeddings()
-        # A row slice is a view; a head already V rows wide is passed whole, since the backward of a
-        # slice allocates a zero gradient of the full (V, H) base before copying into it.
-        sl = lambda t: None if t is None else (t if t.shape[0] == V else t[:V])  # noqa: E731
-        return (sl(hs.weight), sl(hs.bias)), (sl(ht.weight), sl(ht.bias))
-
     @torch.no_grad()
     def _policy_logps(self, out: dict[str, Any]) -> torch.Tensor:
         """``(B, K)`` log-probs of the completion tokens under the current (pre-update) student: pi_old."""
         model = self.accelerator.unwrap_model(self.model)
-        (w, b), _ = self._heads(model, self.accelerator.unwrap_model(self.teacher_model))
+        w, b = heads.shared_head(model, self.shared_vocab)
         scale, cap = logit_transform(model.config)
         cids, cmask = out["completion_ids"], out["completion_mask"]
         K = cids.size(1)
@@ -628,8 +448,9 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
     def _get_last_hidden_state(self, unwrapped_model, *args, **kwargs):
         # TRL's version calls the backbone (``base_model``) directly, past the top-level ``forward`` that accelerate
-        # wraps in autocast: with fp32 weights and ``bf16: true`` every forward then ran in fp32 (the formal
-        # recipe's SFT step: 246 s on an H200, ~41 TFLOP/s, 2026-12-05). The mixed precision is applied here.
+        # wraps in autocast: with fp32 weights and ``bf16: true`` every forward would run in fp32, several times
+        # slower (the formal recipe's SFT step: bench/results/2026-12-05-formal-shape-rehearsal.md). The mixed
+        # precision is applied here.
         with self.accelerator.autocast():
             return super()._get_last_hidden_state(unwrapped_model, *args, **kwargs)
 
@@ -645,7 +466,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
         t0 = time.perf_counter()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
-        (ws, bs), (wt, bt) = self._heads(unwrapped_student, unwrapped_teacher)
+        (ws, bs), (wt, bt) = (heads.shared_head(m, self.shared_vocab) for m in (unwrapped_student, unwrapped_teacher))
         s_scale, s_cap = logit_transform(unwrapped_student.config)
         t_scale, t_cap = logit_transform(unwrapped_teacher.config)
         valid = cmask.bool().to(ws.device)
@@ -739,7 +560,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         ids = torch.cat([inputs["sft_prompt_ids"][rows], cids], dim=1)
         mask = torch.cat([inputs["sft_prompt_mask"][rows], cmask], dim=1)
         h = self._get_last_hidden_state(unwrapped_student, ids, mask, cids.size(1))
-        (w, b), _ = self._heads(unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
+        w, b = heads.shared_head(unwrapped_student, self.shared_vocab)
         scale, cap = logit_transform(unwrapped_student.config)
         valid = cmask.bool().to(w.device)
         lp, entropy = losses.token_logprobs(h.to(w.device)[valid], w, b, cids.to(w.device)[valid], logit_scale=scale,
@@ -757,17 +578,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
             return None
         samp = inputs["sampling_logps"].to(old.device)[valid]
         w = losses.rollout_is_weights(old, samp, self.args.vllm_importance_sampling_cap)
-        known = ~torch.isnan(samp)
-        diff = (old.float() - samp.float()).abs()[known]
-        acc, mx = self.steps.acc, self.steps.acc_max
-        acc["is_tokens"] += float(known.sum())
-        acc["is_diff_sum"] += float(diff.sum())
-        acc["is_w_sum"] += float(w[known].sum())
-        acc["is_capped"] += float((w[known] >= self.args.vllm_importance_sampling_cap).sum())
-        if diff.numel():
-            mx["is_diff_max"] = max(mx.get("is_diff_max", 0.0), float(diff.max()))
-            mx["is_w_max"] = max(mx.get("is_w_max", 0.0), float(w[known].max()))
-            mx["is_w_neg_min"] = max(mx.get("is_w_neg_min", -math.inf), -float(w[known].min()))
+        self.steps.add_rollout_is(old, samp, w, self.args.vllm_importance_sampling_cap)
         return w
 
     # ---- step bookkeeping ----
@@ -781,7 +592,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         """At ``on_step_end``: the step's metrics (``StepLog.finish``, the off-policy term's), then its rollouts."""
         m = self._metrics["train"]
         tot, step_s = self.steps.finish(m, off_policy=self.offpolicy.off_policy, kl_mode=self.args.kl_mode,
-                                        rollout_is=self._rollout_is or self._async_is)
+                                        rollout_is=self.rollouts.is_weights)
         for k, v in self.offpolicy.finish_step(step_s, tot["sft_loss"], tot["sft_tokens"]).items():
             m[k].append(v)
         self._flush_rollouts()

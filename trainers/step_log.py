@@ -120,6 +120,22 @@ class StepLog:
         m["nonfinite/total_skipped"].append(float(self.skipped))
         return tot, step_s
 
+    def add_rollout_is(self, old: torch.Tensor, samp: torch.Tensor, w: torch.Tensor, cap: float) -> None:
+        """A micro-batch's rollout-vs-trainer mismatch, for the step's ``sampling/*`` metrics: ``old`` the trainer's
+        log-probs of the valid tokens, ``samp`` the rollout engine's (NaN: not known), ``w`` their IS weights,
+        truncated at ``cap``."""
+        known = ~torch.isnan(samp)
+        diff = (old.float() - samp.float()).abs()[known]
+        acc, mx = self.acc, self.acc_max
+        acc["is_tokens"] += float(known.sum())
+        acc["is_diff_sum"] += float(diff.sum())
+        acc["is_w_sum"] += float(w[known].sum())
+        acc["is_capped"] += float((w[known] >= cap).sum())
+        if diff.numel():
+            mx["is_diff_max"] = max(mx.get("is_diff_max", 0.0), float(diff.max()))
+            mx["is_w_max"] = max(mx.get("is_w_max", 0.0), float(w[known].max()))
+            mx["is_w_neg_min"] = max(mx.get("is_w_neg_min", -math.inf), -float(w[known].min()))
+
     def _rollout_is_metrics(self, m, tot: dict[str, float]) -> None:
         """Rollout-vs-trainer mismatch of this step (TRL GRPO's ``sampling/*`` names, plus the capped share)."""
         vec = torch.tensor([self.acc_max.get(k, -math.inf) for k in MAX_KEYS], dtype=torch.float64,

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 #: exception with which non-reentrant activation checkpointing stops a recompute early once it has the tensors it
 #: needs (``torch.utils.checkpoint``'s early stop, on by default). Caught, it sent the recompute down the eager path,
 #: where checkpointing raised "Unexpected state: target_frame.early_stop is set" in the first backward of the
-#: formal recipe's rehearsal on an H200 (2026-12-05).
+#: formal recipe (bench/results/2026-12-05-h200-rehearsal.md).
 PASS_THROUGH: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, _StopRecomputationError)
 
 _said: set[str] = set()

@@ -4,8 +4,8 @@ evaluation (``data_tools.generation.engines.HFEngine``).
 TRL's ``DistillationTrainer._generate_single_turn`` (HF path) calls ``model.generate`` with a dynamic
 KV cache and ``disable_compile=True``: every decode step pays the Python overhead of the generate
 loop, its logits processors and a host synchronisation, and the GQA KV cache is re-expanded to all
-query heads in every layer. On an H200 that is ~26 s for 32 x 1,024 tokens of a 1.5B model, against
-a memory-bandwidth floor near 1 s (docs/design.md section 8).
+query heads in every layer: far slower than a decode's memory-bandwidth floor (TRL's generation against this
+decoder's, 32 x 1,024 tokens of a 1.5B model: bench/results/2026-11-29-run-2.md).
 
 ``FastGenerator`` keeps the same contract (prompt token ids in, completion token ids out, cut after
 the first EOS, EOS included) and decodes the whole batch in one call:
@@ -378,8 +378,7 @@ class FastGenerator:
         caching allocator and never freed (``torch._C._cuda_clearCublasWorkspaces`` aside): 32 MiB each on Hopper by
         default (``CUBLAS_WORKSPACE_CONFIG``), so ``memory/allocated_gib`` climbs by one workspace per new stream
         until the pool's 32 are all used (~1 GiB). One stream per generator keeps that to one workspace (the capture
-        stream has its own). Not yet measured on a GPU; bench/RESULTS.md run 10's climb fits it: 4 windows a call (4 new
-        streams) x 32 MiB = 0.125 GiB a step, reported as 0.13.
+        stream has its own). Memory over many steps with this decoder: bench/results/2026-12-05-h200-memory.md.
         """
         key = torch.device(device)
         s = self._streams.get(key)
