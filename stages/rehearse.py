@@ -276,8 +276,8 @@ def export_phase(run: Path, clock_s: float, hedges: list[float], summ: dict) -> 
            "final_save_s": max(cost[-1], statistics.median(full)) if full else (cost[-1] if cost else None)}
     resume = statistics.median([e.get("resume_state_s") or 0 for e in ex]) if ex else 0.0
     if unrecorded:
-        hedge_note = (f"{run / 'metrics' / 'exports.jsonl'} has no hedge records (a trainer older than 2026-12-05 "
-                      "wrote it): which save was which hedge's is unknown, rehearse again")
+        hedge_note = (f"{run / 'metrics' / 'exports.jsonl'} has no hedge records (a trainer that did not "
+                      "record hedges wrote it): which save was which hedge's is unknown, rehearse again")
     else:
         hedge_note = (f"hedges {hedges} crossed by a finished step {len(crossed)}/{len(hedges)}"
                       + (f", no save at {', '.join(missed)}" if missed else

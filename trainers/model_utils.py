@@ -176,7 +176,7 @@ def compile_decoder_layers(model, *, only_with_grad: bool) -> bool:
     """Regional ``torch.compile`` of a causal LM's decoder layers (one compiled function, all layers).
 
     Compiling the repeated block rather than the whole model keeps compile time to one layer's
-    graph (~8 s on an H200 for Qwen2.5-1.5B) and works with gradient checkpointing. Sequence lengths vary from
+    graph (seconds, not minutes, for a 1.5B model) and works with gradient checkpointing. Sequence lengths vary from
     micro-batch to micro-batch: a layer compiles for its first shape, once more with dynamic sizes, and once more
     when the batch size changes (SFT against on-policy micro-batches), not once per length. Measured in
     ``bench/RESULTS.md`` (run 2): update phase 1.21x TRL's tokens/s at 0.91x its peak memory.

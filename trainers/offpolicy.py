@@ -248,7 +248,7 @@ class OffPolicySchedule:
             if changed:
                 log.warning("resuming under other objective settings than the checkpoint's (saved -> now): %s",
                             ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
-        elif self.args.trains_on_teacher_solutions:  # saved before the settings were recorded (2026-12-04)
+        elif self.args.trains_on_teacher_solutions:  # saved by a trainer that did not record them yet
             log.warning("resuming from a checkpoint that does not record its objective settings: this run's "
                         "off-policy settings (%s) apply from here, whatever the checkpoint's steps were",
                         ", ".join(f"{k} {v:g}" for k, v in self.objective().items() if k.startswith(("w_sft", "sft_"))))
