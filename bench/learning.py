@@ -106,7 +106,7 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
     SFT (arm d, the start, the teacher) is ``OPDTrainer`` with every step off-policy (``sft_share_* = 1``,
     ``w_kl = w_reward = 0``): TRL SFTTrainer's completion-only cross-entropy on the curriculum's
     ``teacher_solution`` column, ``sft_batch_size`` solutions a step, no generation, no teacher.
-    ``options``: a run name's ``+kl`` / ``+ep`` (``LearningConfig.run_options``). ``window_s``: the arm's training
+    ``options``: a run name's ``+kl`` / ``+ep`` / ``+bs`` / ``+spg`` (``LearningConfig.run_options``). ``window_s``: the arm's training
     seconds (budget_s less stage one's), over which a time schedule's ``lr_warmup_s`` becomes ``lr_warmup_time``'s
     share (the bench's clock feeds the trainer that window's fraction: ``bench.learning_clock.clock_fraction``).
     """
@@ -138,6 +138,10 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
                  lr_warmup_time=min(cfg.lr_warmup_s / window, 0.99) if window > 0 else 0.0)
     if "w_kl" in options:
         r["w_kl"] = options["w_kl"]
+    if "batch" in options or "spg" in options:  # +bs / +spg: the rollout batch, and the updates it is split into
+        spg = int(options.get("spg", 1))
+        r.update(per_device_train_batch_size=int(options.get("batch", cfg.per_device_train_batch_size)) // spg,
+                 steps_per_generation=spg)
     if spec.off_policy == "mix":
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if spec.off_policy == "seq":  # SFT steps until the cap, then on-policy (the cap ends the off-policy steps)

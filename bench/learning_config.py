@@ -79,10 +79,13 @@ SFT_REFERENCE = Arm("SFT on reference solutions", 0.0, 0.0, None, off_policy="sf
 ARMS = {k: v.label for k, v in ARM_SPECS.items()}
 #: An arm run: its letter, then ``@<lr>`` when its learning rate is not ``learning_rate``, then ``+kl<w>`` when its
 #: on-policy KL weight is not the arm's (``w_kl`` = w with ``w_reward`` kept at 1: the KL : reward weight ratio), then
-#: ``+ep<n>`` when its passes over stage one's solutions are not ``sft_max_epochs`` (arms j, k, l), then ``-s<seed>``
-#: when its seed is not ``seed`` (``f@3e-05-s1``, ``j@3e-06+kl3+ep2-s1``). The name is the file name of its evaluations.
+#: ``+ep<n>`` when its passes over stage one's solutions are not ``sft_max_epochs`` (arms j, k, l), then ``+bs<n>``
+#: when its rollout batch is not ``per_device_train_batch_size`` completions, then ``+spg<n>`` when each rollout
+#: batch is split into n optimizer steps (``steps_per_generation``), then ``-s<seed>`` when its seed is not ``seed``
+#: (``f@3e-05-s1``, ``j@3e-06+kl3+ep2-s1``, ``b+bs8``, ``j+spg16``). The name is the file name of its evaluations.
 _NUM = r"[0-9.]+(?:e[+-]?[0-9]+)?"
-ARM_RUN = re.compile(rf"([a-z])(?:@({_NUM}))?(?:\+kl({_NUM}))?(?:\+ep({_NUM}))?(?:-s([0-9]+))?")
+ARM_RUN = re.compile(rf"([a-z])(?:@({_NUM}))?(?:\+kl({_NUM}))?(?:\+ep({_NUM}))?(?:\+bs([0-9]+))?(?:\+spg([0-9]+))?"
+                     r"(?:-s([0-9]+))?")
 #: Learning-rate schedules an arm can run on (``OPDConfig.lr_scheduler_type``): constant (after ``warmup_steps``), or
 #: linear / cosine decay over the arm's training seconds (``trainers.schedules``, the formal recipe's ``linear_time``).
 ARM_SCHEDULES = ("constant", "linear_time", "cosine_time")
@@ -402,11 +405,14 @@ class LearningConfig:
         return [int(x) for x in self.seeds.split(",") if x.strip()] or [self.seed]
 
     def run_name(self, arm: str, lr: float, seed: int, w_kl: float | None = None,
-                 sft_max_epochs: float | None = None) -> str:
-        """An ``ARM_RUN`` name: ``w_kl`` / ``sft_max_epochs`` (None = the arm's own) as ``+kl`` / ``+ep``."""
+                 sft_max_epochs: float | None = None, batch: int | None = None, spg: int | None = None) -> str:
+        """An ``ARM_RUN`` name: ``w_kl`` / ``sft_max_epochs`` / ``batch`` / ``spg`` (None = the arm's own) as
+        ``+kl`` / ``+ep`` / ``+bs`` / ``+spg``."""
         return (arm + (f"@{lr:g}" if lr != self.learning_rate else "")
                 + (f"+kl{w_kl:g}" if w_kl is not None else "")
                 + (f"+ep{sft_max_epochs:g}" if sft_max_epochs is not None else "")
+                + (f"+bs{batch}" if batch is not None else "")
+                + (f"+spg{spg}" if spg is not None else "")
                 + (f"-s{seed}" if seed != self.seed else ""))
 
     def run_options(self, name: str) -> dict[str, float]:
@@ -433,6 +439,18 @@ class LearningConfig:
             if ARM_SPECS[m.group(1)].off_policy != "seq" or not 0 < n < math.inf:
                 raise ValueError(f"{name!r}: +ep<n> sets the passes before the hand-over of arms j, k, l, n > 0")
             out["sft_max_epochs"] = n
+        if m.group(5) is not None or m.group(6) is not None:
+            if spec.off_policy == "sft":
+                raise ValueError(f"{name!r}: +bs / +spg set the on-policy rollout batch; arm d has none")
+            batch = int(m.group(5)) if m.group(5) is not None else self.per_device_train_batch_size
+            spg = int(m.group(6)) if m.group(6) is not None else 1
+            if batch < 1 or batch % self.num_generations or spg < 1 or batch % spg:
+                raise ValueError(f"{name!r}: a rollout batch of {batch} completions must be a multiple of "
+                                 f"num_generations ({self.num_generations}) and split evenly into {spg} steps")
+            if m.group(5) is not None:
+                out["batch"] = batch
+            if m.group(6) is not None:
+                out["spg"] = spg
         return out
 
     def canonical(self, name: str) -> str:
@@ -454,7 +472,7 @@ class LearningConfig:
         m = ARM_RUN.fullmatch(name)
         if not m or m.group(1) not in ARMS:
             raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1', 'j@3e-06+kl3+ep2')")
-        return m.group(1), float(m.group(2)) if m.group(2) else self.learning_rate, int(m.group(5)) if m.group(5) else self.seed
+        return m.group(1), float(m.group(2)) if m.group(2) else self.learning_rate, int(m.group(7)) if m.group(7) else self.seed
 
     def label(self, group: str) -> str:
         """Label of an arm (a run name without its seed) for tables and the plot."""
@@ -469,6 +487,9 @@ class LearningConfig:
                 text = text.replace("verified solutions", "all teacher samples (sft_filter=none)")
         if "w_kl" in opts:
             text += f", w_kl {opts['w_kl']:g} (KL : reward = {opts['w_kl']:g} : 1)"
+        if "batch" in opts or "spg" in opts:
+            b, k = opts.get("batch", self.per_device_train_batch_size), opts.get("spg", 1)
+            text += f", rollouts of {b}" + (f" in {k} updates" if k > 1 else "")
         return text + (f", lr {lr:g}" if lr != self.learning_rate else "")
 
     @property

@@ -414,6 +414,31 @@ def test_kl_weight_and_passes_in_run_names(tmp_path):
     assert both == {"c", "e", "f", "g", "h", "i", "j"}
 
 
+def test_rollout_batch_and_updates_in_run_names(tmp_path):
+    """+bs<n>: the run's rollout batch; +spg<n>: that batch split into n optimizer steps (run 4's arms R and F-m)."""
+    from bench.learning import _yaml, arm_recipe
+    from data_tools.config import parse_config
+    from trainers.opd_config import OPDConfig
+
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="b+bs8,j+spg16,j@3e-6+kl3+bs32+spg4", seeds="0,1",
+                         per_device_train_batch_size=128, num_generations=4, learning_rate=1e-6)
+    assert cfg.instances == ["b+bs8", "b+bs8-s1", "j+spg16", "j+spg16-s1", "j@3e-06+kl3+bs32+spg4",
+                             "j@3e-06+kl3+bs32+spg4-s1"]
+    assert cfg.parse_run("j@3e-06+kl3+bs32+spg4-s1") == ("j", 3e-6, 1)
+    assert cfg.run_options("j@3e-06+kl3+bs32+spg4-s1") == {"w_kl": 3.0, "batch": 32, "spg": 4}
+    assert cfg.label("j+spg16").endswith(", rollouts of 128 in 16 updates")
+    for bad in ("d+bs8", "b+bs6", "b+bs8+spg3", "b+spg0"):
+        with pytest.raises(ValueError):
+            cfg.run_options(bad)
+    (cfg.dir).mkdir(parents=True)
+    (cfg.dir / "settings.json").write_text(json.dumps({"start_path": str(tmp_path / "start")}))
+    want = {"b+bs8": (8, 1, 1), "j+spg16-s1": (8, 1, 16), "j@3e-06+kl3+bs32+spg4": (8, 1, 4), "c": (128, 1, 1)}
+    for name, w in want.items():
+        (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / "x.yaml"))], env={})
+        got = (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation)
+        assert got == w, name
+
+
 # ------------------------------------------------------------------------------------------- setup lines, contrasts
 
 

@@ -423,11 +423,11 @@ class OPDConfig(DistillationConfig):
         need(0.0 <= self.lr_final_ratio <= 1.0, f"lr_final_ratio must be in [0, 1], got {self.lr_final_ratio}")
         need(self.save_strategy in ("no", getattr(type(self.save_strategy), "NO", "no")),
              "save_strategy must stay 'no': use ckpt_every_steps / ckpt_every_minutes")
-        gen = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        gen = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.steps_per_generation
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size must be >= 1")
         need(gen % self.num_generations == 0,
-             f"per_device_train_batch_size x gradient_accumulation_steps ({gen}) must be a multiple of "
-             f"num_generations ({self.num_generations}) so each prompt's group fits in a generation batch")
+             f"per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation ({gen}) must be a "
+             f"multiple of num_generations ({self.num_generations}) so each prompt's group fits in a rollout batch")
         if self.async_generation:
             why = ("use_vllm (the async decode runs the fast decoder on a weight snapshot)" if self.use_vllm
                    else "fast_generation=False (it decodes with the fast path)" if self.fast_generation is False
