@@ -68,6 +68,7 @@ def run(args, on_trainer=None) -> dict:
                          "off-policy terms off: --w_sft 0 --sft_share_start 0 --sft_share_end 0 --sft_learning_rate 0 "
                          "--sft_max_epochs 0")
     student, teacher, tok, t_tok = load_models(args)
+    _explain_tied_keys(student, say)
     dataset = build_train_dataset(table, tok, prompt_style=args.prompt_style)
     trainer = OPDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
                          processing_class=tok, teacher_processing_class=t_tok, start_time=start)
@@ -124,7 +125,53 @@ def run(args, on_trainer=None) -> dict:
     if trainer.accelerator.is_main_process:
         write_json(summary, os.path.join(args.output_dir, "train_summary.json"))
     say(f"[train] done: {summary}")
+    closing = deadline.interrupted_line(trainer.state.global_step)  # Ctrl-C / SIGTERM: the last line says how to go on
+    if closing:
+        say(f"[train] {closing}")
     return summary
+
+
+class _TiedKeysFilter(logging.Filter):
+    """transformers' Trainer, resuming, warns ``There were missing keys in the checkpoint model loaded:
+    ['lm_head.weight']`` for a model whose output head is tied to its input embeddings: the checkpoint stores that
+    tensor once, under the embeddings' name, and loading them fills the head too. Not an error: when every missing
+    key names a tied tensor, the warning becomes one line that says so; any other missing key is warned as before."""
+
+    def __init__(self, model, say):
+        super().__init__()
+        self.model, self.say = model, say
+
+    def _tied(self, keys) -> bool:
+        names: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(p.data_ptr(), []).append(name)
+        shared = {n for group in names.values() if len(group) > 1 for n in group}
+        return bool(keys) and all(k in shared for k in keys)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        head = "There were missing keys in the checkpoint model loaded: "
+        if not msg.startswith(head):
+            return True
+        import ast
+
+        try:
+            keys = ast.literal_eval(msg[len(head):].rstrip("."))
+        except (ValueError, SyntaxError):
+            return True
+        if not self._tied(keys):
+            return True
+        self.say(f"[train] resumed: {', '.join(keys)} not in the checkpoint: tied to the input embeddings, stored once "
+                 "and loaded with them (not an error)")
+        return False
+
+
+def _explain_tied_keys(model, say) -> None:
+    """Install ``_TiedKeysFilter`` on transformers' trainer logger for this run's student."""
+    logger = logging.getLogger("transformers.trainer")
+    for f in [f for f in logger.filters if isinstance(f, _TiedKeysFilter)]:
+        logger.removeFilter(f)  # a second run in this process (tests, bench/learning.py): its own model
+    logger.addFilter(_TiedKeysFilter(model, say))
 
 
 def _exports(ckpt_dir):

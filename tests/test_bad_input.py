@@ -73,6 +73,107 @@ def test_known_trl_vllm_warnings_silenced_others_kept():
     assert "TRL currently supports vLLM" not in r.stderr and "other warning" in r.stderr
 
 
+def test_engine_start_noise_silenced_real_warnings_kept():
+    """What vLLM's stack prints at every start and says nothing (a Triton notice on CPU, a deprecated alias, Python's
+    resource tracker at exit) is silenced by exact message, here and in the processes an engine starts; other
+    warnings, of the same categories and loggers, still show."""
+    code = r"""
+import logging, os, subprocess, sys, warnings
+warnings.simplefilter("default")
+logging.basicConfig(format="%(name)s: %(message)s")
+import data_tools.generation.engines as e
+warnings.warn("`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead", FutureWarning)
+warnings.warn("a real FutureWarning", FutureWarning)
+lg = logging.getLogger("vllm.triton_utils.importing")
+lg.warning("Triton is installed, but doesn't include CPU backend. Disabling Triton.")
+lg.warning("a real vLLM warning")
+env = dict(os.environ)
+e.quiet_noise(env)
+child = ("import warnings\n"
+         "warnings.warn_explicit('resource_tracker: There appear to be 1 leaked shared_memory objects to clean up at "
+         "shutdown', UserWarning, 'resource_tracker.py', 254, module='multiprocessing.resource_tracker')\n"
+         "warnings.warn('`torch.distributed.reduce_op` is deprecated', FutureWarning)\n"
+         "warnings.warn('a real UserWarning in a child', UserWarning)\n")
+subprocess.run([sys.executable, "-c", child], env=env, check=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for noise in ("reduce_op", "Triton is installed", "resource_tracker"):
+        assert noise not in r.stderr, r.stderr
+    for real in ("a real FutureWarning", "vllm.triton_utils.importing: a real vLLM warning", "a real UserWarning in a child"):
+        assert real in r.stderr, r.stderr
+
+
+def test_vllm_cpu_engine_starts_without_loading_bar_or_cpp_notices(monkeypatch, tmp_path):
+    """The engine is built with no weights-loading bar; on CPU its processes start with torch's C++ log at ERROR (a
+    NUMA binding notice at every start), this process's environment is left as it was, and a level the user set wins."""
+    vllm = pytest.importorskip("vllm")
+    from data_tools.generation import engines
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen.append((kw, os.environ.get("TORCH_CPP_LOG_LEVEL"), os.environ.get("PYTHONWARNINGS", "")))
+
+        def get_tokenizer(self):
+            return None
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(engines, "on_gpu", lambda: False)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    monkeypatch.setenv("PYTHONWARNINGS", "default::DeprecationWarning")
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    engines.VLLMEngine("/models/m")
+    kw, level, pywarn = seen[-1]
+    assert kw["use_tqdm_on_load"] is False and level == "ERROR" and "TORCH_CPP_LOG_LEVEL" not in os.environ
+    assert pywarn.startswith("default::DeprecationWarning,ignore:`torch.distributed.reduce_op` is deprecated:")
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "WARNING")
+    engines.VLLMEngine("/models/m")
+    assert seen[-1][1] == "WARNING" and os.environ["TORCH_CPP_LOG_LEVEL"] == "WARNING"
+
+
+def test_vllm_generate_shows_no_progress_bar_and_a_line_a_chunk(capsys):
+    """vLLM's bar counts prompts, which finish together at a chunk's end (an ETA that says nothing): generate asks
+    for none (``use_tqdm=False``, and no weights-loading bar), prints a line a chunk, and a heartbeat while one runs."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from data_tools.generation import engines
+
+    calls = []
+
+    class FakeLLM:
+        def generate(self, requests, sampling, use_tqdm=True):
+            calls.append(use_tqdm)
+            time.sleep(0.25)
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="7", token_ids=[1], finish_reason="stop")],
+                                    prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+
+    class Tok:
+        chat_template = None
+
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[1, 2] for _ in texts]}
+
+        def encode(self, text, add_special_tokens=False):
+            return [1, 2]
+
+    eng = engines.VLLMEngine.__new__(engines.VLLMEngine)
+    eng.llm, eng.tokenizer, eng.procs, eng.name, eng.request_seeds = FakeLLM(), Tok(), [], "vllm-cpu", False
+    os.environ["OPD_HEARTBEAT_S"] = "0.1"
+    try:
+        out = [len(b) for b in eng.generate(["a", "b", "c"], n=1, max_tokens=4, chunk_size=2, desc="student chunk 1/1")]
+    finally:
+        os.environ.pop("OPD_HEARTBEAT_S")
+    assert out == [2, 1] and calls == [False, False]
+    lines = capsys.readouterr().out.splitlines()
+    assert "[student chunk 1/1] prompts 0-2 of 3 generating: 0s" in lines
+    assert [x.split(" |")[0] for x in lines if " | " in x] == ["[student chunk 1/1] 2/3 prompts x 1 samples",
+                                                               "[student chunk 1/1] 3/3 prompts x 1 samples"]
+
+
 # ---- data files -------------------------------------------------------------------------------------
 
 def test_non_utf8_line_rejects_that_line_only(tmp_path):

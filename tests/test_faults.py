@@ -227,6 +227,11 @@ def test_train_stops_on_signal_with_final_checkpoint(tmp_path, tiny_model_dir, c
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["stop_reason"] == ("sigint" if how.startswith("ctrl-c") else "sigterm")
+    # said at once, and last: where it stops, and how to go on
+    stopping = [x for x in log.splitlines() if "stopping after step" in x]
+    assert len(stopping) == 1 and stopping[0].endswith("the state is saved; rerun the same command to resume"
+                                                       + (" (Ctrl-C again aborts without saving)" if how != "SIGTERM" else ""))
+    assert f"[train] interrupted at step {summary['global_step']}; rerun the same command to resume" in log
     assert (run / "checkpoints" / f"checkpoint-{summary['global_step']}").is_dir()
     assert _assert_exports_loadable(run / "checkpoints") == 1
     assert not (run / ".opd.lock").exists() and wait_gone(str(run), 10) == []
@@ -444,3 +449,38 @@ def test_ctrl_c_delivered_twice_at_once_still_saves(monkeypatch):
     now[0] += 10
     with pytest.raises(KeyboardInterrupt):
         cb._on_sigterm(signal.SIGINT, None)
+
+
+def test_ctrl_c_says_at_once_when_training_stops_and_how_to_go_on(monkeypatch, capsys):
+    """SIGINT prints one line at once: the step it stops after and the seconds left in it (estimated as the deadline
+    estimates a step); the stage's last line says where it stopped and how to resume."""
+    from types import SimpleNamespace
+
+    from trainers.callbacks import DeadlineCallback
+
+    monkeypatch.delenv("RANK", raising=False)
+    t = [0.0]
+    cb = DeadlineCallback(1e9, 0.0, clock=lambda: t[0], handle_sigterm=False)
+    assert cb.interrupted_line(0) is None  # not stopped by a signal: no closing line
+    state, control = SimpleNamespace(global_step=0), SimpleNamespace(should_save=False, should_training_stop=False)
+    for step_s in (100.0, 140.0):  # two steps done: the next is estimated at max(last, mean) = 140 s
+        cb.on_step_begin(None, state, control)
+        t[0] += step_s
+        state.global_step += 1
+        cb.on_step_end(None, state, control)
+    cb.on_step_begin(None, state, control)  # step 3 runs; Ctrl-C 40 s into it
+    t[0] += 40.0
+    cb._on_sigterm(signal.SIGINT, None)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["[train] SIGINT: stopping after step 3 (~100 s left in it); the state is saved; rerun the same "
+                   "command to resume (Ctrl-C again aborts without saving)"]
+    t[0] += 100.0
+    state.global_step += 1
+    cb.on_step_end(None, state, control)
+    assert control.should_save and control.should_training_stop and cb.stop_reason == "sigint"
+    assert cb.interrupted_line(state.global_step) == "interrupted at step 3; rerun the same command to resume"
+    # the first step has no estimate yet, and a signal between steps names the next one
+    first = DeadlineCallback(1e9, 0.0, clock=lambda: t[0], handle_sigterm=False)
+    assert first.stopping_line().startswith("stopping after step 1 (training has not started yet)")
+    first.on_step_begin(None, SimpleNamespace(global_step=0), control)
+    assert first.stopping_line().startswith("stopping after step 1 (its first: no estimate of the time left in it)")

@@ -372,6 +372,12 @@ HOSTILE_SHAPES = {
     "40k underscores between two digits, bare": ("7" + "_" * 40000 + "7", False),
     "a unit after 90k spaces": ("\\boxed{7" + " " * 90000 + "\\text{ cm}}", True),
     "Minerva's closing line after 200k spaces": (" " * 200000 + "\\boxed{7} I hope it is correct.", True),
+    # fix_tex's glue: brace-less \frac arguments, \phantom, thousands separators, runs of whitespace
+    "20k nested brace-less fracs": ("\\boxed{" + "\\frac{" * 20000 + "7" + "}" * 20000 + "}", False),
+    "50k brace-less fracs in a row": ("\\boxed{" + "\\frac12" * 50000 + "}", False),
+    "20k unclosed phantoms": ("\\boxed{" + "\\phantom{" * 20000 + "}", False),
+    "50k thousands separators": ("\\boxed{" + "1,\\!" * 50000 + "000}", False),
+    "a box after 200k newlines": ("\n" * 200000 + "\\boxed{7}", True),
 }
 
 
@@ -489,3 +495,71 @@ def test_cli_number_fields(tmp_path):
         f"{f}:9: 'truncated' must be true or false, got a string",
     ], r.stderr
     assert out[5]["error"] == "'gold' must be a string or a number, got a boolean"
+
+
+# Reference answers of MATH's training set (math_train12k) that the loader used to refuse, as written there,
+# each with a right and a wrong answer.
+MATH_GOLDS = [
+    ("\\frac{12}{5,\\!525}", "\\boxed{\\frac{12}{5525}}", "\\boxed{\\frac{12}{5524}}"),
+    ("\\dfrac{1}{29,\\!322,\\!216}", "\\boxed{\\frac{1}{29322216}}", "\\boxed{\\frac{1}{29322217}}"),
+    ("\\dfrac{2469}{20,\\!000}", "\\boxed{0.12345}", "\\boxed{0.1234}"),
+    ("\\frac \\pi4 + 2 - \\sqrt2", "\\boxed{2 + \\frac{\\pi}{4} - \\sqrt{2}}", "\\boxed{2 + \\frac{\\pi}{2} - \\sqrt{2}}"),
+    ("2007 + \\frac\\pi 2", "\\boxed{2007 + \\frac{\\pi}{2}}", "\\boxed{2007 + \\pi}"),
+    ("90\\text{ square\nunits}", "\\boxed{90}", "\\boxed{91}"),
+    ("\\approx 8.24 \\text{ mph}", "\\boxed{8.24}", "\\boxed{8.25}"),
+    ("a + b + c", "\\boxed{c + b + a}", "\\boxed{a + b}"),
+    ("\\sin^2 t", "\\boxed{1 - \\cos^2 t}", "\\boxed{\\cos^2 t}"),
+    ("43_5.", "\\boxed{43_5}", "\\boxed{44_5}"),
+    ("\\text{(E)},", "The answer is \\boxed{\\text{(E)}}.", "The answer is \\boxed{\\text{(D)}}."),
+    ("05\\!:\\!00", "\\boxed{5:00 \\text{ p.m.}}", "\\boxed{6:00}"),
+    ("\\begin{pmatrix} 1 & -1 \\\\ 1 & \\phantom -1 \\end{pmatrix}",
+     "\\boxed{\\begin{pmatrix} 1 & -1 \\\\ 1 & 1 \\end{pmatrix}}", "\\boxed{\\begin{pmatrix} 1 & -1 \\\\ 1 & -1 \\end{pmatrix}}"),
+]
+
+
+@pytest.mark.parametrize("gold,right,wrong", MATH_GOLDS, ids=[g[0] for g in MATH_GOLDS])
+def test_math_reference_answers_load_and_grade(gold, right, wrong):
+    """Each gold loads, as written (the formal profile sees the dataset's text), and grades a right and a wrong answer."""
+    assert parse_gold(gold) in (gold, "90", "8.24"), parse_gold(gold)
+    assert grade(right, gold).correct is True, grade(right, gold)
+    assert grade(wrong, gold).correct is False, grade(wrong, gold)
+
+
+def test_fix_tex_glue():
+    from data_tools.grader.normalise import fix_tex
+
+    assert fix_tex("\\frac \\pi4 + 2 - \\sqrt2") == "\\frac{\\pi}{4} + 2 - \\sqrt2"
+    assert fix_tex("\\frac\\pi 2") == "\\frac{\\pi}{2}" and fix_tex("\\tfrac 1{72}") == "\\tfrac{1}{72}"
+    assert fix_tex("\\frac{\\frac 12}{3}") == "\\frac{\\frac{1}{2}}{3}"
+    assert fix_tex("\\frac\\sqrt{3}2") == "\\frac\\sqrt{3}2"  # an argument that takes arguments: as written
+    assert fix_tex("\\frac{12}{5,\\!525}") == "\\frac{12}{5525}" and fix_tex("1{,}000{,}000") == "1000000"
+    assert fix_tex("1,\\!00") == "1,\\!00" and fix_tex("1,000") == "1,000"  # only a group of three digits joins
+    assert fix_tex("\\approx 8.24") == "8.24" and fix_tex("\\approx") == "\\approx"
+    assert fix_tex("1 & \\phantom{-}1") == "1 & 1" and fix_tex("\\hphantom -2") == "2"
+    assert fix_tex("90\\text{ square\nunits}") == "90\\text{ square units}"
+
+
+def test_one_answer_over_several_boxes():
+    """Boxes joined by commas, spacing (\\quad) and one "and" / "or" are one answer, as math-verify joins them."""
+    gold = "(2, 2), (6, 2)"
+    for out, extracted in [("\\boxed{(2, 2)} \\quad \\text{and} \\quad \\boxed{(6, 2)}", "(2, 2), (6, 2)"),
+                           ("$\\boxed{(6, 2)}$ \\qquad \\text{or} \\qquad $\\boxed{(2, 2)}$.", "(6, 2), (2, 2)"),
+                           ("\\boxed{(2, 2)},~\\boxed{(6, 2)}", "(2, 2), (6, 2)")]:
+        v = grade(out, gold)
+        assert v.correct is True and v.extracted == extracted, (out, v)
+    assert grade("\\boxed{(2, 2)} \\quad \\text{and} \\quad \\boxed{(6, 3)}", gold).correct is False
+    assert grade("\\boxed{(2, 2)} \\quad \\text{and} \\quad \\boxed{(6, 2)}", "(6, 2)").correct is False  # two for one
+    # prose between two boxes: the last one is the answer
+    assert grade("First \\boxed{(2, 2)}; checking again, it is \\boxed{(6, 2)}", gold) == Verdict(False, "(6, 2)", "math_verify")
+
+
+def test_percent_spelled_out():
+    """"28 percent" in any spelling is 28\\% (right for 28 and 28\\%; under "math" also for 0.28, as 28\\% is)."""
+    outs = ("\\boxed{28 \\text{ percent}}", "\\boxed{\\text{28 percent}}", "\\boxed{28\\,\\mbox{per cent}}",
+            "The answer is 28 percent.", "\\boxed{28\\textrm{ percent}}")
+    for out in outs:
+        for gold in ("28", "28\\%", "0.28"):
+            assert grade(out, gold).correct is True, (out, gold, grade(out, gold))
+        assert grade(out, "27").correct is False and grade(out, "0.028").correct is False, out
+        assert grade(out, "28", answer_filter="numeric").correct is True, out
+    assert grade("\\boxed{\\text{28 percent}}", "28") == Verdict(True, "\\text{28 percent}", "exact")

@@ -75,6 +75,13 @@ def test_formal_extraction_reads_only_the_last_box():
     assert last_box("\\boxed{x} \\boxed{y}") == ("y", 19)
     # a boxed gold is unwrapped as the metric does
     assert grade("\\boxed{7}", "\\boxed{7}", profile="formal") == Verdict(True, "7", "formal")
+    # one answer over several boxes is one answer by default, never here: the metric reads the last box alone
+    multi = "\\boxed{(2, 2)} \\quad \\text{and} \\quad \\boxed{(6, 2)}"
+    assert grade(multi, "(2, 2), (6, 2)") == Verdict(True, "(2, 2), (6, 2)", "exact")
+    assert grade(multi, "(2, 2), (6, 2)", profile="formal") == Verdict(False, "(6, 2)", "formal")
+    # the default profile's TeX glue (brace-less \frac arguments, \approx) is not the metric's
+    assert grade("\\boxed{\\frac{\\pi}{2}}", "\\frac\\pi 2", profile="formal").correct is False
+    assert grade("\\boxed{8.24}", "\\approx 8.24", profile="formal").correct is False
 
 
 def test_the_two_normalisations_on_plain_values():

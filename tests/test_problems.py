@@ -136,3 +136,42 @@ def test_real_math500_rows():
     assert len(res.rows) + len(res.rejects) == 500
     assert res.columns["id"] == "unique_id" and res.columns["solution"] == "solution"
     assert len(res.rows) >= 495
+
+
+MATH_TRAIN = SHARED / "data" / "math_train12k.jsonl"
+# Reference answers of math_train12k the loader used to refuse ("answer does not parse"), by unique_id.
+MATH_TRAIN_ONCE_REFUSED = {
+    "test/counting_and_probability/861.json": "\\frac{12}{5,\\!525}",
+    "test/geometry/1107.json": "\\frac \\pi4 + 2 - \\sqrt2",
+    "test/prealgebra/1879.json": "90",  # 90\text{ square\nunits}: a plain number comes back canonical
+    "train/algebra/719.json": "8.24",  # \approx 8.24 \text{ mph}
+    "train/counting_and_probability/251.json": "\\dfrac{1}{29,\\!322,\\!216}",
+    "train/intermediate_algebra/1918.json": "a + b + c",
+    "train/number_theory/794.json": "\\dfrac{2469}{20,\\!000}",
+    "train/number_theory/852.json": "43_5.",
+    "train/number_theory/1012.json": "\\text{(E)},",
+    "train/prealgebra/281.json": "05\\!:\\!00",
+    "train/precalculus/1049.json": "\\begin{pmatrix} 1 & -1 \\\\ 1 & \\phantom -1 \\end{pmatrix}",
+    "train/precalculus/1083.json": "2007 + \\frac\\pi 2",
+    "train/precalculus/1311.json": "\\sin^2 t",
+}
+
+
+@pytest.mark.skipif(not MATH_TRAIN.exists(), reason="../shared/data not available")
+def test_real_math_answers_once_refused_now_load(tmp_path):
+    """MATH's own answer TeX (``5,\\!525``, ``\\frac \\pi4``, ``\\phantom``, ``05\\!:\\!00``, ...) loads, as written;
+    the rows whose answer is empty (``\\boxed{}`` in the source) are still rejected."""
+    rows = [json.loads(x) for x in MATH_TRAIN.read_text().splitlines()]
+    picked = [r for r in rows if r["unique_id"] in MATH_TRAIN_ONCE_REFUSED or not r["answer"].strip()]
+    res = load_problems(_jsonl(tmp_path / "m.jsonl", picked))
+    assert {r["problem_id"]: r["answer"] for r in res.rows} == MATH_TRAIN_ONCE_REFUSED
+    assert [r["reason"] for r in res.rejects] == ["no answer (column 'answer')"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MATH_TRAIN.exists(), reason="../shared/data not available")
+def test_real_math_train12k_rejects_only_what_is_not_an_answer():
+    """All 12,000 rows (~20 s): 17 were rejected, 4 are (two duplicates, two empty answers)."""
+    res = load_problems(MATH_TRAIN)
+    assert (res.n_read, len(res.rows), res.duplicates, res.conflicts) == (12000, 11996, 2, 0)
+    assert sorted(r["reason"].split(" (")[0] for r in res.rejects) == ["duplicate problem"] * 2 + ["no answer"] * 2

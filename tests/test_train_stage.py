@@ -104,8 +104,9 @@ def test_deadline_stops_in_time_with_loadable_final_checkpoint(tmp_path, tiny_mo
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
 
 
-def test_killed_run_resumes_from_last_state(tmp_path, tiny_model_dir, curriculum_path, monkeypatch):  # noqa: F811
-    """Run until killed (SIGKILL right after a saved step), restart: global_step continues from the save."""
+def test_killed_run_resumes_from_last_state(tmp_path, tiny_model_dir, curriculum_path, monkeypatch, capfd):  # noqa: F811
+    """Run until killed (SIGKILL right after a saved step), restart: global_step continues from the save. The tied
+    output head, stored once with the embeddings, is not reported as a missing key."""
     env = _env(tmp_path, tiny_model_dir, curriculum_path, MAX_WALL_TIME_SECONDS=600, DEADLINE_RESERVE_SECONDS=10)
     cmd = [sys.executable, "-m", "stages.train", *TINY_FLAGS, "--ckpt_every_steps", "2", "--ckpt_every_minutes", "0"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -135,6 +136,9 @@ def test_killed_run_resumes_from_last_state(tmp_path, tiny_model_dir, curriculum
                "--ckpt_every_steps", "0", "--ckpt_every_minutes", "0", "--max_wall_time_seconds", "100000",
                "--deadline_reserve_seconds", "10"])
     assert rc == 0
+    out, _ = capfd.readouterr()  # transformers warned; the filter turned it into this line
+    assert ("[train] resumed: lm_head.weight not in the checkpoint: tied to the input embeddings, stored once and "
+            "loaded with them (not an error)") in out
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["resumed_from"].endswith(f"checkpoint-{saved}")
     assert summary["global_step"] == saved + 2
@@ -224,3 +228,24 @@ def test_sft_recipe_without_teacher_solution_column_fails_before_loading_models(
                     "--ckpt_every_minutes", "0"]) == 0
     [rec] = [json.loads(x) for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]
     assert rec["sft/off_policy_step"] == 0.0 and isinstance(rec["kl/sampled_mean"], float)
+
+
+def test_missing_tied_head_on_resume_is_one_line_other_missing_keys_still_warn(tiny_model_dir, caplog):  # noqa: F811
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from stages.train import _explain_tied_keys
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # tie_word_embeddings=True
+    said = []
+    _explain_tied_keys(model, said.append)
+    _explain_tied_keys(model, said.append)  # a second run in this process replaces the filter, not adds one
+    logger = logging.getLogger("transformers.trainer")
+    with caplog.at_level(logging.WARNING, logger="transformers.trainer"):
+        logger.warning("There were missing keys in the checkpoint model loaded: ['lm_head.weight'].")
+        logger.warning("There were missing keys in the checkpoint model loaded: ['model.norm.weight'].")
+    assert [r.getMessage() for r in caplog.records] == [
+        "There were missing keys in the checkpoint model loaded: ['model.norm.weight']."]
+    assert said == ["[train] resumed: lm_head.weight not in the checkpoint: tied to the input embeddings, stored once "
+                    "and loaded with them (not an error)"]

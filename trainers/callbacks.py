@@ -188,6 +188,8 @@ class DeadlineCallback(TrainerCallback):
         self._sigterm = ""  # the signal that asked to stop, lower case
         self._signal_at = 0.0
         self._step_began: float | None = None
+        self._step: int | None = None  # the optimizer step running now (1-based), None between steps
+        self._last_step = 0  # the last step begun
         self._durations: list[float] = []
         if handle_sigterm:
             try:
@@ -206,9 +208,35 @@ class DeadlineCallback(TrainerCallback):
                 raise KeyboardInterrupt
             return
         if int(os.environ.get("RANK", "0")) == 0:  # under a launcher every rank gets it: one line for the run
-            print(f"[train] {name}: saving a checkpoint and stopping after the current step"
+            print(f"[train] {name}: {self.stopping_line()}"
                   + (" (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""), flush=True)
         self._sigterm, self._signal_at = name.lower(), time.monotonic()
+
+    def step_left_s(self) -> float | None:
+        """Seconds left in the running step, estimated as the deadline estimates the next one (the larger of
+        the last step and the mean); None before a step has finished or between steps."""
+        if self._step is None or self._step_began is None or not self._durations:
+            return None
+        est = max(self._durations[-1], sum(self._durations) / len(self._durations))
+        return max(0.0, est - (self.clock() - self._step_began))
+
+    def stopping_line(self) -> str:
+        """What a stop request does, said at once: "stopping after step N (~S s left in it); the state is saved;
+        rerun the same command to resume"."""
+        if self._step is None:
+            when = f"stopping after step {self._last_step + 1} (training has not started its next step yet)" \
+                if self._last_step else "stopping after step 1 (training has not started yet)"
+        else:
+            left = self.step_left_s()
+            when = (f"stopping after step {self._step} (~{left:.0f} s left in it)" if left is not None
+                    else f"stopping after step {self._step} (its first: no estimate of the time left in it)")
+        return f"{when}; the state is saved; rerun the same command to resume"
+
+    def interrupted_line(self, step: int) -> str | None:
+        """The closing line of a run stopped by SIGINT / SIGTERM, else None."""
+        if not self._sigterm:
+            return None
+        return f"interrupted at step {step}; rerun the same command to resume"
 
     def elapsed(self) -> float:
         return self.clock() - self.start_time
@@ -229,8 +257,10 @@ class DeadlineCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_began = self.clock()
+        self._step = self._last_step = state.global_step + 1
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._step = None
         if self._step_began is not None:
             self._durations.append(self.clock() - self._step_began)
         est = max(self._durations[-1], sum(self._durations) / len(self._durations)) if self._durations else 0.0

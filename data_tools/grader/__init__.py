@@ -7,7 +7,8 @@ decide with certainty:
    output, after ``normalise.clean_unicode`` folds look-alikes: full-width forms, invisible characters,
    superscript digits, Unicode minus/times/pi): the last explicit answer wins. That is the last
    ``\\boxed{}`` group (adjacent boxes ``\\boxed{3}, \\boxed{5}`` are one set answer, as in math-verify
-   >= 0.8; one box repeated in a loop is one answer), unless a "final answer" / "answer is" /
+   >= 0.8, also when joined by spacing and one "and" / "or": ``\\boxed{(2, 2)} \\quad \\text{and} \\quad
+   \\boxed{(6, 2)}``; one box repeated in a loop is one answer), unless a "final answer" / "answer is" /
    "Answer:" marker *after* it states something (a digit, math, an option letter), which then
    restates or corrects it. Without box or marker, a finished, non-truncated output that is *only an
    answer* -- math, no prose (``41 * 74``, ``1 1/4``, ``3 \\times 10^8``, ``25%``, ``"42"``, ``pi/2``,
@@ -24,11 +25,16 @@ decide with certainty:
    **Truncation** (``truncated=True``, a completion that hit the length cap): an answer counts only
    if it is final -- nothing but closing punctuation follows it. A box or marker with more text
    after it (a retraction may follow) gives no answer (design: "truncated completions earn nothing").
-2. **Fast path** (no sympy): exact match after light normalisation (``normalise``: Hendrycks
+2. **Fast path** (no sympy): first ``normalise.fix_tex``'s glue on both sides, for TeX that math-verify
+   misreads (brace-less ``\\frac \\pi4``, ``\\phantom``, ``5,\\!525`` inside a fraction, a leading
+   ``\\approx``, a newline inside ``\\text{}``; a reference answer also loses the sentence's ``.`` or ``,``
+   that MATH boxes with it); then exact match after light normalisation (``normalise``: Hendrycks
    ``strip_string`` style ``\\left``, ``\\dfrac``, ``\\text{}``, degrees, percent, units, ordinals;
    a gap between digits joins only a 3-digit thousands group, else it separates items; a comma
    followed by a space always separates items: ``1, 000`` is two numbers, not 1000), then
-   ``_prepare``'s exact rewrites: quotes and unit words dropped, mixed numbers (``4 4/9``,
+   ``_prepare``'s exact rewrites: quotes and unit words dropped (a spelled-out percent, ``28 percent``,
+   ``28\\text{ percent}``, ``\\text{28 percent}``, is ``28\\%``), clock times compared as times
+   (``5:00`` = ``05\\!:\\!00``), mixed numbers (``4 4/9``,
    ``3\\frac12``) as improper fractions, redundant outer brackets peeled (``simplify.peel``).
    Plain numbers (``numeric``: int, decimal, ``\\frac{a}{b}``, ``a/b``, ``1,000``, e-notation,
    ``a \\times 10^{b}``, repeating decimals ``0.\\overline{3}`` / ``0.9666...``) compare exactly as
@@ -52,6 +58,8 @@ decide with certainty:
    fails the pre-screen (power towers, huge exponents or factorials, deep nesting) is first
    cancelled term by term (``simplify.cancel``: ``(x+1)^{100000} - (x+1)^{100000} + 5`` is ``5``).
    A root index without braces takes one token, as in TeX (``\\sqrt[3]2`` is ``\\sqrt[3]{2}``).
+   A side that math-verify reads as nothing because its unit stripping took a letter for a unit
+   (``a + b + c`` -> ``a +``, ``\\sin^2 t`` -> ``\\sin^2``) is read again with that step off.
    **math-verify is optional**: without it (or its latex2sympy2_extended) the same workers read both
    sides with the grader's own LaTeX reader (``latex``: built node by node, no eval) and compare them
    with sympy; verdicts then carry the path ``"sympy"``, and the process logs one warning saying so.
@@ -96,7 +104,7 @@ from typing import Callable, Sequence
 
 from .extraction import _clean, _extract, _is_final, extract_gsm8k_answer
 from .formal import grade_formal
-from .normalise import _TEXT_WRAP_RE, _norm_str, _strip_outer
+from .normalise import _TEXT_WRAP_RE, _norm_str, _strip_outer, _strip_spacing_tail, fix_tex
 from .numeric import _as_number, _numbers_equal, as_number_tuple, numeric_literal, percent_of, rewrite_mixed
 from .sandbox import MAX_ANSWER_CHARS, _math_verify, _to_latex, _too_risky
 from .simplify import cancel, peel, power_tower
@@ -133,6 +141,15 @@ _PERCENT_RE = re.compile(r"%\s*\}?\s*$")
 _MC_RE = re.compile(r"\(?([A-E])\)?(?:$|[\s.:,]|\\)")
 
 
+# A clock time: "05:00", "5:00 p.m." (normalised: spaces gone). math-verify reads 05:00 as 05/00.
+_CLOCK_RE = re.compile(r"(?i)(\d{1,2}):([0-5]\d)(?:([ap])\.?m)?\.?")
+
+
+def _clock(norm: str) -> tuple[int, int, str | None] | None:
+    m = _CLOCK_RE.fullmatch(norm)
+    return (int(m.group(1)), int(m.group(2)), (m.group(3) or "").lower() or None) if m else None
+
+
 def _mc_letter(norm_gold_raw: str) -> str | None:
     m = re.fullmatch(r"\(?([A-E])\)?", norm_gold_raw)
     return m.group(1) if m else None
@@ -148,6 +165,11 @@ def _fast_path(answer: str, gold: str, answer_filter: str = "math") -> Verdict |
         return Verdict(ba.group(1) == bg.group(1) and ba.group(2) == bg.group(2), answer, "exact")
     if bg and re.fullmatch(r"[0-9][0-9A-Z]*", na):  # the base left off, as the question names it (lm-eval #3785)
         return Verdict(na == bg.group(1), answer, "exact")
+    cg = _clock(ng)
+    if cg is not None:
+        ca = _clock(na)
+        if ca is not None:  # 5:00 is 05:00; p.m. against a.m. only where both say which
+            return Verdict(ca[:2] == cg[:2] and (ca[2] == cg[2] or None in (ca[2], cg[2])), answer, "exact")
     letter = _mc_letter(ng)
     if letter is not None:
         # Multiple choice: the answer is the option letter, possibly followed by the option's
@@ -233,11 +255,21 @@ def _ask_verifier(answer: str, gold: str) -> bool | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _gold_text(gold: str) -> str:
+def _gold_raw(gold: str) -> str:
+    """The reference answer as written, without its wrappers (``$``, ``\\boxed{}``, GSM8K's ``####``)."""
     g = gold.strip()
     if "####" in g:
         g = extract_gsm8k_answer(g) or ""
     return _strip_outer(g)
+
+
+def _gold_text(gold: str) -> str:
+    """The reference answer as graded: ``_gold_raw``, the sentence's punctuation that MATH boxes with the answer
+    dropped (``43_5.``, ``\\text{(E)},``), then ``fix_tex``."""
+    g = _gold_raw(gold)
+    if g[-1:] in (".", ",") and g[-2:-1] not in (".", "\\"):
+        g = _strip_outer(g[:-1])
+    return fix_tex(g)
 
 
 def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5.0,
@@ -298,10 +330,16 @@ def grade(pred: str, gold: str, *, truncated: bool = False, timeout_s: float = 5
 def _prepare(s: str) -> str:
     """Exact rewrites before comparing: wrappers and quotes stripped, plain unit words dropped, mixed
     numbers as improper fractions, redundant outer brackets peeled."""
-    s = _strip_outer(s)
+    s = fix_tex(_strip_outer(s))
     if len(s) >= 2 and s[0] == s[-1] == "'":
         s = s[1:-1]
     s = _strip_outer(s.strip("\"\u201c\u201d"))
+    m = _TEXT_NUMBER_RE.fullmatch(s)
+    if m:
+        s = m.group(1).strip()  # "\text{28 percent}": a number with its words, read as the words after a number
+    m = _PERCENT_TEXT_RE.search(s) if "\\" in s else None
+    if m and re.search(r"[\d}]$", _strip_spacing_tail(s[: m.start()])):
+        s = _strip_spacing_tail(s[: m.start()]) + "\\%"  # "28\text{ percent}" is 28\%, as "28 percent" is
     m = _UNIT_WORDS_TAIL_RE.fullmatch(s)
     if m and not _MATH_WORD_RE.match(m.group(2)):
         # "25 percent" keeps its percent sign (it decides how 25 compares with 0.25); other units go
@@ -311,6 +349,10 @@ def _prepare(s: str) -> str:
     return rewrite_mixed(peel(s))
 
 
+# A whole answer in \text{} that starts with a number: "\text{28 percent}", "\text{12 apples}".
+_TEXT_NUMBER_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{\s*([-+]?[0-9][0-9.,]*(?:\s*[A-Za-z][A-Za-z .]*)?)\}")
+# A spelled-out percent in a text command ending the answer: "28\text{ percent}", "28\,\mbox{per cent}".
+_PERCENT_TEXT_RE = re.compile(r"(?i)\\(?:text|textrm|mathrm|mbox)\s*\{\s*(?:percent(?:age)?|per cent|pct)\.?\s*\}\.?\s*$")
 # "5*10^6 watts", "12 apples": plain unit words after a number.
 _UNIT_WORDS_TAIL_RE = re.compile(r"(.*[\d}])\s+([A-Za-z]{2,}(?:[ /][A-Za-z]+)*)\.?")
 _PERCENT_WORD_RE = re.compile(r"(?i)percent(?:age)?|per cent|pct")
@@ -423,13 +465,15 @@ def parse_gold(answer: str) -> str | None:
 
     Strips ``$``/``\\boxed{}`` wrappers and GSM8K's ``#### `` (see ``extract_gsm8k_answer``);
     plain numbers come back canonical (``"1,234"`` -> ``"1234"``, ``"004"`` -> ``"4"``).
-    Anything else is kept as written if math-verify (in the bounded worker, 5 s) parses it, or if
-    it is a short plain string answer (``\\text{Evelyn}``, ``B``). Returns None for non-str,
-    empty, over-long or unparseable input. Never raises.
+    Anything else is kept as written if math-verify (in the bounded worker, 5 s) parses it as the
+    grader reads it (``_gold_text``: ``fix_tex``'s glue, MATH's boxed punctuation dropped), or if it is
+    a short plain string answer (``\\text{Evelyn}``, ``B``), an option letter (``\\text{(E)}``), a
+    clock time (``05\\!:\\!00``) or a numeral in a base (``43_5``). Returns None for non-str, empty,
+    over-long or unparseable input. Never raises.
     """
     if not isinstance(answer, str):
         return None
-    g = _gold_text(answer)
+    g, raw = _gold_text(answer), _gold_raw(answer)
     if not g:
         return None
     num = _as_number(_norm_str(g))  # a plain number of any length up to numeric.MAX_NUMBER_CHARS
@@ -442,19 +486,19 @@ def parse_gold(answer: str) -> str | None:
                 return _norm_str(g).replace(",", "") if re.fullmatch(r"-?[\d,]+", _norm_str(g)) else g
             return str(v.numerator)
         if num.sig_digits is None:
-            return g  # keep \frac{1}{3} as written
+            return raw  # keep \frac{1}{3} as written
         return _norm_str(g)
     plain = _norm_str(g)
     if plain.strip().lower().rstrip(".") in PLACEHOLDER_ANSWERS:
         return None  # a dataset's "no answer here" marker, not a gold answer (math-verify reads N/A as N / A)
-    if re.fullmatch(r"[A-Za-z][A-Za-z .'-]{0,60}", plain):
-        return g
+    if re.fullmatch(r"[A-Za-z][A-Za-z .'-]{0,60}", plain) or _mc_letter(plain) or _clock(plain) or _BASE_RE.fullmatch(plain):
+        return raw  # a name, an option letter "(E)", a clock time "05:00", a numeral in a base "43_5": as written
     gl = _to_latex(g)
     if _too_risky(gl):
         return None
     res = _math_verify(f"${gl}$", f"${gl}$", 5.0)
     if res is None or "error" in res or not res.get("gold_parsed"):
         return None
-    return g
+    return raw
 
 

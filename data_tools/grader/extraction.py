@@ -22,8 +22,12 @@ MAX_ANSWER_READ = 100_000
 # `\boxed 5` (no braces) is legal LaTeX; verl's math_reward special-cases it. Same line only,
 # so "Mark your solution with \boxed \nThe sum..." is not read as an answer.
 _BOX_SPACE_RE = re.compile(r"\\boxed[ \t]+(-?[0-9][0-9.,/]*)")
-# What may sit between two boxes for them to form one answer ("\boxed{3}, \boxed{5} and \boxed{7}").
-_BOX_JOIN_RE = re.compile(r"^[\s$,;]*(?:(?:and|or|\\text\{\s*and\s*\})[\s$,]*)?$")
+# What may sit between two boxes for them to form one answer ("\boxed{3}, \boxed{5} and \boxed{7}",
+# "\boxed{(2, 2)} \quad \text{and} \quad \boxed{(6, 2)}"): commas, spacing, one "and" / "or" (math-verify joins
+# boxes the same way).
+_BOX_GAP = r"(?:[\s$,;~]|\\[ ,;:!]|\\q?quad(?![A-Za-z]))"
+_BOX_JOIN_RE = re.compile(
+    rf"^{_BOX_GAP}*(?:(?:and|or|\\(?:text|textrm|mathrm|mbox)\s*\{{\s*(?:and|or)\s*\}}){_BOX_GAP}*)?$")
 # "####" is GSM8K's answer marker, which models fine-tuned on GSM8K reproduce.
 _MARKER_RE = re.compile(r"(?i)(?:final\s+answer|\banswer)\b(?:\s*\*\*)?\s*(?:is|:|=)?|####")
 _LEAD_WS_RE = re.compile(r"\s{0,400}")

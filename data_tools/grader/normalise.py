@@ -161,3 +161,93 @@ _CURRENCY_RE = re.compile(r"[\u20ac\u00a3\u00a5]|(?<=\d)\s*[a-zA-Z]{1,2}\^\{?[23
 _COMMA_GAP_RE = re.compile(r"(?<=\d),(?:\\[ ,;:]|~|\s)+(?=\d{3}(?!\d))")
 _DIGIT_GAP_RE = re.compile(r"(?<=\d)(?:\\[ ,;:!]|~|\s)+(?=\d)(?=(\d{3}(?![\d.]))?)")
 
+
+
+# --------------------------------------------------------------------------------------------
+# TeX glue: TeX that math-verify (and the exact path) misreads, rewritten to what it means
+# --------------------------------------------------------------------------------------------
+
+# A thousands separator inside a number: MATH writes "5,\!525" and "5{,}525" (also inside \frac).
+_TEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:,\\!|\{,\})(?=\d{3}(?!\d))")
+# "\approx 8.24": an approximate value is stated as that value.
+_APPROX_LEAD_RE = re.compile(r"(?:\\approx|\\thickapprox|\\simeq|\\sim|\\doteq|\u2248)(?![A-Za-z])\s*")
+_PHANTOM_RE = re.compile(r"\\[hv]?phantom(?![A-Za-z])")
+_FRAC_CMD_RE = re.compile(r"\\[dtc]?frac(?![A-Za-z])")
+# Commands that take arguments: one of them as a brace-less \frac argument is left as written.
+_ARG_COMMANDS = frozenset("\\" + c for c in "sqrt frac dfrac tfrac cfrac binom dbinom text mathrm mathbf textbf operatorname "
+                          "overline bar hat vec left right".split())
+_CONTROL_WORD_RE = re.compile(r"\\(?:[A-Za-z]+|.)", re.S)
+
+
+def _tex_arg(s: str, i: int, pairs: dict[int, int]) -> tuple[int, int] | None:
+    """(start, end) of the TeX argument at ``s[i:]`` after spaces: a ``{...}`` group, a control word
+    (``\\pi``) or one character; None at the end of ``s`` or before an unmatched brace."""
+    while i < len(s) and s[i].isspace():
+        i += 1
+    if i >= len(s) or s[i] == "}":
+        return None
+    if s[i] == "{":
+        j = pairs.get(i)
+        return None if j is None else (i, j + 1)
+    m = _CONTROL_WORD_RE.match(s, i)
+    return (i, m.end()) if m else (i, i + 1)
+
+
+def _drop_phantoms(s: str) -> str:
+    """``\\phantom`` (and ``\\hphantom``, ``\\vphantom``) with its argument dropped: it typesets nothing
+    (the matrix entry ``\\phantom -1`` is 1)."""
+    pairs = _brace_pairs(s)
+    out, pos = [], 0
+    for m in _PHANTOM_RE.finditer(s):
+        if m.start() < pos:
+            continue  # inside a phantom's argument, dropped already
+        a = _tex_arg(s, m.end(), pairs)
+        out.append(s[pos : m.start()])
+        pos = a[1] if a else m.end()
+    out.append(s[pos:])
+    return "".join(out)
+
+
+def _brace_frac_args(s: str) -> str:
+    """``\\frac`` arguments written without braces take one token each, as in TeX: ``\\frac \\pi4`` is
+    ``\\frac{\\pi}{4}``, ``\\frac\\pi 2`` is ``\\frac{\\pi}{2}`` (math-verify reads ``\\frac{\\}{p}i4``)."""
+    pairs = _brace_pairs(s)
+    cuts: list[tuple[int, int, int]] = []  # (from, arg start, arg end) of each brace-less argument: one token
+    for m in _FRAC_CMD_RE.finditer(s):
+        a = _tex_arg(s, m.end(), pairs)
+        b = _tex_arg(s, a[1], pairs) if a else None
+        if b is None or (s[a[0]] == "{" and s[b[0]] == "{") or s[a[0]:a[1]] in _ARG_COMMANDS or s[b[0]:b[1]] in _ARG_COMMANDS:
+            continue  # braced already, or an argument that takes arguments itself ("\\frac\\sqrt{3}2"): as written
+        # the spaces before an argument go too: "\\frac \\pi 4" is "\\frac{\\pi}{4}"
+        cuts.append((m.end(), *a))
+        cuts.append((a[1], *b))
+    out, pos = [], 0
+    for lo, x, y in sorted(cuts):
+        if lo < pos:
+            continue  # overlaps a rewritten one (only in malformed TeX such as "\\frac\\frac12")
+        out.append(s[pos:lo] + s[x:y] if s[x] == "{" else s[pos:lo] + "{" + s[x:y] + "}")
+        pos = y
+    out.append(s[pos:])
+    return "".join(out)
+
+
+@lru_cache(maxsize=1 << 16)
+def fix_tex(s: str) -> str:
+    """TeX that reference answers and models write, rewritten to what it means, for both the exact path
+    and math-verify (each rewrite keeps the value): whitespace runs (a newline inside ``\\text{}``) as one
+    space; a thousands separator ``,\\!`` / ``{,}`` inside a number dropped (``\\frac{12}{5,\\!525}``); a
+    leading ``\\approx`` / ``\\sim`` dropped; brace-less ``\\frac`` arguments braced; ``\\phantom``
+    dropped with its argument. Linear in ``len(s)``."""
+    if not s:
+        return s
+    s = _WS_RE.sub(" ", s).strip()
+    if "," in s:
+        s = _TEX_THOUSANDS_RE.sub("", s)
+    m = _APPROX_LEAD_RE.match(s)
+    if m and m.end() < len(s):
+        s = s[m.end() :]
+    if "phantom" in s:
+        s = _drop_phantoms(s)
+    if "frac" in s:
+        s = _brace_frac_args(s)
+    return s

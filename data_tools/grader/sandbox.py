@@ -160,6 +160,13 @@ def _worker_loop(backend_name: str = "math_verify") -> None:  # pragma: no cover
             ready.update(backend="sympy", why=f"import math_verify failed: {type(e).__name__}: {e}"[:200])
         else:
             cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+            try:  # the same reading without math-verify's unit stripping, for a second try (_mv_parse)
+                from dataclasses import replace
+
+                norm = replace(cfg[0].normalization_config, units=False)
+                cfg = (cfg, [LatexExtractionConfig(boxed_match_priority=0, normalization_config=norm)])
+            except Exception:  # noqa: BLE001 - a math-verify without the field: one reading
+                cfg = (cfg,)
     if ready["backend"] == "sympy":
         from .latex import LatexError, read  # sympy: in the worker
 
@@ -235,15 +242,31 @@ def _complex_approx(gs, ps) -> bool:
     return bool(abs(sympy.N(gv - pv, 30)) <= 5e-7 * max(1, abs(gv)))
 
 
+def _mv_parse(text: str, parse, cfgs) -> list:  # pragma: no cover - in the worker
+    """math-verify's parse; where it reads nothing, the same parse without its unit stripping.
+
+    math-verify drops a trailing word it takes for a unit, single letters included ("c", "t", "s", "m"), so
+    ``a + b + c`` reads as ``a +`` and ``\\sin^2 t`` as ``\\sin^2``, which parse to nothing: read again with
+    ``NormalizationConfig(units=False)``. (Units the grader knows are dropped before: ``_prepare``.)
+    """
+    out = parse(text, extraction_config=cfgs[0], parsing_timeout=None)
+    if len(cfgs) > 1 and not any(not isinstance(x, str) for x in out):
+        again = parse(text, extraction_config=cfgs[1], parsing_timeout=None)
+        if any(not isinstance(x, str) for x in again):
+            return again
+    return out
+
+
 def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # pragma: no cover
-    """math-verify parse + verify with our guards; runs inside the worker."""
+    """math-verify parse + verify with our guards; runs inside the worker. ``cfg``: the extraction configs
+    (``_mv_parse``)."""
     g = gold_cache.get(gold)
     if g is None:
-        g = parse(gold, extraction_config=cfg, parsing_timeout=None)
+        g = _mv_parse(gold, parse, cfg)
         gold_cache[gold] = g
         if len(gold_cache) > 4096:
             gold_cache.popitem(last=False)
-    p = parse(pred, extraction_config=cfg, parsing_timeout=None)
+    p = _mv_parse(pred, parse, cfg)
     g, p = _imaginary_unit(g, p)
     # parse() appends the raw matched string as a last candidate (fallback_mode="first_match"),
     # which verify() may still match as a string; "parsed" means a sympy object came out.
