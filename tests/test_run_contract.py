@@ -88,7 +88,7 @@ def test_clock_defaults_have_one_owner(tmp_path):
     import ast
 
     for path, cls, want in (("trainers/opd_config.py", "OPDConfig", ("DEFAULT_MAX_WALL_S", "DEFAULT_RESERVE_S")),
-                            ("stages/curate.py", "CurateConfig", ("NO_CLOCK", "NO_CLOCK"))):
+                            ("stages/curate_config.py", "CurateConfig", ("NO_CLOCK", "NO_CLOCK"))):
         body = next(n for n in ast.parse((REPO / path).read_text()).body if getattr(n, "name", "") == cls).body
         got = {n.target.id: kw.value.id for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.value, ast.Call)
                for kw in n.value.keywords if kw.arg == "default" and isinstance(kw.value, ast.Name)}
@@ -306,6 +306,17 @@ class _FakeClock:
         return time.strftime(fmt, *a)
 
 
+def _fake_time(monkeypatch, fake: _FakeClock) -> None:
+    """Stage one's modules read the fake clock (every ``time.time()`` of the stage)."""
+    import stages.curate as C
+    import stages.curate_clock
+    import stages.curate_curriculum
+    import stages.curate_sampling
+
+    for mod in (C, stages.curate_clock, stages.curate_curriculum, stages.curate_sampling):
+        monkeypatch.setattr(mod, "time", fake)
+
+
 def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
     """A stand-in for vLLM that answers at once and advances the fake clock by ``per_chunk_s`` a chunk (5 s
     to start): the privileged teacher reads 'The correct answer is X.' from its prompt and answers X;
@@ -348,7 +359,7 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
 
     fake = _FakeClock(time.time())
     calls: list[str] = []
-    monkeypatch.setattr(C, "time", fake)
+    _fake_time(monkeypatch, fake)
     monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     out = tmp_path / "run"
@@ -405,7 +416,7 @@ def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypa
 
     fake = _FakeClock(time.time())
     calls: list[str] = []
-    monkeypatch.setattr(C, "time", fake)
+    _fake_time(monkeypatch, fake)
     monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     teacher = tmp_path / "teacher"  # another directory holding the same model's files: a second engine
