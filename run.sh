@@ -109,6 +109,25 @@ if [ -n "$SCRATCH_NOTE" ]; then  # before anything runs: set-up, the stages and 
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+# A rehearsal runs under its own directory (stages/rehearse.py): known now, so that its lock is the one taken below.
+if [ $rehearse = 1 ]; then
+  OUTPUT_DIR=${REHEARSAL_DIR:-${OUTPUT_DIR%/}.rehearsal}
+  CKPT_DIR=$OUTPUT_DIR/checkpoints
+  export OUTPUT_DIR CKPT_DIR
+fi
+# One run per OUTPUT_DIR / CKPT_DIR, checked first: a second run exits 75 at once, before set-up, the preflight and the
+# config check spend anything. The lock records this shell's pid; the stages see OPD_LOCK_OWNER and run under it. A
+# lock left by a dead process is taken over. Several nodes share the directories: node 0's run.sh holds the lock for
+# the run, the others run under it (data_tools.runio.run_lock). The lock's CLI needs the standard library only.
+: "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
+case "$NODE_RANK" in ''|*[!0-9]*) echo "run.sh: NODE_RANK must be a number, got '$NODE_RANK'" >&2; exit 2 ;; esac
+unlock() { "$boot" -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$; }
+if [ $plan = 0 ] && [ "$NODE_RANK" = 0 ]; then
+  "$boot" -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
+  export OPD_LOCK_OWNER=$$
+  trap unlock EXIT
+fi
+
 elapsed() { echo $(( $(date +%s) - ${t0%.*} )); }
 say() { printf '\n=== [%4ds] %s\n' "$(elapsed)" "$*"; }
 
@@ -132,9 +151,7 @@ if [ $rehearse = 1 ]; then
   REAL_CLOCK_S=$(sed -n 's/^CLOCK_S=//p' <<<"$real") REAL_RESERVE_S=$(sed -n 's/^RESERVE_S=//p' <<<"$real")
   REAL_EVAL_S=$(sed -n 's/^EVAL_RESERVE_S=//p' <<<"$real")
   REHEARSAL_SECONDS=${REHEARSAL_SECONDS:-1200}
-  OUTPUT_DIR=${REHEARSAL_DIR:-${OUTPUT_DIR%/}.rehearsal}
-  CKPT_DIR=$OUTPUT_DIR/checkpoints
-  export OUTPUT_DIR CKPT_DIR OPD_REHEARSAL_VERIFIED=${REHEARSAL_VERIFIED-0.5}
+  export OPD_REHEARSAL_VERIFIED=${REHEARSAL_VERIFIED-0.5}
   [ -n "$OPD_REHEARSAL_VERIFIED" ] || unset OPD_REHEARSAL_VERIFIED
   EVAL_PROTOCOLS="" eval_policy=if_time  # the exports are loaded back by the rehearsal's report instead
 else
@@ -143,10 +160,8 @@ fi
 pf_ok=1
 preflight || { [ $plan = 1 ] || exit 2; pf_ok=0; }  # --plan still prints what it can, then exits 2
 # The node's layout: GPUs usable here, training processes, engine workers, each process's share of a step
-: "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
 layout=$($PY -m data_tools.layout --train "$TRAIN_CONFIG" --nodes "$NNODES" --shell) || exit 2
 eval "$layout"  # NGPUS NPROC WORKERS GPU_LIST LAYOUT_LINES
-case "$NODE_RANK" in ''|*[!0-9]*) echo "run.sh: NODE_RANK must be a number, got '$NODE_RANK'" >&2; exit 2 ;; esac
 curate_extra=() train_extra=()
 if [ $rehearse = 1 ]; then
   rplan=$($PY -m stages.rehearse plan --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --seconds "$REHEARSAL_SECONDS" \
@@ -183,21 +198,13 @@ eval "$clock"  # CLOCK_S RESERVE_S EVAL_RESERVE_S CURATE_BUDGET_S TRAIN_END_S CU
 export MAX_WALL_TIME_SECONDS=$CLOCK_S DEADLINE_RESERVE_SECONDS=$RESERVE_S  # one clock for every stage
 check_train_config
 
-# One run per OUTPUT_DIR / CKPT_DIR: the lock records this shell's pid; the stages see
-# OPD_LOCK_OWNER and run under it. A lock left by a dead process is taken over. Several nodes share the
-# directories: node 0's run.sh holds the lock for the run, the others run under it (data_tools.runio.run_lock).
 export NNODES NODE_RANK MASTER_ADDR MASTER_PORT
-if [ "$NODE_RANK" = 0 ]; then
-  $PY -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
-  export OPD_LOCK_OWNER=$$
-  trap '$PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
-fi
 if [ $rehearse = 1 ]; then  # a rehearsal starts afresh in its own directory, and samples the GPUs' memory
   $PY -m stages.rehearse clean --run "$OUTPUT_DIR"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
       >"$OUTPUT_DIR/gpu_memory.csv" 2>/dev/null & sampler=$!
-    trap 'kill $sampler 2>/dev/null; $PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
+    trap 'kill $sampler 2>/dev/null; unlock' EXIT
   fi
 fi
 mkdir -p "$OUTPUT_DIR"

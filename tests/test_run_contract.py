@@ -204,6 +204,29 @@ def test_plan_refuses_a_clock_without_room_and_an_unknown_recipe():
     assert r.returncode == 2 and "unknown recipe 'nope'" in r.stderr
 
 
+def test_a_second_run_exits_75_at_once_before_set_up_preflight_and_the_config_check(tmp_path):
+    """The run lock is checked first: a run whose OUTPUT_DIR another live run holds exits 75 in seconds, before
+    set-up, the preflight and the training config's check (a config that would fail them is never looked at)."""
+    from data_tools.runio import EXIT_LOCKED, acquire_lock
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen(["sleep", "120"])
+    try:
+        acquire_lock(out, owner_pid=holder.pid)
+        env = _contract_env(out, TRAIN_CONFIG=tmp_path / "missing.yaml", STUDENT_MODEL=tmp_path / "no-model")
+        t0 = time.time()
+        r = subprocess.run(["bash", str(REPO / "run.sh")], env=env, capture_output=True, text=True, timeout=120)
+        took = time.time() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == EXIT_LOCKED, r.stdout + r.stderr
+    assert f"is in use by pid {holder.pid}" in r.stderr and "preflight" not in r.stdout + r.stderr
+    assert "missing.yaml" not in r.stderr and "make setup" not in r.stdout + r.stderr
+    assert took < 15, f"{took:.1f}s"  # ~0.3 s idle (no set-up, no imports beyond the standard library)
+    assert (out / ".opd.lock").exists()  # the holder's lock is left alone
+
+
 # ------------------------------------------------------------------------- checkpoint spacing
 
 def _drive(cb, deadline, t, steps, step_s):
