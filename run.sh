@@ -169,7 +169,7 @@ if [ $rehearse = 1 ]; then
           --real-eval-reserve "$REAL_EVAL_S") || exit 2
   eval "$rplan"  # R_CHUNK R_SHARE R_RESERVE R_WARMUP R_NOTE
   export MAX_WALL_TIME_SECONDS=$REHEARSAL_SECONDS DEADLINE_RESERVE_SECONDS=$R_RESERVE
-  curate_extra=(--chunk_size "$R_CHUNK" --time_share "$R_SHARE")
+  curate_extra=(--chunk_size "$R_CHUNK" --probe_size "$R_CHUNK" --time_share "$R_SHARE")  # one forced chunk a role
   train_extra=(--lr_warmup_time "$R_WARMUP")
 fi
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")

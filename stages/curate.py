@@ -12,13 +12,20 @@
 4. Curriculum: kept rows ordered by difficulty (easy -> hard by default) into ``n_buckets`` buckets.
 
 Under a clock (``max_wall_time_seconds``, set by run.sh), stage one has a time budget, ``time_share`` of
-the clock before training: chunks of problems are visited in a seeded random order, none is started
-that is expected to end past the budget, every finished chunk is kept and the curriculum is built
-from the problems measured (``ChunkBudget``; the manifest's ``budget`` block records it).
+the clock before training: chunks of problems are visited in a seeded random order, each measured in engine
+calls sized to the time left (a probe of ``probe_size`` problems first, then as many as the measured rate fits),
+a call in flight stops at the budget's end with its finished samples kept and the rest dropped (one line says how
+many), and the curriculum is built from the problems measured (``stages.curate_clock``; the manifest's ``budget``
+block records it).
 
 Tables land in ``${OUTPUT_DIR}/curate/``: rollouts, problems, curriculum, rejects (parquet) and
-manifest.json. Work is saved per chunk of prompts (``curate/parts/``), so an interrupted run
-resumes where it stopped; every file is written under a temporary name and renamed.
+manifest.json. Work is saved per chunk of prompts (``curate/parts/``; a chunk the clock ended inside as a
+``.partial`` part), so an interrupted run resumes where it stopped; every file is written under a temporary name
+and renamed.
+
+The stage's parts: ``curate_config`` (settings, table schemas), ``curate_problems`` (problems, chunks, fingerprint),
+``curate_clock`` (the budget and the size of each call), ``curate_sampling`` (the teacher's and the student's samples),
+``curate_curriculum`` (band filter, order, tables, manifest), ``curate_nodes`` (several nodes); this module runs them.
 
 Several GPUs (``--workers N``, one engine per GPU; vLLM runs one engine per process): this process starts
 N workers, ``python -m stages.curate <the same settings> --shard i/N`` with ``CUDA_VISIBLE_DEVICES`` set to
@@ -59,7 +66,7 @@ from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, io_failure, run_loc
 from data_tools.workers import (Worker, WorkerFailed, config_argv, device_slices, node_layout, pop_shard_flag,
                                 run_workers, worker_init)
 # the stage's parts, re-exported: ``stages.curate`` is the stage's one name for callers and tests
-from stages.curate_clock import ChunkBudget, _clock  # noqa: F401
+from stages.curate_clock import ChunkBudget, stage_clock  # noqa: F401
 from stages.curate_config import CURRICULUM_SCHEMA, REJECT_SCHEMA, ROLLOUT_SCHEMA, CurateConfig  # noqa: F401
 from stages.curate_curriculum import build_curriculum, merge  # noqa: F401
 from stages.curate_nodes import Node, ShardFailed, await_manifest, await_shards, read_json, shard_path
@@ -89,10 +96,11 @@ def curate(cfg: CurateConfig) -> dict:
         rest = "nothing left to measure" if min(done.values()) == prep.n_chunks else "measuring the rest"
         print(f"[curate] resuming: {done['teacher']}/{prep.n_chunks} teacher and {done['student']}/{prep.n_chunks} "
               f"student chunks already in {prep.parts}; {rest}", flush=True)
-    clock0, deadline = _clock(cfg, t_start, announce=True)
-    kw = dict(t_start=t_start, clock0=clock0, deadline=deadline, nnodes=nnodes)
+    clock = stage_clock(cfg, t_start, announce=True)
+    clock0 = clock.clock0
+    kw = dict(t_start=t_start, clock=clock, nnodes=nnodes)
     if shards == 1:
-        return merge(cfg, prep, [measure(cfg, prep, deadline=deadline)], run_id=f"{prep.fingerprint}@{clock0:.3f}", **kw)
+        return merge(cfg, prep, [measure(cfg, prep, clock=clock)], run_id=f"{prep.fingerprint}@{clock0:.3f}", **kw)
 
     local = [rank * cfg.workers + i for i in range(cfg.workers)]
     node = Node(prep.out, prep.fingerprint, rank, t_start) if nnodes > 1 else None
@@ -102,7 +110,7 @@ def curate(cfg: CurateConfig) -> dict:
         _shard_path(prep, g, shards).unlink(missing_ok=True)
     try:
         if cfg.workers == 1:  # one shard on this node: measured in this process
-            recs = {local[0]: measure(cfg, prep, local[0], shards, deadline=deadline)}
+            recs = {local[0]: measure(cfg, prep, local[0], shards, clock=clock)}
         else:
             owner = os.environ.get("OPD_LOCK_OWNER") or str(os.getpid())  # the workers run under this lock
             run_workers([Worker(g, shards, [sys.executable, "-m", "stages.curate", *config_argv(cfg), "--shard", f"{g}/{shards}"],
@@ -120,7 +128,7 @@ def curate(cfg: CurateConfig) -> dict:
         if node:
             node.set("done")
         if rank == 0:
-            records, missing = await_shards(prep.out, cfg.workers, shards, run_id, deadline)
+            records, missing = await_shards(prep.out, cfg.workers, shards, run_id, clock.deadline)
             return merge(cfg, prep, records, missing=missing, run_id=run_id, **kw)
         return await_manifest(prep.out, node)
     except BaseException as e:  # the other nodes learn at once that this one stopped (a worker, a signal, an error)
@@ -138,8 +146,8 @@ def run_shard(cfg: CurateConfig, shard: int, shards: int) -> dict:
     its record to ``curate/shards/shard-<i>-of-<N>.json``; the parent checks it and stamps the run's id."""
     t_start = time.time()
     prep = prepare(cfg, parent=False)
-    _, deadline = _clock(cfg, t_start, announce=False)
-    rec = measure(cfg, prep, shard, shards, deadline=deadline)
+    clock = stage_clock(cfg, t_start, announce=False)
+    rec = measure(cfg, prep, shard, shards, clock=clock)
     write_json(rec, _shard_path(prep, shard, shards))
     n_mine = len([i for i in range(prep.n_chunks) if i % shards == shard])
     n_done = sum(prep.have("teacher", i) and prep.have("student", i) for i in range(prep.n_chunks) if i % shards == shard)

@@ -57,7 +57,8 @@ class CurateConfig(EngineSettings):
                 "i-th entry of CUDA_VISIBLE_DEVICES (else GPU i) and measures chunks i, i+N, ... of the seeded order "
                 "under the same budget; the chunks merge into one curriculum. Over nodes (env NNODES, NODE_RANK, a "
                 "shared output_dir) node 0 merges."})
-    chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity)."})
+    chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity). Under a clock a chunk is measured in engine calls sized to the time left (stages/curate_clock.py)."})
+    probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in the first engine call of each role, before its rate is measured; it runs even when the budget is spent (a curriculum always exists), never past half the training window. 0 = chunk_size / 8, rounded up."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
     band_high: float = field(default=1.0, metadata={"help": "... and p < band_high (exclusive: the default drops problems the student always solves)."})
     zero_pass_share: float = field(default=0.25, metadata={"help": "Share of teacher-solved p = 0 problems to keep anyway (0..1)."})
@@ -67,7 +68,7 @@ class CurateConfig(EngineSettings):
     experiment_name: str = field(default="default", metadata={"help": "Run name (env EXPERIMENT_NAME)."})
     max_wall_time_seconds: float = field(default=NO_CLOCK, metadata={"help": "The run's clock T in seconds, counted from run.sh's start (OPD_RUN_START) or this process's (env MAX_WALL_TIME_SECONDS); 0 = no clock: measure every problem."})
     deadline_reserve_seconds: float = field(default=NO_CLOCK, metadata={"help": "Seconds of the clock kept after training (env DEADLINE_RESERVE_SECONDS; run.sh adds the evaluation reserve)."})
-    time_share: float = field(default=DEFAULT_CURATE_SHARE, metadata={"help": "Stage one ends at time_share x (max_wall_time_seconds - deadline_reserve_seconds) on the run's clock, set-up included: it starts no chunk it expects to finish later, keeps every finished chunk and builds the curriculum from the problems measured. In (0, 1]."})
+    time_share: float = field(default=DEFAULT_CURATE_SHARE, metadata={"help": "Stage one ends at time_share x (max_wall_time_seconds - deadline_reserve_seconds) on the run's clock, set-up included: its engine calls are sized to end by then, a call in flight stops there (finished samples kept), and the curriculum is built from the problems measured. In (0, 1]."})
 
     def __post_init__(self):
         if self.teacher_context not in P.TEACHER_CONTEXTS:
@@ -107,6 +108,8 @@ class CurateConfig(EngineSettings):
         if self.max_wall_time_seconds and self.deadline_reserve_seconds >= self.max_wall_time_seconds:
             raise ValueError(f"deadline_reserve_seconds ({self.deadline_reserve_seconds}) must be below "
                              f"max_wall_time_seconds ({self.max_wall_time_seconds})")
+        if self.probe_size < 0:
+            raise ValueError(f"probe_size must be >= 0 (0: chunk_size / 8), got {self.probe_size}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         self.output_dir = str(check_outside_repo(Path(self.output_dir) if self.output_dir else default_output_dir(self.experiment_name)))

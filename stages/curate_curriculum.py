@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from data_tools import prompts as P
 from data_tools import rehearsal
 from data_tools.runio import write_json, write_parquet
-from stages.curate_clock import _budget_line, _budget_record
+from stages.curate_clock import StageClock, budget_line, budget_record
 from stages.curate_config import CURRICULUM_SCHEMA, REJECT_SCHEMA, ROLLOUT_SCHEMA, CurateConfig
 from stages.curate_problems import Prepared
 
@@ -91,20 +91,34 @@ def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig
                     "curriculum_index": i, "prompt_style": cfg.prompt_style})
     return out, rejects
 
-def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: float, clock0: float,
-          deadline: float | None, run_id: str, nnodes: int = 1, missing: list[int] | None = None) -> dict:
-    """Build rollouts, curriculum, rejects and the manifest from every chunk on disk and the shards'
-    ``records`` (one for a single process). One path for one process and for N workers on M nodes."""
+def measured_problems(visit: list[dict], rollouts: pa.Table, student_samples: int) -> list[dict]:
+    """The problems of ``visit`` (in its order) that stage one measured: at least one finished teacher sample and all
+    ``student_samples`` student samples (a pass rate over fewer would favour the samples that end early, which a
+    call stopped at the deadline keeps)."""
+    have: dict[tuple[str, str], int] = {}
+    for pid, role in zip(rollouts.column("problem_id").to_pylist(), rollouts.column("role").to_pylist()):
+        have[(pid, role)] = have.get((pid, role), 0) + 1
+    return [r for r in visit if have.get((r["problem_id"], "teacher"), 0) >= 1
+            and have.get((r["problem_id"], "student"), 0) >= student_samples]
+
+
+def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: float, clock: StageClock,
+          run_id: str, nnodes: int = 1, missing: list[int] | None = None) -> dict:
+    """Build rollouts, curriculum, rejects and the manifest from every chunk on disk (its whole part, else a partial
+    one) and the shards' ``records`` (one for a single process). One path for one process and for N workers on M
+    nodes."""
     out, n_chunks, missing = prep.out, prep.n_chunks, missing or []
     shards = records[0]["shards"] if records else len(missing)
-    part_files = sorted(prep.parts.glob("*.parquet"))  # one listing: rollouts and measured chunks agree
-    names = {f.name for f in part_files}
-    have = lambda role, i: f"{role}-{i:05d}.parquet" in names  # noqa: E731
-    measured = [i for i in range(n_chunks) if have("teacher", i) and have("student", i)]
-    measured_rows = [r for i in measured for r in prep.visit[i * cfg.chunk_size : (i + 1) * cfg.chunk_size]]
-    tables = [pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in part_files]
+    # one listing: rollouts and measured chunks agree
+    parts = {(role, i): f for i in range(n_chunks) for role in ("teacher", "student")
+             if (f := prep.measured_part(role, i)) is not None}
+    whole = lambda role, i: parts.get((role, i)) == prep.part(role, i)  # noqa: E731
+    measured = [i for i in range(n_chunks) if whole("teacher", i) and whole("student", i)]
+    partial = sum(1 for i in range(n_chunks) if i not in measured and ((("teacher", i) in parts) or (("student", i) in parts)))
+    tables = [pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in parts.values()]
     rollouts = pa.concat_tables(tables) if tables else ROLLOUT_SCHEMA.empty_table()
     write_parquet(rollouts, out / "rollouts.parquet")
+    measured_rows = measured_problems(prep.visit, rollouts, cfg.student_samples)
     curriculum, filter_rejects = build_curriculum(measured_rows, rollouts, cfg)
     write_parquet(pa.Table.from_pylist(curriculum, schema=CURRICULUM_SCHEMA), out / "curriculum.parquet")
     loaded = prep.loaded
@@ -134,19 +148,21 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
             stop_reason = (f"no record from shard(s) {missing} when the budget's end and its grace had passed; "
                            f"their chunks on disk are used" + (f"; {stop_reason}" if stop_reason else ""))
     budget = SimpleNamespace(stop_reason=stop_reason, tokens=sum(r["completion_tokens"] for r in records),
-                             gen_s=sum(r["generation_s"] for r in records))
+                             gen_s=sum(r["generation_s"] for r in records),
+                             dropped=sum(r.get("dropped_samples", 0) for r in records))
     engine_used = next((r["engine"] for r in records if r["engine"]), None)
     timings["total_s"] = round(time.time() - t_start, 1)
-    budget_rec = _budget_record(cfg, budget, timings, rollouts, out / "manifest.json", clock0=clock0, t_start=t_start,
-                                deadline=deadline, n_chunks=n_chunks, measured=len(measured),
-                                chunks={r: sum(have(r, i) for i in range(n_chunks)) for r in ("teacher", "student")},
-                                problems=(len(measured_rows), len(prep.rows)))
+    budget_rec = budget_record(cfg, budget, timings, rollouts, out / "manifest.json", clock=clock, t_start=t_start,
+                               n_chunks=n_chunks, measured=len(measured), partial=partial,
+                               chunks={r: sum(whole(r, i) for i in range(n_chunks)) for r in ("teacher", "student")},
+                               problems=(len(measured_rows), len(prep.rows)))
+    chunk_of = {r["problem_id"]: k // cfg.chunk_size for k, r in enumerate(prep.visit)}
     per_shard = []
     for r in records:
         ids = [i for i in measured if i % shards == r["shard"]]
         per_shard.append({"shard": r["shard"], "cuda_visible_devices": r.get("cuda_visible_devices"), "host": r.get("host"),
                           "chunks": r["chunks"], "chunks_measured": len(ids),
-                          "problems_measured": sum(len(prep.visit[i * cfg.chunk_size : (i + 1) * cfg.chunk_size]) for i in ids),
+                          "problems_measured": sum(chunk_of[x["problem_id"]] % shards == r["shard"] for x in measured_rows),
                           "completion_tokens": r["completion_tokens"], "generation_s": round(r["generation_s"], 1),
                           "engine_startup_s": r["timings"].get("engine_startup_s"), "stop_reason": r["stop_reason"]})
     manifest = {"stage": "curate", "config": asdict(cfg), "columns": loaded.columns, "models": prep.models,
@@ -161,11 +177,11 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
         print(f"[curate] {shards} shards ({cfg.workers} worker(s) x {nnodes} node(s)): "
               + ", ".join(f"shard {s['shard']} {s['chunks_measured']}/{s['chunks']} chunks" for s in per_shard)
               + (f"; no record from shard(s) {missing}" if missing else ""), flush=True)
-    print(_budget_line(budget_rec, engine_started=bool(engine_used)), flush=True)
+    print(budget_line(budget_rec, engine_started=bool(engine_used)), flush=True)
     unvisited = counts["problems"] - counts["problems_measured"]
     print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum, "
           f"{counts['load_rejects'] + counts['filter_rejects']} rejects"
-          + (f", {unvisited} not visited (the clock's budget ended first)" if unvisited else "")
+          + (f", {unvisited} not measured (the clock's budget ended first)" if unvisited else "")
           + f"; teacher acc {counts['teacher_accuracy']}, "
           f"student acc {counts['student_accuracy']}; tables in {out}", flush=True)
     return manifest

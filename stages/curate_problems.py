@@ -62,9 +62,15 @@ def fit_context(rows: list[dict], cfg: CurateConfig, teacher: str, student: str,
               f"(first: {rejects[0]['problem_id']}, {rejects[0]['reason']})", flush=True)
     return kept, rejects
 
+
 @dataclass
 class Prepared:
-    """Stage one's problems and chunks, as every process of a run computes them (the same for the same config)."""
+    """Stage one's problems and chunks, as every process of a run computes them (the same for the same config).
+
+    Chunk ``i`` holds problems ``visit[i * chunk_size : (i + 1) * chunk_size]``; a role's samples of it are saved
+    as ``parts/<role>-<i>.parquet`` once the chunk is measured whole, or as ``parts/<role>-<i>.partial.parquet``
+    when stage one's clock ended inside it (a re-run measures that chunk again and replaces the partial part).
+    """
 
     out: Path
     parts: Path
@@ -77,12 +83,24 @@ class Prepared:
     fingerprint: str
     visit: list[dict]
     n_chunks: int
+    chunk_size: int
+
+    def part(self, role: str, i: int, *, partial: bool = False) -> Path:
+        return self.parts / f"{role}-{i:05d}{'.partial' if partial else ''}.parquet"
 
     def have(self, role: str, i: int) -> bool:
-        return (self.parts / f"{role}-{i:05d}.parquet").exists()
+        """``role``'s samples of chunk ``i`` are on disk, the whole chunk."""
+        return self.part(role, i).exists()
 
     def any_have(self, role: str) -> bool:
         return any(self.have(role, i) for i in range(self.n_chunks))
+
+    def measured_part(self, role: str, i: int) -> Path | None:
+        """The part holding ``role``'s samples of chunk ``i``: the whole chunk's, else a partial one, else None."""
+        return next((p for p in (self.part(role, i), self.part(role, i, partial=True)) if p.exists()), None)
+
+    def chunk_rows(self, i: int) -> list[dict]:
+        return self.visit[i * self.chunk_size : (i + 1) * self.chunk_size]
 
 
 def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
@@ -127,4 +145,5 @@ def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
     visit = list(rows)
     random.Random(cfg.seed).shuffle(visit)
     n_chunks = (len(visit) + cfg.chunk_size - 1) // cfg.chunk_size
-    return Prepared(out, parts, loaded, rows, context_rejects, student, teacher, models, fp, visit, n_chunks)
+    return Prepared(out, parts, loaded, rows, context_rejects, student, teacher, models, fp, visit, n_chunks,
+                    cfg.chunk_size)

@@ -79,7 +79,7 @@ class _Engine:
 
     name, dtype, startup_s, model = "fake", "float32", 0.0, "fake"
 
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None, stop_at=None):
         from data_tools.generation.engines import Sample
 
         yield [Sample(prompt_index=p, sample_index=j, completion="so the answer is \\boxed{-1}", n_tokens=max_tokens,

@@ -299,22 +299,28 @@ def test_hedge_fractions_validated_against_ckpt_keep(tmp_path):
 
 # ------------------------------------------------------------------------------ stage one's budget
 
-def test_chunk_budget_admits_while_the_expected_end_fits():
-    from stages.curate import ChunkBudget
+def test_chunk_budget_sizes_each_call_to_the_time_left():
+    from stages.curate_clock import ChunkBudget
 
     t = [0.0]
-    b = ChunkBudget(100.0, {"teacher": 4, "student": 8}, clock=lambda: t[0])
-    assert b.admits(["teacher", "student"])  # nothing timed: unknown, admitted
-    b.record("teacher", 10.0, 100)
-    assert b.expected("student") == pytest.approx(20.0)  # borrowed: teacher's time x 8/4 samples
-    b.record("student", 30.0, 300)
-    t[0] = 55.0
-    assert b.admits(["teacher", "student"])  # 55 + 10 + 30 = 95 <= 100
-    t[0] = 65.0
-    assert not b.admits(["teacher", "student"]) and b.stop_reason.startswith("budget: next teacher+student chunk needs ~40s")
-    assert b.admits(["student"], forced=True)
-    assert (b.tokens, b.gen_s) == (400, 40.0)
-    assert ChunkBudget(None, {"teacher": 1, "student": 1}).admits(["teacher"])
+    b = ChunkBudget(100.0, {"teacher": 4, "student": 8}, clock=lambda: t[0], hard_end=150.0, probe=2, max_tokens=40)
+    assert b.plan(["teacher", "student"], 10, forced=True) == (2, 150.0)  # the first call: a probe, until the hard end
+    assert b.plan(["teacher"], 10) == (2, 100.0)  # nothing timed, not forced: a probe, until the deadline
+    b.record("teacher", 2, 4.0, 80, 8)  # 2 s a problem, samples of 10 tokens
+    assert b.per_prompt("student") == pytest.approx(4.0)  # borrowed: the teacher's x 8/4 samples
+    t[0] = 40.0
+    assert b.plan(["teacher"], 50) == (30, 100.0)  # 60 s left at 2 s a problem
+    assert b.plan(["teacher"], 10) == (10, 100.0)  # at most the rest of the chunk
+    assert b.plan(["teacher"], 50, interruptible=False) == (7, 100.0)  # no stop in flight: 2 s x 40/10 tokens a problem
+    t[0] = 99.0
+    assert b.plan(["teacher", "student"], 10) == (0, None)
+    assert b.stop_reason == "budget: the next teacher+student call of one problem needs ~6s, 1s left"
+    t[0] = 120.0
+    assert b.plan(["student"], 10, forced=True) == (2, 150.0)  # past the budget, a first call still probes ...
+    t[0] = 151.0
+    assert b.plan(["student"], 10, forced=True) == (0, None) and b.stop_reason.startswith("no time left for a first")
+    assert (b.tokens, b.gen_s) == (80, 4.0)
+    assert ChunkBudget(None, {"teacher": 1, "student": 1}).plan(["teacher"], 7) == (7, None)  # no clock: whole chunks
 
 
 class _FakeClock:
@@ -340,10 +346,13 @@ def _fake_time(monkeypatch, fake: _FakeClock) -> None:
         monkeypatch.setattr(mod, "time", fake)
 
 
-def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
-    """A stand-in for vLLM that answers at once and advances the fake clock by ``per_chunk_s`` a chunk (5 s
-    to start): the privileged teacher reads 'The correct answer is X.' from its prompt and answers X;
-    every other prompt gets 0."""
+def _fake_engine(fake: _FakeClock, per_prompt_s: float, calls: list, *, interruptible: bool = True,
+                 slow_after: int | None = None):
+    """A stand-in for vLLM that answers at once and advances the fake clock by ``per_prompt_s`` a problem (5 s to
+    start): the privileged teacher reads 'The correct answer is X.' from its prompt and answers X; every other
+    prompt gets 0. ``interruptible``: a call stops at its ``stop_at`` (the problems not done by then are dropped),
+    else it runs whole. ``slow_after``: from that call on, a problem takes 4 x as long (the rate measured before no
+    longer holds)."""
     import re
 
     from transformers import AutoTokenizer
@@ -356,17 +365,21 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
     class FakeEngine:
         def __init__(self, model, **kw):
             self.model, self.tokenizer, self.startup_s = model, tok, 5.0
-            self.name, self.dtype = "fake", "float32"
+            self.name, self.dtype, self.interruptible = "fake", "float32", interruptible
             fake.now += 5.0
 
         def close(self):
             pass
 
-        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
+        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None, stop_at=None):
             calls.append(desc)
-            fake.now += per_chunk_s
+            each = per_prompt_s * (4 if slow_after is not None and len(calls) > slow_after else 1)
             out = []
             for i, p in enumerate(prompts):
+                if interruptible and stop_at is not None and fake.now + each > stop_at:
+                    fake.now = stop_at
+                    break
+                fake.now += each
                 m = re.search(r"The correct answer is (.+?)\.", p)
                 ans = m.group(1) if m else "0"
                 out += [Sample(i, j, f"\\boxed{{{ans}}}", 5, 20, "stop") for j in range(n)]
@@ -375,7 +388,12 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
     return FakeEngine
 
 
-def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, monkeypatch, capsys):
+def _curate_argv(out, *extra):
+    return ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
+            "--output_dir", str(out), *map(str, extra)]
+
+
+def test_curate_sizes_its_calls_to_its_budget_keeps_what_it_measured_and_resumes(tmp_path, monkeypatch, capsys):
     import data_tools.generation.engines
     import stages.curate as C
     from data_tools.config import parse_config
@@ -383,33 +401,41 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     fake = _FakeClock(time.time())
     calls: list[str] = []
     _fake_time(monkeypatch, fake)
-    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     out = tmp_path / "run"
-    argv = ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
-            "--chunk_size", "2", "--output_dir", str(out)]
-    # clock 200 s, share 0.3 -> stage one until 60 s: engine 5 s, chunk pairs of 20 s: 0 (25 s), 1 (45 s), then 65 > 60
+    argv = _curate_argv(out, "--chunk_size", 2)
+    # clock 200 s, share 0.3 -> stage one until 60 s; engine up at 5 s; 5 s a problem and role. Chunk 1: a probe of one
+    # problem (15 s), then the other (25 s); chunk 2 whole (45 s); chunk 3: the one problem 15 s hold (55 s), then stop
     (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "200", "--time_share", "0.3"], env={})
     m = C.curate(cfg)
     assert "resuming" not in capsys.readouterr().out
     b = m["budget"]
-    assert calls == ["teacher chunk 1/6", "student chunk 1/6", "teacher chunk 2/6", "student chunk 2/6"]
-    assert (b["chunks"], b["chunks_measured"], b["problems_measured"], b["problems_unmeasured"]) == (6, 2, 4, 8)
-    assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 45.0 and b["stop_reason"].startswith("budget: next teacher+student")
-    assert b["completion_tokens"] == 4 * 5 * 12 and b["generation_s"] == 40.0
+    assert calls == ["teacher chunk 1/6 (problems 1-1 of 2)", "student chunk 1/6 (problems 1-1 of 2)",
+                     "teacher chunk 1/6 (problems 2-2 of 2)", "student chunk 1/6 (problems 2-2 of 2)",
+                     "teacher chunk 2/6", "student chunk 2/6",
+                     "teacher chunk 3/6 (problems 1-1 of 2)", "student chunk 3/6 (problems 1-1 of 2)"]
+    assert (b["chunks"], b["chunks_measured"], b["chunks_partial"], b["problems_measured"], b["problems_unmeasured"]) == (6, 2, 1, 5, 7)
+    assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 55.0 and b["probe_end_s"] == 100.0
+    assert b["stop_reason"] == "budget: the next teacher+student call of one problem needs ~10s, 5s left"
+    assert b["completion_tokens"] == 5 * 5 * 12 and b["generation_s"] == 50.0 and b["dropped_samples"] == 0
+    parts = out / "curate" / "parts"
+    assert sorted(f.name for f in parts.glob("*.partial.parquet")) == ["student-00002.partial.parquet",
+                                                                        "teacher-00002.partial.parquet"]
     rollouts = pq.read_table(out / "curate" / "rollouts.parquet")
     cur = pq.read_table(out / "curate" / "curriculum.parquet").to_pylist()
-    assert rollouts.num_rows == 4 * 12  # 4 problems x (4 teacher + 8 student samples)
+    assert rollouts.num_rows == 5 * 12  # 5 problems x (4 teacher + 8 student samples)
     measured = set(rollouts.column("problem_id").to_pylist())
-    assert {r["problem_id"] for r in cur} <= measured and len(measured) == 4
-    # the seeded visiting order, not the file's: the 4 measured are the first 4 of the seeded shuffle
+    assert {r["problem_id"] for r in cur} <= measured and len(measured) == 5
+    # the seeded visiting order, not the file's: the 5 measured are the first 5 of the seeded shuffle
     import random
 
     ids = pq.read_table(out / "curate" / "problems.parquet").column("problem_id").to_pylist()
     order = list(ids)
     random.Random(0).shuffle(order)
-    assert measured == set(order[:4]) and measured != set(ids[:4])
-    # resume under a new clock with more room: the two finished chunks are kept, the rest measured
+    assert measured == set(order[:5]) and measured != set(ids[:5])
+    # resume under a new clock with more room: the two whole chunks are kept, the partial one measured again, then
+    # the rest (a probe first: this run has no rate yet)
     calls.clear()
     fake.now = time.time()
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
@@ -419,8 +445,11 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     assert (f"[curate] resuming: 2/6 teacher and 2/6 student chunks already in {out / 'curate' / 'parts'}; "
             "measuring the rest") in text
     assert "[teacher] chunk 3/6 -> teacher-00002.parquet: 2 problems" in text  # the real index, not a restart at 1
-    assert calls == [f"{r} chunk {i + 1}/6" for i in range(2, 6) for r in ("teacher", "student")]  # real index / total
+    assert calls == ["teacher chunk 3/6 (problems 1-1 of 2)", "student chunk 3/6 (problems 1-1 of 2)",
+                     "teacher chunk 3/6 (problems 2-2 of 2)", "student chunk 3/6 (problems 2-2 of 2)"] + [
+        f"{r} chunk {i + 1}/6" for i in range(3, 6) for r in ("teacher", "student")]
     assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
+    assert not list(parts.glob("*.partial.parquet"))  # replaced by the whole chunk's parts
     assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
     n_calls = len(calls)
     m = C.curate(cfg)  # a third run finds everything on disk and generates nothing
@@ -429,6 +458,63 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     # its clock line reports no engine of its own (the manifest keeps the earlier run's rates for run.sh)
     assert "no engine started this run" in text and "engine start-up" not in text
     assert m["budget"]["engine_startup_s"] == 5.0
+
+
+def test_a_spent_budget_measures_a_probe_not_a_whole_first_chunk(tmp_path, monkeypatch):
+    """The CPU demo on a loaded machine: engine start-up ended after stage one's budget. The first call is a probe
+    (chunk_size / 8 problems) and stage one stops after it, instead of measuring a whole first chunk far past its
+    budget (the whole chunk of 10 here would have ended at 160 s of a 60 s budget). An engine that cannot stop in
+    flight is sized on the worst case."""
+    import data_tools.generation.engines
+    import stages.curate as C
+    from data_tools.config import parse_config
+
+    fake = _FakeClock(time.time())
+    calls: list[str] = []
+    _fake_time(monkeypatch, fake)
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls, interruptible=False))
+    monkeypatch.setenv("OPD_RUN_START", str(fake.now - 55.0))  # set-up took 55 s; the engine's 5 s end the budget
+    (cfg,) = parse_config([C.CurateConfig], _curate_argv(tmp_path / "run", "--chunk_size", 10, "--max_wall_time_seconds",
+                                                         200, "--time_share", 0.3), env={})
+    m = C.curate(cfg)
+    b = m["budget"]
+    assert calls == ["teacher chunk 1/2 (problems 1-2 of 10)", "student chunk 1/2 (problems 1-2 of 10)"]
+    assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 80.0 and b["probe_size"] == 2
+    assert (b["problems_measured"], b["chunks_measured"], b["chunks_partial"]) == (2, 0, 1)
+    assert b["stop_reason"] == "budget: spent before the next teacher+student call"
+    assert m["counts"]["problems_measured"] == 2  # the curriculum is built from them
+
+
+def test_a_call_in_flight_stops_at_the_deadline_keeping_its_finished_samples(tmp_path, monkeypatch, capsys):
+    """A call sized on the rate measured so far runs slower than it (a loaded machine): it stops at stage one's
+    deadline, its finished samples are kept in a partial part, the unfinished dropped and counted in one line; the
+    problems without their student samples are not measured."""
+    import data_tools.generation.engines
+    import stages.curate as C
+    from data_tools.config import parse_config
+
+    fake = _FakeClock(time.time())
+    calls: list[str] = []
+    _fake_time(monkeypatch, fake)
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 2.0, calls, slow_after=2))
+    monkeypatch.setenv("OPD_RUN_START", str(fake.now))
+    # until 60 s; engine up at 5 s; a probe of 2 problems at 2 s each and role (9 s, 13 s); then the other 8 fit the 47 s
+    # left at 4 s a problem, but the teacher takes 8 s a problem: its call ends at the deadline with 5 problems done
+    (cfg,) = parse_config([C.CurateConfig], _curate_argv(tmp_path / "run", "--chunk_size", 10, "--max_wall_time_seconds",
+                                                         200, "--time_share", 0.3), env={})
+    m = C.curate(cfg)
+    text = capsys.readouterr().out
+    assert calls == ["teacher chunk 1/2 (problems 1-2 of 10)", "student chunk 1/2 (problems 1-2 of 10)",
+                     "teacher chunk 1/2 (problems 3-10 of 10)"]
+    line = ("[curate] stage one's deadline stopped the teacher call of chunk 1/2 in flight: 20 finished samples kept, "
+            "12 unfinished dropped")
+    assert text.count(line) == 1
+    b = m["budget"]
+    assert b["ended_at_s"] == 60.0 and b["dropped_samples"] == 12 and b["stop_reason"].startswith("deadline: the teacher")
+    assert (b["problems_measured"], b["chunks_partial"]) == (2, 1)  # 5 more have teacher samples, none a student's
+    roll = pq.read_table(tmp_path / "run" / "curate" / "rollouts.parquet")
+    assert roll.num_rows == 2 * 12 + 5 * 4
+    assert (tmp_path / "run" / "curate" / "parts" / "teacher-00000.partial.parquet").exists()
 
 
 def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypatch):
@@ -440,21 +526,23 @@ def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypa
     fake = _FakeClock(time.time())
     calls: list[str] = []
     _fake_time(monkeypatch, fake)
-    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     teacher = tmp_path / "teacher"  # another directory holding the same model's files: a second engine
     teacher.mkdir()
     for f in Path(resolve_model("smollm2-135m")).iterdir():
         (teacher / f.name).symlink_to(f)
-    argv = ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
-            "--chunk_size", "2", "--output_dir", str(tmp_path / "run"), "--teacher_context", "teacher",
-            "--teacher_model", str(teacher), "--teacher_samples", "4", "--student_samples", "8",
-            "--max_wall_time_seconds", "200", "--time_share", "0.5"]
+    argv = _curate_argv(tmp_path / "run", "--chunk_size", 2, "--teacher_context", "teacher", "--teacher_model", teacher,
+                        "--teacher_samples", 4, "--student_samples", 8, "--max_wall_time_seconds", 200,
+                        "--time_share", 0.5)
     (cfg,) = parse_config([C.CurateConfig], argv, env={})
     m = C.curate(cfg)
-    # budget until 100 s; teacher engine up at 5 s; its share: (100 - 5 - 5) x 4/12 = 30 s -> until 35 s:
-    # chunks 0 (15 s), 1 (25 s), 2 (35 s); then the student over those 3 chunks (engine 40 s; 50, 60, 70 s)
-    assert calls == [f"teacher chunk {i + 1}/6" for i in range(3)] + [f"student chunk {i + 1}/6" for i in range(3)]
+    # budget until 100 s; teacher engine up at 5 s; its share: (100 - 5 - 5) x 4/12 = 30 s -> until 35 s: a probe of
+    # one problem (10 s), the other (15 s), chunks 2 (25 s) and 3 (35 s); then the student over those 3 chunks
+    # (engine 40 s; a probe 45 s, 50, 60, 70 s)
+    halves = lambda role: [f"{role} chunk 1/6 (problems {k}-{k} of 2)" for k in (1, 2)]  # noqa: E731
+    assert calls == halves("teacher") + [f"teacher chunk {i + 1}/6" for i in (1, 2)] + halves("student") + [
+        f"student chunk {i + 1}/6" for i in (1, 2)]
     assert m["budget"]["chunks_measured"] == 3 and m["budget"]["ended_at_s"] == 70.0
 
 

@@ -121,7 +121,7 @@ class _FormalEngine:
     def __init__(self, answers: dict[str, str]):
         self.answers, self.prompts = answers, []
 
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None, stop_at=None):
         from data_tools.generation.engines import Sample
 
         self.prompts += prompts
