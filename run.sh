@@ -278,7 +278,8 @@ if [ "${eval_policy%%:*}" = reserve ]; then
     o=$(eval_estimate "$proto" 1) || o=$(( e / 2 ))
     eval_s=$(( eval_s + e )); one=$(( one + o ))
   done
-  # evaluation must not take all of training's time, nor keep a reserve no evaluation can run in (data_tools/clock.py)
+  # both evaluations (the start model's too) before training's time when short; never a reserve no evaluation can
+  # run in (data_tools/clock.py eval_reserve)
   { read -r eval_s; read -r why; } < <($PY -m data_tools.clock eval-reserve --all "$eval_s" --final "$one" \
                                          --left $(( CLOCK_S - RESERVE_S - $(elapsed) )))
   say "evaluation reserve ${eval_s}s ($why; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
@@ -320,9 +321,20 @@ run_eval() {  # run_eval PROTOCOL MODEL LABEL: only with questions, and if the c
   stage "eval $3 (~${need}s estimated, ${left}s left)" $PY -m stages.evaluate --protocol "$1" --model "$2" --label "$3" \
     "${engine_args[@]}"
 }
+# A run that trained 0 steps exported the start model as checkpoint-0: it is said, and evaluated once, as the start
+# model (an evaluation labelled final would pass the start model off as a trained one)
+outcome=$($PY -m stages.report --run "$OUTPUT_DIR" --outcome) || outcome=""
+eval "$outcome"  # TRAINED_STEPS TRAINED_NOTE
+if [ -n "${TRAINED_NOTE:-}" ]; then
+  say "training: $TRAINED_NOTE; the evaluation runs on the start model only"
+fi
 for proto in $EVAL_PROTOCOLS; do  # the final export first: when time runs short it is the one that matters
-  run_eval "$proto" "$last_ckpt" "final__$proto"
+  [ -n "${TRAINED_NOTE:-}" ] || run_eval "$proto" "$last_ckpt" "final__$proto"
   run_eval "$proto" "$start_model" "start__$proto"
 done
 stage report $PY -m stages.report --run "$OUTPUT_DIR"
-say "done at $(elapsed)s of the ${CLOCK_S}s clock; final export $last_ckpt"
+if [ -n "${TRAINED_NOTE:-}" ]; then
+  say "done at $(elapsed)s of the ${CLOCK_S}s clock: $TRAINED_NOTE"
+else
+  say "done at $(elapsed)s of the ${CLOCK_S}s clock; trained ${TRAINED_STEPS:-?} steps, final export $last_ckpt"
+fi
