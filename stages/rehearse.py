@@ -66,7 +66,8 @@ def plan(curate_cfg: str | Path, train_cfg: str | Path, seconds: float, workers:
 
     One chunk a role per worker is measured: run.sh makes each worker's first call of a role (its probe, which stage one
     runs even past its budget, never past half the training window: ``stages.curate_clock``) a whole chunk, and the
-    tiny share admits no second. The chunks hold enough problems for two SFT steps at ``sft_max_epochs`` passes, or 8 a worker.
+    tiny share admits no second. The chunks hold enough problems for two SFT steps at ``sft_max_epochs`` passes, or 8
+    a worker.
     """
     c, t = _yaml(curate_cfg), _yaml(train_cfg)
     sft = _sft_phase(t)
