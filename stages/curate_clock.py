@@ -3,14 +3,16 @@ block.
 
 **The clock** (``StageClock``). Stage one's budget ends at ``time_share`` x (T - R) on the run's clock (T =
 ``max_wall_time_seconds``, R = ``deadline_reserve_seconds``, which run.sh gives the evaluation reserve too): the
-``deadline``. The first call of each role (the probe) runs even when the budget is spent (engine start-up on a loaded
-machine can eat it), so that a curriculum exists, but never past ``hard_end`` = max(``time_share``, ``FORCED_SHARE``)
-x (T - R): whatever happens, training keeps at least half its window.
+``deadline``. Until the measured problems give a curriculum row, stage one probes on even when the budget is spent
+(engine start-up on a loaded machine can eat it), so that a curriculum exists, but never past ``hard_end`` =
+max(``time_share``, ``FORCED_SHARE``) x (T - R): whatever happens, training keeps at least half its window.
 
 **The calls** (``ChunkBudget``). A chunk (``chunk_size`` problems) is what is saved and resumed; it is measured in
 engine calls sized from the budget, never from the chunk alone:
 
-- before a rate is measured, a probe of ``probe_size`` problems (default ``chunk_size`` / 8, rounded up);
+- before a rate is measured, a probe of ``probe_size`` problems (default ``chunk_size`` / 8, rounded up); while
+  no curriculum row exists yet (the caller's test: the band filter over what is measured), calls may run past the
+  deadline until ``hard_end``, and probes go on there when the budget holds no sized call;
 - then as many problems as the time left holds at the role's measured seconds a problem (the larger of its last call's
   and its mean, as ``DeadlineCallback`` estimates steps; a role not timed yet borrows the other's, scaled by the
   sample counts), capped by the rest of the chunk. An engine that cannot stop a call in flight is sized on the worst
@@ -61,8 +63,9 @@ def stage_clock(cfg: CurateConfig, t_start: float, *, announce: bool) -> StageCl
     hard_end = clock0 + max(cfg.time_share, FORCED_SHARE) * window
     if announce:
         print(f"[curate] budget: until {deadline - clock0:.0f}s on the run's clock (time_share {cfg.time_share:g} x "
-              f"{window:.0f}s), {t_start - clock0:.0f}s of it already used; engine calls sized to it, a first probe of "
-              f"{probe_size(cfg)} problem(s) a role runs even past it, never past {hard_end - clock0:.0f}s", flush=True)
+              f"{window:.0f}s), {t_start - clock0:.0f}s of it already used; engine calls sized to it (a probe of "
+              f"{probe_size(cfg)} problem(s) first); until a curriculum row exists, probes run past it, never past "
+              f"{hard_end - clock0:.0f}s", flush=True)
     return StageClock(clock0, deadline, hard_end)
 
 
@@ -89,7 +92,7 @@ class ChunkBudget:
         deadline: the budget's end.
         samples: samples a problem, per role (``{"teacher": 4, "student": 8}``).
         clock: the time function (tests pass a fake one).
-        hard_end: where a role's probe (``plan(forced=True)``) must end; default ``deadline``.
+        hard_end: where forced calls (``plan(forced=True)``: no curriculum row yet) must end; default ``deadline``.
         probe: problems in a probe.
         max_tokens: the completion cap (the worst case of an engine that cannot stop a call).
     """
@@ -129,30 +132,33 @@ class ChunkBudget:
     def plan(self, roles: list[str], rest: int, *, forced: bool = False, interruptible: bool = True,
              deadline: float | None = None, hard_end: float | None = None) -> tuple[int, float | None]:
         """``(problems, stop_at)`` of the next call of each of ``roles`` (one after another, on the same problems), at
-        most ``rest``; ``(0, None)``: stage one stops, ``stop_reason`` says why. ``forced``: the roles' first call
-        (nothing of them measured nor on disk), a probe that may run until ``hard_end``. ``deadline`` / ``hard_end``
-        default to the budget's (a separate teacher gets its share of them)."""
+        most ``rest``; ``(0, None)``: stage one stops, ``stop_reason`` says why. ``forced``: no curriculum row exists
+        yet (the caller knows), so the call may run until ``hard_end``, and when the budget holds no sized call, a
+        probe still runs. ``deadline`` / ``hard_end`` default to the budget's (a separate teacher gets its share)."""
         deadline = self.deadline if deadline is None else deadline
         if deadline is None:
             return rest, None
-        end = (self.hard_end if hard_end is None else hard_end) if forced else deadline
-        left = end - self.clock()
+        hard = self.hard_end if hard_end is None else hard_end
+        end = hard if forced else deadline
+        now = self.clock()
         what = "+".join(roles)
-        if left <= 0:
-            self.stop_reason = (f"no time left for a first {what} call: the end of stage one's probes (a share "
-                                f"{FORCED_SHARE:g} of the training window) has passed" if forced
-                                else f"budget: spent before the next {what} call")
-            return 0, None
         per = sum(self.per_prompt(r) for r in roles)
-        if forced or per <= 0:
+        if per > 0 and now < deadline:  # a call sized to the budget's time left
+            k = min(rest, int((deadline - now) // (per if interruptible else per * self.worst(roles))))
+            if k >= 1:
+                return k, end
+        if (per <= 0 or forced) and now < end:  # nothing timed yet, or no curriculum yet: a probe
             return min(rest, self.probe), end
-        if not interruptible:
-            per *= self.worst(roles)
-        k = min(rest, int(left // per))
-        if k < 1:
-            self.stop_reason = f"budget: the next {what} call of one problem needs ~{per:.0f}s, {left:.0f}s left"
-            return 0, None
-        return k, end
+        if forced:
+            self.stop_reason = (f"no time left for stage one's first {what} calls: the end of its probes (a share "
+                                f"{FORCED_SHARE:g} of the training window) has passed")
+        elif now >= deadline:
+            self.stop_reason = f"budget: spent before the next {what} call"
+        else:
+            per_s = per if interruptible else per * self.worst(roles)
+            self.stop_reason = (f"budget: the next {what} call of one problem needs ~{per_s:.0f}s, "
+                                f"{deadline - now:.0f}s left")
+        return 0, None
 
     def record(self, role: str, prompts: int, seconds: float, tokens: int, samples: int) -> None:
         self.calls[role].append(Call(prompts, seconds, tokens, samples))

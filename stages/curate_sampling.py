@@ -18,6 +18,7 @@ from data_tools.grader import grade_batch
 from data_tools.runio import write_parquet
 from stages.curate_clock import ChunkBudget, StageClock, probe_size
 from stages.curate_config import ROLLOUT_SCHEMA, CurateConfig
+from stages.curate_curriculum import build_curriculum, measured_problems
 from stages.curate_problems import Prepared
 
 #: Fault-injection hook of the tests: the process measuring this shard index (of two or more) exits with
@@ -102,6 +103,21 @@ def _offsets_with_samples(part: Path, rows: list[dict]) -> list[int]:
     return [o for o, r in enumerate(rows) if r["problem_id"] in ids]
 
 
+def curriculum_has_row(prep: Prepared, cfg: CurateConfig, *, skip: int | None = None, extra: list[dict] = ()) -> bool:
+    """Whether the problems measured so far give a curriculum row: chunks whole on disk for both roles (an earlier
+    run's or another shard's: taken to), else the band filter over every part on disk (but chunk ``skip``'s, being
+    measured again) and the records ``extra`` not saved yet."""
+    n = prep.n_chunks
+    if any(prep.have("teacher", i) and prep.have("student", i) for i in range(n)):
+        return True
+    files = [f for i in range(n) if i != skip for r in ("teacher", "student") if (f := prep.measured_part(r, i))]
+    recs = [x for f in files for x in pq.read_table(f, schema=ROLLOUT_SCHEMA).to_pylist()] + list(extra)
+    if not recs:
+        return False
+    table = pa.Table.from_pylist(recs, schema=ROLLOUT_SCHEMA)
+    return bool(build_curriculum(measured_problems(prep.visit, table, cfg.student_samples), table, cfg)[0])
+
+
 def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, *, clock: StageClock) -> dict:
     """Measure the chunks ``i`` of the visiting order with ``i % shards == shard`` that are not on disk yet,
     under the stage's clock; returns this shard's record (what it measured, its rates, why it stopped).
@@ -110,7 +126,8 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     problems as the time left holds), a call in flight stops at the deadline; a chunk the clock ended inside is saved
     as a partial part. One engine for both roles: each call's problems are sampled by the teacher, then the student.
     Two engines: the teacher measures chunks until its share of the time, then the student the problems the teacher
-    sampled. A role's first call is forced (a curriculum always exists) only while no shard has a chunk of it on disk.
+    sampled. Calls are forced (past the budget, until the clock's ``hard_end``) while no curriculum row exists
+    (``curriculum_has_row``), so a curriculum exists when time allows; a separate teacher's first call only.
     """
     have, any_have, n_chunks = prep.have, prep.any_have, prep.n_chunks
     mine = [i for i in range(n_chunks) if i % shards == shard]
@@ -163,8 +180,16 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     def prompts_for(role: str, eng) -> list[str]:
         return cfg.role_prompts(eng.tokenizer, role, prep.visit)
 
-    def forced(roles: list[str]) -> bool:
-        return any(not any_have(r) and not budget.measured(r) for r in roles)
+    row_exists = [False]  # a curriculum row is known to exist (then cached: it stays)
+
+    def forced(roles: list[str], i: int, got: dict[str, list[dict]]) -> bool:
+        """No curriculum row yet: stage one may go on past its budget (to the clock's ``hard_end``). A separate
+        teacher's first call only: its samples alone make no row (the student's phase then goes on until one)."""
+        if roles == ["teacher"] and prep.teacher != prep.student:
+            return not any_have("teacher") and not budget.measured("teacher")
+        if not row_exists[0]:
+            row_exists[0] = curriculum_has_row(prep, cfg, skip=i, extra=[x for r in got.values() for x in r])
+        return not row_exists[0]
 
     def call(role: str, i: int, rows: list[dict], prompts: list[str], offsets: list[int], stop_at):
         t0 = time.time()
@@ -192,7 +217,7 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
         got: dict[str, list[dict]] = {r: [] for r in roles}
         done, cut = 0, False
         while done < len(offsets) and not cut:
-            k, stop_at = budget.plan(roles, len(offsets) - done, forced=forced(roles), deadline=deadline,
+            k, stop_at = budget.plan(roles, len(offsets) - done, forced=forced(roles, i, got), deadline=deadline,
                                      hard_end=hard_end, interruptible=bool(getattr(engine, "interruptible", False)))
             if k == 0:
                 break

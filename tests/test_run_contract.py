@@ -310,15 +310,18 @@ def test_chunk_budget_sizes_each_call_to_the_time_left():
     assert b.per_prompt("student") == pytest.approx(4.0)  # borrowed: the teacher's x 8/4 samples
     t[0] = 40.0
     assert b.plan(["teacher"], 50) == (30, 100.0)  # 60 s left at 2 s a problem
+    assert b.plan(["teacher"], 50, forced=True) == (30, 150.0)  # no curriculum row yet: it may run to the hard end
     assert b.plan(["teacher"], 10) == (10, 100.0)  # at most the rest of the chunk
     assert b.plan(["teacher"], 50, interruptible=False) == (7, 100.0)  # no stop in flight: 2 s x 40/10 tokens a problem
     t[0] = 99.0
     assert b.plan(["teacher", "student"], 10) == (0, None)
     assert b.stop_reason == "budget: the next teacher+student call of one problem needs ~6s, 1s left"
     t[0] = 120.0
-    assert b.plan(["student"], 10, forced=True) == (2, 150.0)  # past the budget, a first call still probes ...
+    assert b.plan(["student"], 10) == (0, None) and b.stop_reason == "budget: spent before the next student call"
+    assert b.plan(["student"], 10, forced=True) == (2, 150.0)  # ... but with no curriculum row yet, a probe ...
     t[0] = 151.0
-    assert b.plan(["student"], 10, forced=True) == (0, None) and b.stop_reason.startswith("no time left for a first")
+    assert b.plan(["student"], 10, forced=True) == (0, None)  # ... never past the hard end
+    assert b.stop_reason.startswith("no time left for stage one's first student calls")
     assert (b.tokens, b.gen_s) == (80, 4.0)
     assert ChunkBudget(None, {"teacher": 1, "student": 1}).plan(["teacher"], 7) == (7, None)  # no clock: whole chunks
 
@@ -350,7 +353,7 @@ def _fake_engine(fake: _FakeClock, per_prompt_s: float, calls: list, *, interrup
                  slow_after: int | None = None):
     """A stand-in for vLLM that answers at once and advances the fake clock by ``per_prompt_s`` a problem (5 s to
     start): the privileged teacher reads 'The correct answer is X.' from its prompt and answers X; every other
-    prompt gets 0. ``interruptible``: a call stops at its ``stop_at`` (the problems not done by then are dropped),
+    prompt gets a wrong answer (so a problem is in the curriculum only through ``zero_pass_share``). ``interruptible``: a call stops at its ``stop_at`` (the problems not done by then are dropped),
     else it runs whole. ``slow_after``: from that call on, a problem takes 4 x as long (the rate measured before no
     longer holds)."""
     import re
@@ -381,7 +384,7 @@ def _fake_engine(fake: _FakeClock, per_prompt_s: float, calls: list, *, interrup
                     break
                 fake.now += each
                 m = re.search(r"The correct answer is (.+?)\.", p)
-                ans = m.group(1) if m else "0"
+                ans = m.group(1) if m else "-987654321"
                 out += [Sample(i, j, f"\\boxed{{{ans}}}", 5, 20, "stop") for j in range(n)]
             yield out
 
@@ -404,7 +407,7 @@ def test_curate_sizes_its_calls_to_its_budget_keeps_what_it_measured_and_resumes
     monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     out = tmp_path / "run"
-    argv = _curate_argv(out, "--chunk_size", 2)
+    argv = _curate_argv(out, "--chunk_size", 2, "--zero_pass_share", 1)  # a curriculum row from the first problem
     # clock 200 s, share 0.3 -> stage one until 60 s; engine up at 5 s; 5 s a problem and role. Chunk 1: a probe of one
     # problem (15 s), then the other (25 s); chunk 2 whole (45 s); chunk 3: the one problem 15 s hold (55 s), then stop
     (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "200", "--time_share", "0.3"], env={})
@@ -460,11 +463,14 @@ def test_curate_sizes_its_calls_to_its_budget_keeps_what_it_measured_and_resumes
     assert m["budget"]["engine_startup_s"] == 5.0
 
 
-def test_a_spent_budget_measures_a_probe_not_a_whole_first_chunk(tmp_path, monkeypatch):
-    """The CPU demo on a loaded machine: engine start-up ended after stage one's budget. The first call is a probe
-    (chunk_size / 8 problems) and stage one stops after it, instead of measuring a whole first chunk far past its
-    budget (the whole chunk of 10 here would have ended at 160 s of a 60 s budget). An engine that cannot stop in
-    flight is sized on the worst case."""
+@pytest.mark.parametrize("zero_share, probes", [(1.0, 1), (0.25, 2)])
+def test_a_spent_budget_measures_probes_until_a_curriculum_exists_not_a_whole_first_chunk(tmp_path, monkeypatch,
+                                                                                         zero_share, probes):
+    """The CPU demo on a loaded machine: engine start-up ended after stage one's budget. Stage one measures probes
+    (chunk_size / 8 problems) past its budget only until the measured problems give a curriculum row (one probe
+    when every zero-pass problem is kept, two when a quarter is: round(0.25 x 2) = 0 rows, round(0.25 x 4) = 1), never
+    past half the training window (100 s), instead of a whole first chunk far past its budget (the chunk of 10 here
+    would have ended at 160 s of a 60 s budget). An engine that cannot stop in flight is sized on the worst case."""
     import data_tools.generation.engines
     import stages.curate as C
     from data_tools.config import parse_config
@@ -475,14 +481,17 @@ def test_a_spent_budget_measures_a_probe_not_a_whole_first_chunk(tmp_path, monke
     monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls, interruptible=False))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now - 55.0))  # set-up took 55 s; the engine's 5 s end the budget
     (cfg,) = parse_config([C.CurateConfig], _curate_argv(tmp_path / "run", "--chunk_size", 10, "--max_wall_time_seconds",
-                                                         200, "--time_share", 0.3), env={})
+                                                         200, "--time_share", 0.3, "--zero_pass_share", zero_share),
+                          env={})
     m = C.curate(cfg)
     b = m["budget"]
-    assert calls == ["teacher chunk 1/2 (problems 1-2 of 10)", "student chunk 1/2 (problems 1-2 of 10)"]
-    assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 80.0 and b["probe_size"] == 2
-    assert (b["problems_measured"], b["chunks_measured"], b["chunks_partial"]) == (2, 0, 1)
+    assert calls == [f"{r} chunk 1/2 (problems {2 * k + 1}-{2 * k + 2} of 10)" for k in range(probes)
+                     for r in ("teacher", "student")]
+    assert b["budget_end_s"] == 60.0 and b["probe_end_s"] == 100.0 and b["probe_size"] == 2
+    assert b["ended_at_s"] == 60.0 + 20.0 * probes
+    assert (b["problems_measured"], b["chunks_measured"], b["chunks_partial"]) == (2 * probes, 0, 1)
     assert b["stop_reason"] == "budget: spent before the next teacher+student call"
-    assert m["counts"]["problems_measured"] == 2  # the curriculum is built from them
+    assert m["counts"]["curriculum"] == {1: 2, 2: 1}[probes]  # a curriculum exists
 
 
 def test_a_call_in_flight_stops_at_the_deadline_keeping_its_finished_samples(tmp_path, monkeypatch, capsys):
@@ -501,7 +510,7 @@ def test_a_call_in_flight_stops_at_the_deadline_keeping_its_finished_samples(tmp
     # until 60 s; engine up at 5 s; a probe of 2 problems at 2 s each and role (9 s, 13 s); then the other 8 fit the 47 s
     # left at 4 s a problem, but the teacher takes 8 s a problem: its call ends at the deadline with 5 problems done
     (cfg,) = parse_config([C.CurateConfig], _curate_argv(tmp_path / "run", "--chunk_size", 10, "--max_wall_time_seconds",
-                                                         200, "--time_share", 0.3), env={})
+                                                         200, "--time_share", 0.3, "--zero_pass_share", 1), env={})
     m = C.curate(cfg)
     text = capsys.readouterr().out
     assert calls == ["teacher chunk 1/2 (problems 1-2 of 10)", "student chunk 1/2 (problems 1-2 of 10)",
@@ -538,11 +547,10 @@ def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypa
     (cfg,) = parse_config([C.CurateConfig], argv, env={})
     m = C.curate(cfg)
     # budget until 100 s; teacher engine up at 5 s; its share: (100 - 5 - 5) x 4/12 = 30 s -> until 35 s: a probe of
-    # one problem (10 s), the other (15 s), chunks 2 (25 s) and 3 (35 s); then the student over those 3 chunks
-    # (engine 40 s; a probe 45 s, 50, 60, 70 s)
-    halves = lambda role: [f"{role} chunk 1/6 (problems {k}-{k} of 2)" for k in (1, 2)]  # noqa: E731
-    assert calls == halves("teacher") + [f"teacher chunk {i + 1}/6" for i in (1, 2)] + halves("student") + [
-        f"student chunk {i + 1}/6" for i in (1, 2)]
+    # one problem (10 s), the other (15 s), chunks 2 (25 s) and 3 (35 s); then the student over those 3 chunks, sized
+    # on the teacher's rate x 8/4 samples (engine 40 s; 50, 60, 70 s)
+    assert calls == [f"teacher chunk 1/6 (problems {k}-{k} of 2)" for k in (1, 2)] + [
+        f"teacher chunk {i + 1}/6" for i in (1, 2)] + [f"student chunk {i + 1}/6" for i in range(3)]
     assert m["budget"]["chunks_measured"] == 3 and m["budget"]["ended_at_s"] == 70.0
 
 
