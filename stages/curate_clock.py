@@ -5,7 +5,8 @@ block.
 ``max_wall_time_seconds``, R = ``deadline_reserve_seconds``, which run.sh gives the evaluation reserve too): the
 ``deadline``. Until the measured problems give a curriculum row, stage one probes on even when the budget is spent
 (engine start-up on a loaded machine can eat it), so that a curriculum exists, but never past ``hard_end`` =
-max(``time_share``, ``FORCED_SHARE``) x (T - R): whatever happens, training keeps at least half its window.
+max(``time_share``, ``FORCED_SHARE``) x (T - R): training keeps at least half its window (or what
+``time_share`` leaves it, when that is less).
 
 **The calls** (``ChunkBudget``). A chunk (``chunk_size`` problems) is what is saved and resumed; it is measured in
 engine calls sized from the budget, never from the chunk alone:
@@ -20,7 +21,7 @@ engine calls sized from the budget, never from the chunk alone:
 - a call in flight stops at the deadline (``generate(stop_at=...)``, the hf engine's decoder and vLLM's request API):
   its finished samples are kept, the unfinished dropped and counted, and stage one ends there.
 
-Without a clock every chunk is one call, as before.
+Without a clock every chunk is one call.
 """
 
 from __future__ import annotations

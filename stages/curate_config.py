@@ -58,7 +58,7 @@ class CurateConfig(EngineSettings):
                 "under the same budget; the chunks merge into one curriculum. Over nodes (env NNODES, NODE_RANK, a "
                 "shared output_dir) node 0 merges."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity). Under a clock a chunk is measured in engine calls sized to the time left (stages/curate_clock.py)."})
-    probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in the first engine call of each role, before its rate is measured; it runs even when the budget is spent (a curriculum always exists), never past half the training window. 0 = chunk_size / 8, rounded up."})
+    probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in a probe, the first engine call before a rate is measured; probes go on past a spent budget until the measured problems give a curriculum row, never past half the training window. 0 = chunk_size / 8, rounded up."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
     band_high: float = field(default=1.0, metadata={"help": "... and p < band_high (exclusive: the default drops problems the student always solves)."})
     zero_pass_share: float = field(default=0.25, metadata={"help": "Share of teacher-solved p = 0 problems to keep anyway (0..1)."})
