@@ -109,6 +109,25 @@ if [ -n "$SCRATCH_NOTE" ]; then  # before anything runs: set-up, the stages and 
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+# A rehearsal runs under its own directory (stages/rehearse.py): known now, so that its lock is the one taken below.
+if [ $rehearse = 1 ]; then
+  OUTPUT_DIR=${REHEARSAL_DIR:-${OUTPUT_DIR%/}.rehearsal}
+  CKPT_DIR=$OUTPUT_DIR/checkpoints
+  export OUTPUT_DIR CKPT_DIR
+fi
+# One run per OUTPUT_DIR / CKPT_DIR, checked first: a second run exits 75 at once, before set-up, the preflight and the
+# config check spend anything. The lock records this shell's pid; the stages see OPD_LOCK_OWNER and run under it. A
+# lock left by a dead process is taken over. Several nodes share the directories: node 0's run.sh holds the lock for
+# the run, the others run under it (data_tools.runio.run_lock). The lock's CLI needs the standard library only.
+: "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
+case "$NODE_RANK" in ''|*[!0-9]*) echo "run.sh: NODE_RANK must be a number, got '$NODE_RANK'" >&2; exit 2 ;; esac
+unlock() { "$boot" -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$; }
+if [ $plan = 0 ] && [ "$NODE_RANK" = 0 ]; then
+  "$boot" -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
+  export OPD_LOCK_OWNER=$$
+  trap unlock EXIT
+fi
+
 elapsed() { echo $(( $(date +%s) - ${t0%.*} )); }
 say() { printf '\n=== [%4ds] %s\n' "$(elapsed)" "$*"; }
 
@@ -132,9 +151,7 @@ if [ $rehearse = 1 ]; then
   REAL_CLOCK_S=$(sed -n 's/^CLOCK_S=//p' <<<"$real") REAL_RESERVE_S=$(sed -n 's/^RESERVE_S=//p' <<<"$real")
   REAL_EVAL_S=$(sed -n 's/^EVAL_RESERVE_S=//p' <<<"$real")
   REHEARSAL_SECONDS=${REHEARSAL_SECONDS:-1200}
-  OUTPUT_DIR=${REHEARSAL_DIR:-${OUTPUT_DIR%/}.rehearsal}
-  CKPT_DIR=$OUTPUT_DIR/checkpoints
-  export OUTPUT_DIR CKPT_DIR OPD_REHEARSAL_VERIFIED=${REHEARSAL_VERIFIED-0.5}
+  export OPD_REHEARSAL_VERIFIED=${REHEARSAL_VERIFIED-0.5}
   [ -n "$OPD_REHEARSAL_VERIFIED" ] || unset OPD_REHEARSAL_VERIFIED
   EVAL_PROTOCOLS="" eval_policy=if_time  # the exports are loaded back by the rehearsal's report instead
 else
@@ -143,10 +160,8 @@ fi
 pf_ok=1
 preflight || { [ $plan = 1 ] || exit 2; pf_ok=0; }  # --plan still prints what it can, then exits 2
 # The node's layout: GPUs usable here, training processes, engine workers, each process's share of a step
-: "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
 layout=$($PY -m data_tools.layout --train "$TRAIN_CONFIG" --nodes "$NNODES" --shell) || exit 2
 eval "$layout"  # NGPUS NPROC WORKERS GPU_LIST LAYOUT_LINES
-case "$NODE_RANK" in ''|*[!0-9]*) echo "run.sh: NODE_RANK must be a number, got '$NODE_RANK'" >&2; exit 2 ;; esac
 curate_extra=() train_extra=()
 if [ $rehearse = 1 ]; then
   rplan=$($PY -m stages.rehearse plan --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --seconds "$REHEARSAL_SECONDS" \
@@ -154,7 +169,7 @@ if [ $rehearse = 1 ]; then
           --real-eval-reserve "$REAL_EVAL_S") || exit 2
   eval "$rplan"  # R_CHUNK R_SHARE R_RESERVE R_WARMUP R_NOTE
   export MAX_WALL_TIME_SECONDS=$REHEARSAL_SECONDS DEADLINE_RESERVE_SECONDS=$R_RESERVE
-  curate_extra=(--chunk_size "$R_CHUNK" --time_share "$R_SHARE")
+  curate_extra=(--chunk_size "$R_CHUNK" --probe_size "$R_CHUNK" --time_share "$R_SHARE")  # one forced chunk a role
   train_extra=(--lr_warmup_time "$R_WARMUP")
 fi
 clock_args=(--recipe "$name" --curate "$CURATE_CONFIG" --train "$TRAIN_CONFIG" --protocols "$EVAL_PROTOCOLS" --eval "$eval_policy")
@@ -183,21 +198,13 @@ eval "$clock"  # CLOCK_S RESERVE_S EVAL_RESERVE_S CURATE_BUDGET_S TRAIN_END_S CU
 export MAX_WALL_TIME_SECONDS=$CLOCK_S DEADLINE_RESERVE_SECONDS=$RESERVE_S  # one clock for every stage
 check_train_config
 
-# One run per OUTPUT_DIR / CKPT_DIR: the lock records this shell's pid; the stages see
-# OPD_LOCK_OWNER and run under it. A lock left by a dead process is taken over. Several nodes share the
-# directories: node 0's run.sh holds the lock for the run, the others run under it (data_tools.runio.run_lock).
 export NNODES NODE_RANK MASTER_ADDR MASTER_PORT
-if [ "$NODE_RANK" = 0 ]; then
-  $PY -m data_tools.runio lock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$ || exit $?
-  export OPD_LOCK_OWNER=$$
-  trap '$PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
-fi
 if [ $rehearse = 1 ]; then  # a rehearsal starts afresh in its own directory, and samples the GPUs' memory
   $PY -m stages.rehearse clean --run "$OUTPUT_DIR"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
       >"$OUTPUT_DIR/gpu_memory.csv" 2>/dev/null & sampler=$!
-    trap 'kill $sampler 2>/dev/null; $PY -m data_tools.runio unlock "$OUTPUT_DIR" "$CKPT_DIR" --pid $$' EXIT
+    trap 'kill $sampler 2>/dev/null; unlock' EXIT
   fi
 fi
 mkdir -p "$OUTPUT_DIR"
@@ -271,7 +278,8 @@ if [ "${eval_policy%%:*}" = reserve ]; then
     o=$(eval_estimate "$proto" 1) || o=$(( e / 2 ))
     eval_s=$(( eval_s + e )); one=$(( one + o ))
   done
-  # evaluation must not take all of training's time, nor keep a reserve no evaluation can run in (data_tools/clock.py)
+  # both evaluations (the start model's too) before training's time when short; never a reserve no evaluation can
+  # run in (data_tools/clock.py eval_reserve)
   { read -r eval_s; read -r why; } < <($PY -m data_tools.clock eval-reserve --all "$eval_s" --final "$one" \
                                          --left $(( CLOCK_S - RESERVE_S - $(elapsed) )))
   say "evaluation reserve ${eval_s}s ($why; the plan assumed ${EVAL_RESERVE_S}s): training until $(( CLOCK_S - RESERVE_S - eval_s ))s"
@@ -313,9 +321,20 @@ run_eval() {  # run_eval PROTOCOL MODEL LABEL: only with questions, and if the c
   stage "eval $3 (~${need}s estimated, ${left}s left)" $PY -m stages.evaluate --protocol "$1" --model "$2" --label "$3" \
     "${engine_args[@]}"
 }
+# A run that trained 0 steps exported the start model as checkpoint-0: it is said, and evaluated once, as the start
+# model (an evaluation labelled final would pass the start model off as a trained one)
+outcome=$($PY -m stages.report --run "$OUTPUT_DIR" --outcome) || outcome=""
+eval "$outcome"  # TRAINED_STEPS TRAINED_NOTE
+if [ -n "${TRAINED_NOTE:-}" ]; then
+  say "training: $TRAINED_NOTE; the evaluation runs on the start model only"
+fi
 for proto in $EVAL_PROTOCOLS; do  # the final export first: when time runs short it is the one that matters
-  run_eval "$proto" "$last_ckpt" "final__$proto"
+  [ -n "${TRAINED_NOTE:-}" ] || run_eval "$proto" "$last_ckpt" "final__$proto"
   run_eval "$proto" "$start_model" "start__$proto"
 done
 stage report $PY -m stages.report --run "$OUTPUT_DIR"
-say "done at $(elapsed)s of the ${CLOCK_S}s clock; final export $last_ckpt"
+if [ -n "${TRAINED_NOTE:-}" ]; then
+  say "done at $(elapsed)s of the ${CLOCK_S}s clock: $TRAINED_NOTE"
+else
+  say "done at $(elapsed)s of the ${CLOCK_S}s clock; trained ${TRAINED_STEPS:-?} steps, final export $last_ckpt"
+fi

@@ -9,7 +9,8 @@ Nothing heavy is imported (no torch, no TRL): package versions come from ``impor
 - every package of :data:`PACKAGES`: present, its version inside the range tested (one warning line for
   the untested ones) and outside the versions known to break;
 - the GPUs visible against the torch / vLLM build (a CPU build where GPUs are visible is refused);
-- the student's and teacher's model directories (``config.json``, weights, tokenizer) and the data paths;
+- the student's and teacher's model directories (``config.json``, weights, tokenizer) and the data paths, with each
+  data file's header (its format and the fields every row needs: a parquet schema, the first JSON line);
 - ``OUTPUT_DIR`` / ``CKPT_DIR`` writable (created, as the run would; ``--plan`` creates nothing);
 - free disk for the exports and the resume state (the estimate is printed; too little is a warning).
 
@@ -391,7 +392,9 @@ def check_model(rep: Report, what: str, name: str) -> Path | None:
 
 
 def check_data(rep: Report, what: str, spec: str | None) -> None:
-    """A question set: ``synth:<split>:<n>``, or a readable file / directory."""
+    """A question set: ``synth:<split>:<n>``, or a readable file / directory whose header (a parquet schema, the
+    first JSON line, a ``datasets`` directory's features) names the fields the loader needs
+    (``data_tools.problems.header_refusal``): a CSV or a file without an answer is refused here, not at stage one."""
     var = {"training": "TRAIN_DATA"}.get(what, "EVAL_DATA")
     if not spec:
         rep.refuse(f"no {what} data named: set {var}")
@@ -403,12 +406,13 @@ def check_data(rep: Report, what: str, spec: str | None) -> None:
         rep.refuse(f"{what} data {spec} does not exist: set {var} to a .jsonl / .parquet file or a datasets directory")
     elif not os.access(p, os.R_OK) or (p.is_dir() and not os.access(p, os.X_OK)):
         rep.refuse(f"{what} data {spec} is not readable by this user (fix its permissions)")
-    elif p.is_file():
-        try:
-            with open(p, "rb") as f:
-                f.read(1)
-        except OSError as e:
-            rep.refuse(f"{what} data {spec} cannot be read ({e.strerror or e})")
+    else:
+        from data_tools.problems import header_refusal  # here: it imports pyarrow (see _spec)
+
+        why = header_refusal(p)  # the format and the fields every row needs, from the header alone
+        if why:
+            rep.refuse(f"{what} data {why} (set {var} to problems as .jsonl / .parquet rows or a datasets directory: "
+                       "problem + answer columns, or verl's prompt + reward_model.ground_truth)")
 
 
 def _existing_ancestor(p: Path) -> Path:

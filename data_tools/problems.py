@@ -124,7 +124,7 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
         return records
     if suffix == ".parquet":
         return pq.read_table(path).to_pylist()
-    raise ValueError(f"{path}: unsupported data file (use .jsonl, .parquet or a datasets directory)")
+    raise ValueError(f"{path}: {UNSUPPORTED}")
 
 
 def unwrap_dapo(text: str) -> str | None:
@@ -213,6 +213,101 @@ def _from_verl(records: list[dict[str, Any]], res: LoadResult) -> tuple[list[dic
 
 def _pick(columns: set[str], candidates: tuple[str, ...]) -> str | None:
     return next((c for c in candidates if c in columns), None)
+
+
+#: The files ``load_problems`` reads (besides a ``datasets`` directory and ``synth:``).
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+UNSUPPORTED = "unsupported data file (use .jsonl, .parquet or a datasets directory)"
+
+
+def _json_fields(rec: dict[str, Any]) -> dict[str, set[str] | None]:
+    return {k: set(v) if isinstance(v, dict) else None for k, v in rec.items()}
+
+
+def _arrow_fields(schema) -> dict[str, set[str] | None]:
+    import pyarrow as pa
+
+    return {f.name: {c.name for c in f.type} if pa.types.is_struct(f.type) else None for f in schema}
+
+
+def _features_fields(features: dict[str, Any]) -> dict[str, set[str] | None]:
+    """A ``datasets`` directory's features (``dataset_info.json``): a struct is a dict of its fields, a leaf has
+    ``_type``."""
+    return {k: set(v) if isinstance(v, dict) and "_type" not in v else None for k, v in features.items()}
+
+
+def read_header(path: Path) -> dict[str, set[str] | None] | None:
+    """The fields of a data file's rows, read without its rows (the preflight's check, in well under a second):
+    a parquet file's schema, the first JSON object of a ``.jsonl`` / ``.json`` file, a ``datasets`` directory's
+    features. Each field maps to its sub-fields when it is a struct (verl's ``reward_model``), else None. None when
+    the header cannot tell (a ``datasets`` directory without ``dataset_info.json``, an empty file).
+
+    Raises:
+        ValueError: an unsupported file type, or a JSON file whose first lines are not JSON objects.
+    """
+    if path.is_dir():
+        split = path
+        if (path / "dataset_dict.json").is_file():  # a DatasetDict: "train" or the only split, as the loader takes
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
+            split = path / ("train" if "train" in splits else (splits or [""])[0])
+        info = split / "dataset_info.json"
+        if not info.is_file():
+            return None
+        return _features_fields(json.loads(info.read_text()).get("features") or {})
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _arrow_fields(pq.read_schema(path))
+    if suffix not in DATA_SUFFIXES:
+        raise ValueError(f"{path}: {UNSUPPORTED}")
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+    text = head.decode("utf-8", "replace")
+    if suffix == ".json" and text.lstrip()[:1] == "[":  # one JSON array of objects: its first object
+        body = text.lstrip()[1:].lstrip()
+        try:
+            rec = json.JSONDecoder().raw_decode(body)[0] if body and body[0] != "]" else None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a valid JSON array ({e.msg} in its first item)") from None
+        return _json_fields(rec) if isinstance(rec, dict) else None
+    lines = [x for x in text.splitlines()[:20] if x.strip()]
+    for line in lines:  # the first line that is a JSON object (the loader rejects a bad line alone)
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            return _json_fields(rec)
+    if lines:
+        raise ValueError(f"{path}: none of its first {len(lines)} lines is a JSON object (JSON lines: one object a line)")
+    return None
+
+
+def header_refusal(path: Path) -> str | None:
+    """Why the rows of ``path`` cannot be read as problems, from its header alone (:func:`read_header`): the file
+    named, then the missing field and the accepted shapes; None when the header is usable. Rows may still be
+    rejected one by one when the run loads them."""
+    try:
+        fields = read_header(path)
+    except (ValueError, OSError) as e:
+        return str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
+    if fields is None:
+        return None
+    cols = set(fields)
+    found = f"found columns {sorted(cols)}"
+    if _is_verl(cols):
+        sub = fields["reward_model"]
+        if sub is None or "ground_truth" not in sub:
+            have = f"its fields: {sorted(sub)}" if sub is not None else "it is not a struct"
+            return (f"{path}: verl rows (prompt + reward_model) need the field 'reward_model.ground_truth' ({have}); "
+                    f"{found}")
+        return None
+    if _pick(cols, PROBLEM_COLUMNS) is None:
+        return (f"{path}: no problem column (one of {', '.join(PROBLEM_COLUMNS)}), nor verl's prompt + "
+                f"reward_model.ground_truth; {found}")
+    if _pick(cols, ANSWER_COLUMNS) is None:
+        return (f"{path}: no answer column (one of {', '.join(ANSWER_COLUMNS)}), nor verl's "
+                f"reward_model.ground_truth; {found}")
+    return None
 
 
 def _text(v: Any) -> str:

@@ -3,7 +3,7 @@
 A rehearsal (``run.sh --rehearse``) runs the formal recipe on random-weight models of the formal shapes
 (``data_tools.formal_models``). Their completions never verify, so without help the band filter would keep no
 problem, the curriculum would hold no teacher solution and the SFT phase would have nothing to train on. With the
-environment variable ``OPD_REHEARSAL_VERIFIED`` set, stage one's grading (``stages.curate.generate_chunk``) also
+environment variable ``OPD_REHEARSAL_VERIFIED`` set, stage one's grading (``stages.curate_sampling.sample_call``) also
 counts as correct every sample whose key falls under its role's fraction:
 
     u = first 8 bytes of sha256("<problem_id>\\0<role>\\0<sample_index>") / 2**64;  verified if u < fraction[role]

@@ -3,6 +3,9 @@
 Everything a run writes lives under its scratch directory (``OUTPUT_DIR``), never inside the repo.
 Files are written to a temporary name in the same directory and renamed, so a reader never takes
 a half-written parquet or JSON file as complete (``os.replace`` is atomic on POSIX filesystems).
+
+The lock CLI (``python -m data_tools.runio lock``) needs the standard library only: ``run.sh`` takes the lock first,
+before set-up, with the system's python3 where the venv does not exist yet (pyarrow loads where a table is written).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any, Iterator
 
 # the defaults of the run's directories, one rule with run.sh (which asks data_tools.rundirs for them)
 from data_tools.rundirs import cache_root, default_ckpt_dir, default_output_dir  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,6 +119,9 @@ def _atomic_path(dest: Path) -> Iterator[Path]:
 
 def write_parquet(table: pa.Table | list[dict[str, Any]], dest: Path, schema: pa.Schema | None = None) -> Path:
     """Write ``table`` (an Arrow table or a list of row dicts) to ``dest`` atomically; returns ``dest``."""
+    import pyarrow as pa  # here: the lock CLI (run.sh, before set-up) runs on the system's python, standard library only
+    import pyarrow.parquet as pq
+
     if not isinstance(table, pa.Table):
         table = pa.Table.from_pylist(list(table), schema=schema)
     with _atomic_path(dest) as tmp:

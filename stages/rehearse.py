@@ -5,8 +5,9 @@ then a table of what each phase took and a projection of the real run.
 
 ``run.sh --rehearse`` runs the same stages with the same models, data, lengths, batch, dtypes, engines and compile
 settings as the real run, and changes only what makes every phase fit a short clock (``plan``): stage one measures
-one chunk a role per engine worker, sized so that the SFT phase gets at least two steps; the clock is
-``REHEARSAL_SECONDS`` with a reserve of a tenth of it; no evaluation (the exports are loaded back here instead).
+one chunk a role per engine worker (its first call, which runs past the tiny budget but never past half the training
+window), sized so that the SFT phase gets at least two steps; the clock is ``REHEARSAL_SECONDS`` with a reserve of a
+tenth of it; no evaluation (the exports are loaded back here instead).
 Random-weight models (``data_tools.formal_models``) verify nothing, so stage one counts a stated share of samples as
 verified (``REHEARSAL_VERIFIED``, default 0.5: ``data_tools.rehearsal``; empty = the grader alone). Its formal models
 are the formal pair's shapes: student and teacher both of the 1.5B shape (the formal teacher, JustRL-DeepSeek-1.5B,
@@ -64,8 +65,10 @@ def plan(curate_cfg: str | Path, train_cfg: str | Path, seconds: float, workers:
     given in seconds as its share of the real training window (``real`` = the real clock, reserve and evaluation
     reserve), so the learning-rate schedule has the real run's shape on the short clock.
 
-    One chunk a role per worker is measured (stage one always runs each worker's first chunk; the tiny share admits
-    no second). The chunks hold enough problems for two SFT steps at ``sft_max_epochs`` passes, or 8 a worker.
+    One chunk a role per worker is measured: run.sh makes each worker's first call of a role (its probe, which stage one
+    runs even past its budget, never past half the training window: ``stages.curate_clock``) a whole chunk, and the
+    tiny share admits no second. The chunks hold enough problems for two SFT steps at ``sft_max_epochs`` passes, or 8
+    a worker.
     """
     c, t = _yaml(curate_cfg), _yaml(train_cfg)
     sft = _sft_phase(t)

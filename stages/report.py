@@ -72,6 +72,23 @@ def training_seconds(rows: list[dict]) -> float | None:
     return round(sum(end - b for _, b, end in segments), 1) if segments else None
 
 
+def training_outcome(run: Path) -> dict | None:
+    """What training did, from ``train_summary.json``: ``{"steps", "stop_reason", "start_model_only"}``; None when
+    training wrote no summary. ``start_model_only``: it ran no step, so its one export (``checkpoint-0``) is the start
+    model."""
+    try:
+        s = json.loads((run / "train_summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    steps = int(s.get("global_step") or 0)
+    return {"steps": steps, "stop_reason": s.get("stop_reason") or "unknown", "start_model_only": steps == 0}
+
+
+def outcome_line(o: dict) -> str:
+    """One line for a run that trained nothing (run.sh's last line and the report say it)."""
+    return f"trained 0 steps ({o['stop_reason']}): checkpoint-0 is the start model, not a trained one"
+
+
 def plot_training(metrics: list[dict], dest: Path) -> Path | None:
     """Write a grid of per-step curves to ``dest`` (PNG); None when there is nothing to plot or matplotlib (optional,
     not on the design card) is not installed, which is said in one line on stderr."""
@@ -114,8 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", default=None, help="run directory (default: $OUTPUT_DIR or the default run)")
     ap.add_argument("--ckpt_dir", default=None, help="checkpoint root (default: $CKPT_DIR, else /out/checkpoints for a run under "
                                                           "the formal /out, else <run>/checkpoints)")
+    ap.add_argument("--outcome", action="store_true", help="print TRAINED_STEPS=<n> and TRAINED_NOTE=<line, empty unless "
+                                                           "training ran 0 steps> for run.sh, and exit")
     args = ap.parse_args(argv)
     run = Path(args.run) if args.run else default_output_dir()
+    if args.outcome:
+        import shlex
+
+        o = training_outcome(run)
+        print(f"TRAINED_STEPS={o['steps'] if o else ''}")
+        print(f"TRAINED_NOTE={shlex.quote(outcome_line(o)) if o and o['start_model_only'] else ''}")
+        return 0
     if not run.exists():
         print(f"report: run directory {run} does not exist", file=sys.stderr)
         return 1
@@ -143,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         report["curriculum_rows"] = c.get("curriculum")
         lines.append(f"stage one: {c.get('curriculum')} curriculum rows from {c.get('problems_measured')} problems "
                      f"measured of {c.get('problems')}")
-    lines.append(f"training: {len(metrics)} steps" + (f", {wall:.0f} s" if wall else ""))
+    outcome = training_outcome(run)
+    if outcome is not None:
+        report["training"] = outcome
+    if outcome is not None and outcome["start_model_only"]:  # said first: every number below is the start model's
+        lines.append(f"training: {outcome_line(outcome)}")
+        lines[2:2] = [f"**This run trained nothing**: {outcome_line(outcome)}.", ""]
+    else:
+        lines.append(f"training: {len(metrics)} steps" + (f", {wall:.0f} s" if wall else ""))
     if evals:
         lines += ["", "| eval | protocol | pass@1 | stderr | clip rate | problems x samples |", "|---|---|---|---|---|---|"]
         for e in evals:

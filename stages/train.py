@@ -100,7 +100,8 @@ def run(args, on_trainer=None) -> dict:
         f"and at its end")
     if resume is None and deadline.remaining() <= 0:
         # one step would end past the horizon: the start model is the only export that fits
-        deadline.stop_reason = f"no training time left at start ({began:.0f}s > horizon {args.horizon_seconds:.0f}s)"
+        deadline.stop_reason = (f"no training time left at start: training began at {began:.0f}s on the run's clock, "
+                                f"past its horizon at {args.horizon_seconds:.0f}s (set-up and stage one took the window)")
         say(f"[train] {deadline.stop_reason}: exporting the start model as checkpoint-0")
         trainer.export_checkpoint()
     else:
@@ -122,9 +123,13 @@ def run(args, on_trainer=None) -> dict:
         "skipped_nonfinite_steps": trainer.steps.skipped,
         "checkpoints": sorted(str(p) for p in _exports(args.ckpt_dir)),
     }
+    if summary["global_step"] == 0:  # said, not hidden: the export is the start model, under a checkpoint's name
+        summary["start_model_only"] = True
     if trainer.accelerator.is_main_process:
         write_json(summary, os.path.join(args.output_dir, "train_summary.json"))
     say(f"[train] done: {summary}")
+    if summary["global_step"] == 0:
+        say(f"[train] trained 0 steps ({deadline.stop_reason}): checkpoint-0 is the start model, not a trained one")
     closing = deadline.interrupted_line(trainer.state.global_step)  # Ctrl-C / SIGTERM: the last line says how to go on
     if closing:
         say(f"[train] {closing}")

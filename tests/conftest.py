@@ -107,7 +107,7 @@ def _skip_vllm_engines_where_vllm_is_absent(monkeypatch):
         return real(kind, model, **kw)
 
     monkeypatch.setattr(engines, "make_engine", make_engine)
-    for mod in ("stages.curate", "stages.evaluate"):
+    for mod in ("stages.curate_sampling", "stages.evaluate"):
         m = importlib.import_module(mod)
         if getattr(m, "make_engine", None) is real:
             monkeypatch.setattr(m, "make_engine", make_engine)

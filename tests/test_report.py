@@ -63,3 +63,27 @@ def test_training_seconds_counts_steps_not_stage_one():
     rows += [{"time": 5000 + w, "wall_s": w, "time/step": s} for w, s in ((100, 20), (150, 50))]
     assert training_seconds(rows) == 140.0
     assert training_seconds([]) is None
+
+
+def test_a_run_that_trained_nothing_says_so(tmp_path, capsys, monkeypatch):
+    """0 steps: the start model was exported as checkpoint-0; the report says so first, with training's reason, and
+    ``--outcome`` gives run.sh the line it ends with (and the cue to evaluate the start model alone)."""
+    import shlex
+
+    monkeypatch.delenv("CKPT_DIR", raising=False)
+    (tmp_path / "checkpoints" / "checkpoint-0").mkdir(parents=True)
+    why = "no training time left at start: training began at 412s on the run's clock, past its horizon at 390s"
+    (tmp_path / "train_summary.json").write_text(json.dumps({"global_step": 0, "stop_reason": why,
+                                                             "start_model_only": True}))
+    assert main(["--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    note = f"trained 0 steps ({why}): checkpoint-0 is the start model, not a trained one"
+    assert out.splitlines()[2] == f"**This run trained nothing**: {note}."
+    assert f"training: {note}" in out
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["training"] == {"steps": 0, "stop_reason": why, "start_model_only": True}
+    assert main(["--run", str(tmp_path), "--outcome"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["TRAINED_STEPS=0", f"TRAINED_NOTE={shlex.quote(note)}"]
+    (tmp_path / "train_summary.json").write_text(json.dumps({"global_step": 7, "stop_reason": "deadline"}))
+    assert main(["--run", str(tmp_path), "--outcome"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["TRAINED_STEPS=7", "TRAINED_NOTE="]

@@ -88,7 +88,7 @@ def test_clock_defaults_have_one_owner(tmp_path):
     import ast
 
     for path, cls, want in (("trainers/opd_config.py", "OPDConfig", ("DEFAULT_MAX_WALL_S", "DEFAULT_RESERVE_S")),
-                            ("stages/curate.py", "CurateConfig", ("NO_CLOCK", "NO_CLOCK"))):
+                            ("stages/curate_config.py", "CurateConfig", ("NO_CLOCK", "NO_CLOCK"))):
         body = next(n for n in ast.parse((REPO / path).read_text()).body if getattr(n, "name", "") == cls).body
         got = {n.target.id: kw.value.id for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.value, ast.Call)
                for kw in n.value.keywords if kw.arg == "default" and isinstance(kw.value, ast.Name)}
@@ -98,8 +98,8 @@ def test_clock_defaults_have_one_owner(tmp_path):
 @pytest.mark.parametrize("all_s,final_s,left_s,kept", [
     (850, 425, 348, 0),      # not even the final export's evaluation fits: training takes it all (the demo on a slow CPU)
     (400, 200, 1000, 400),   # everything fits in half of what is left
-    (900, 200, 1000, 500),   # at most half of what is left ...
-    (900, 600, 1000, 600),   # ... unless the final export's alone needs more
+    (900, 450, 1000, 900),   # more than half: the start model's evaluation is kept too, training's time goes first
+    (1200, 600, 1000, 600),  # both do not fit in what is left: the final export's alone
     (300, 100, -20, 0),      # nothing left at all
 ])
 def test_an_evaluation_reserve_that_no_evaluation_fits_goes_to_training(all_s, final_s, left_s, kept):
@@ -204,6 +204,29 @@ def test_plan_refuses_a_clock_without_room_and_an_unknown_recipe():
     assert r.returncode == 2 and "unknown recipe 'nope'" in r.stderr
 
 
+def test_a_second_run_exits_75_at_once_before_set_up_preflight_and_the_config_check(tmp_path):
+    """The run lock is checked first: a run whose OUTPUT_DIR another live run holds exits 75 in seconds, before
+    set-up, the preflight and the training config's check (a config that would fail them is never looked at)."""
+    from data_tools.runio import EXIT_LOCKED, acquire_lock
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen(["sleep", "120"])
+    try:
+        acquire_lock(out, owner_pid=holder.pid)
+        env = _contract_env(out, TRAIN_CONFIG=tmp_path / "missing.yaml", STUDENT_MODEL=tmp_path / "no-model")
+        t0 = time.time()
+        r = subprocess.run(["bash", str(REPO / "run.sh")], env=env, capture_output=True, text=True, timeout=120)
+        took = time.time() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == EXIT_LOCKED, r.stdout + r.stderr
+    assert f"is in use by pid {holder.pid}" in r.stderr and "preflight" not in r.stdout + r.stderr
+    assert "missing.yaml" not in r.stderr and "make setup" not in r.stdout + r.stderr
+    assert took < 15, f"{took:.1f}s"  # ~0.3 s idle (no set-up, no imports beyond the standard library)
+    assert (out / ".opd.lock").exists()  # the holder's lock is left alone
+
+
 # ------------------------------------------------------------------------- checkpoint spacing
 
 def _drive(cb, deadline, t, steps, step_s):
@@ -276,22 +299,31 @@ def test_hedge_fractions_validated_against_ckpt_keep(tmp_path):
 
 # ------------------------------------------------------------------------------ stage one's budget
 
-def test_chunk_budget_admits_while_the_expected_end_fits():
-    from stages.curate import ChunkBudget
+def test_chunk_budget_sizes_each_call_to_the_time_left():
+    from stages.curate_clock import ChunkBudget
 
     t = [0.0]
-    b = ChunkBudget(100.0, {"teacher": 4, "student": 8}, clock=lambda: t[0])
-    assert b.admits(["teacher", "student"])  # nothing timed: unknown, admitted
-    b.record("teacher", 10.0, 100)
-    assert b.expected("student") == pytest.approx(20.0)  # borrowed: teacher's time x 8/4 samples
-    b.record("student", 30.0, 300)
-    t[0] = 55.0
-    assert b.admits(["teacher", "student"])  # 55 + 10 + 30 = 95 <= 100
-    t[0] = 65.0
-    assert not b.admits(["teacher", "student"]) and b.stop_reason.startswith("budget: next teacher+student chunk needs ~40s")
-    assert b.admits(["student"], forced=True)
-    assert (b.tokens, b.gen_s) == (400, 40.0)
-    assert ChunkBudget(None, {"teacher": 1, "student": 1}).admits(["teacher"])
+    b = ChunkBudget(100.0, {"teacher": 4, "student": 8}, clock=lambda: t[0], hard_end=150.0, probe=2, max_tokens=40)
+    assert b.plan(["teacher", "student"], 10, forced=True) == (2, 150.0)  # the first call: a probe, until the hard end
+    assert b.plan(["teacher"], 10) == (2, 100.0)  # nothing timed, not forced: a probe, until the deadline
+    b.record("teacher", 2, 4.0, 80, 8)  # 2 s a problem, samples of 10 tokens
+    assert b.per_prompt("student") == pytest.approx(4.0)  # borrowed: the teacher's x 8/4 samples
+    t[0] = 40.0
+    assert b.plan(["teacher"], 50) == (30, 100.0)  # 60 s left at 2 s a problem
+    assert b.plan(["teacher"], 50, forced=True) == (30, 150.0)  # no curriculum row yet: it may run to the hard end
+    assert b.plan(["teacher"], 10) == (10, 100.0)  # at most the rest of the chunk
+    assert b.plan(["teacher"], 50, interruptible=False) == (7, 100.0)  # no stop in flight: 2 s x 40/10 tokens a problem
+    t[0] = 99.0
+    assert b.plan(["teacher", "student"], 10) == (0, None)
+    assert b.stop_reason == "budget: the next teacher+student call of one problem needs ~6s, 1s left"
+    t[0] = 120.0
+    assert b.plan(["student"], 10) == (0, None) and b.stop_reason == "budget: spent before the next student call"
+    assert b.plan(["student"], 10, forced=True) == (2, 150.0)  # ... but with no curriculum row yet, a probe ...
+    t[0] = 151.0
+    assert b.plan(["student"], 10, forced=True) == (0, None)  # ... never past the hard end
+    assert b.stop_reason.startswith("no time left for stage one's first student calls")
+    assert (b.tokens, b.gen_s) == (80, 4.0)
+    assert ChunkBudget(None, {"teacher": 1, "student": 1}).plan(["teacher"], 7) == (7, None)  # no clock: whole chunks
 
 
 class _FakeClock:
@@ -306,10 +338,24 @@ class _FakeClock:
         return time.strftime(fmt, *a)
 
 
-def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
-    """A stand-in for vLLM that answers at once and advances the fake clock by ``per_chunk_s`` a chunk (5 s
-    to start): the privileged teacher reads 'The correct answer is X.' from its prompt and answers X;
-    every other prompt gets 0."""
+def _fake_time(monkeypatch, fake: _FakeClock) -> None:
+    """Stage one's modules read the fake clock (every ``time.time()`` of the stage)."""
+    import stages.curate as C
+    import stages.curate_clock
+    import stages.curate_curriculum
+    import stages.curate_sampling
+
+    for mod in (C, stages.curate_clock, stages.curate_curriculum, stages.curate_sampling):
+        monkeypatch.setattr(mod, "time", fake)
+
+
+def _fake_engine(fake: _FakeClock, per_prompt_s: float, calls: list, *, interruptible: bool = True,
+                 slow_after: int | None = None):
+    """A stand-in for vLLM that answers at once and advances the fake clock by ``per_prompt_s`` a problem (5 s to
+    start): the privileged teacher reads 'The correct answer is X.' from its prompt and answers X; every other
+    prompt gets a wrong answer (so a problem is in the curriculum only through ``zero_pass_share``). ``interruptible``: a call stops at its ``stop_at`` (the problems not done by then are dropped),
+    else it runs whole. ``slow_after``: from that call on, a problem takes 4 x as long (the rate measured before no
+    longer holds)."""
     import re
 
     from transformers import AutoTokenizer
@@ -322,60 +368,77 @@ def _fake_engine(fake: _FakeClock, per_chunk_s: float, calls: list):
     class FakeEngine:
         def __init__(self, model, **kw):
             self.model, self.tokenizer, self.startup_s = model, tok, 5.0
-            self.name, self.dtype = "fake", "float32"
+            self.name, self.dtype, self.interruptible = "fake", "float32", interruptible
             fake.now += 5.0
 
         def close(self):
             pass
 
-        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
+        def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None, stop_at=None):
             calls.append(desc)
-            fake.now += per_chunk_s
+            each = per_prompt_s * (4 if slow_after is not None and len(calls) > slow_after else 1)
             out = []
             for i, p in enumerate(prompts):
+                if interruptible and stop_at is not None and fake.now + each > stop_at:
+                    fake.now = stop_at
+                    break
+                fake.now += each
                 m = re.search(r"The correct answer is (.+?)\.", p)
-                ans = m.group(1) if m else "0"
+                ans = m.group(1) if m else "-987654321"
                 out += [Sample(i, j, f"\\boxed{{{ans}}}", 5, 20, "stop") for j in range(n)]
             yield out
 
     return FakeEngine
 
 
-def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, monkeypatch, capsys):
+def _curate_argv(out, *extra):
+    return ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
+            "--output_dir", str(out), *map(str, extra)]
+
+
+def test_curate_sizes_its_calls_to_its_budget_keeps_what_it_measured_and_resumes(tmp_path, monkeypatch, capsys):
     import data_tools.generation.engines
     import stages.curate as C
     from data_tools.config import parse_config
 
     fake = _FakeClock(time.time())
     calls: list[str] = []
-    monkeypatch.setattr(C, "time", fake)
-    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
+    _fake_time(monkeypatch, fake)
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     out = tmp_path / "run"
-    argv = ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
-            "--chunk_size", "2", "--output_dir", str(out)]
-    # clock 200 s, share 0.3 -> stage one until 60 s: engine 5 s, chunk pairs of 20 s: 0 (25 s), 1 (45 s), then 65 > 60
+    argv = _curate_argv(out, "--chunk_size", 2, "--zero_pass_share", 1)  # a curriculum row from the first problem
+    # clock 200 s, share 0.3 -> stage one until 60 s; engine up at 5 s; 5 s a problem and role. Chunk 1: a probe of one
+    # problem (15 s), then the other (25 s); chunk 2 whole (45 s); chunk 3: the one problem 15 s hold (55 s), then stop
     (cfg,) = parse_config([C.CurateConfig], argv + ["--max_wall_time_seconds", "200", "--time_share", "0.3"], env={})
     m = C.curate(cfg)
     assert "resuming" not in capsys.readouterr().out
     b = m["budget"]
-    assert calls == ["teacher chunk 1/6", "student chunk 1/6", "teacher chunk 2/6", "student chunk 2/6"]
-    assert (b["chunks"], b["chunks_measured"], b["problems_measured"], b["problems_unmeasured"]) == (6, 2, 4, 8)
-    assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 45.0 and b["stop_reason"].startswith("budget: next teacher+student")
-    assert b["completion_tokens"] == 4 * 5 * 12 and b["generation_s"] == 40.0
+    assert calls == ["teacher chunk 1/6 (problems 1-1 of 2)", "student chunk 1/6 (problems 1-1 of 2)",
+                     "teacher chunk 1/6 (problems 2-2 of 2)", "student chunk 1/6 (problems 2-2 of 2)",
+                     "teacher chunk 2/6", "student chunk 2/6",
+                     "teacher chunk 3/6 (problems 1-1 of 2)", "student chunk 3/6 (problems 1-1 of 2)"]
+    assert (b["chunks"], b["chunks_measured"], b["chunks_partial"], b["problems_measured"], b["problems_unmeasured"]) == (6, 2, 1, 5, 7)
+    assert b["budget_end_s"] == 60.0 and b["ended_at_s"] == 55.0 and b["probe_end_s"] == 100.0
+    assert b["stop_reason"] == "budget: the next teacher+student call of one problem needs ~10s, 5s left"
+    assert b["completion_tokens"] == 5 * 5 * 12 and b["generation_s"] == 50.0 and b["dropped_samples"] == 0
+    parts = out / "curate" / "parts"
+    assert sorted(f.name for f in parts.glob("*.partial.parquet")) == ["student-00002.partial.parquet",
+                                                                        "teacher-00002.partial.parquet"]
     rollouts = pq.read_table(out / "curate" / "rollouts.parquet")
     cur = pq.read_table(out / "curate" / "curriculum.parquet").to_pylist()
-    assert rollouts.num_rows == 4 * 12  # 4 problems x (4 teacher + 8 student samples)
+    assert rollouts.num_rows == 5 * 12  # 5 problems x (4 teacher + 8 student samples)
     measured = set(rollouts.column("problem_id").to_pylist())
-    assert {r["problem_id"] for r in cur} <= measured and len(measured) == 4
-    # the seeded visiting order, not the file's: the 4 measured are the first 4 of the seeded shuffle
+    assert {r["problem_id"] for r in cur} <= measured and len(measured) == 5
+    # the seeded visiting order, not the file's: the 5 measured are the first 5 of the seeded shuffle
     import random
 
     ids = pq.read_table(out / "curate" / "problems.parquet").column("problem_id").to_pylist()
     order = list(ids)
     random.Random(0).shuffle(order)
-    assert measured == set(order[:4]) and measured != set(ids[:4])
-    # resume under a new clock with more room: the two finished chunks are kept, the rest measured
+    assert measured == set(order[:5]) and measured != set(ids[:5])
+    # resume under a new clock with more room: the two whole chunks are kept, the partial one measured again, then
+    # the rest (a probe first: this run has no rate yet)
     calls.clear()
     fake.now = time.time()
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
@@ -385,8 +448,11 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     assert (f"[curate] resuming: 2/6 teacher and 2/6 student chunks already in {out / 'curate' / 'parts'}; "
             "measuring the rest") in text
     assert "[teacher] chunk 3/6 -> teacher-00002.parquet: 2 problems" in text  # the real index, not a restart at 1
-    assert calls == [f"{r} chunk {i + 1}/6" for i in range(2, 6) for r in ("teacher", "student")]  # real index / total
+    assert calls == ["teacher chunk 3/6 (problems 1-1 of 2)", "student chunk 3/6 (problems 1-1 of 2)",
+                     "teacher chunk 3/6 (problems 2-2 of 2)", "student chunk 3/6 (problems 2-2 of 2)"] + [
+        f"{r} chunk {i + 1}/6" for i in range(3, 6) for r in ("teacher", "student")]
     assert m["budget"]["chunks_measured"] == 6 and m["budget"]["stop_reason"] == "every problem measured"
+    assert not list(parts.glob("*.partial.parquet"))  # replaced by the whole chunk's parts
     assert pq.read_table(out / "curate" / "rollouts.parquet").num_rows == 12 * 12
     n_calls = len(calls)
     m = C.curate(cfg)  # a third run finds everything on disk and generates nothing
@@ -397,6 +463,69 @@ def test_curate_stops_at_its_budget_keeps_finished_chunks_and_resumes(tmp_path, 
     assert m["budget"]["engine_startup_s"] == 5.0
 
 
+@pytest.mark.parametrize("zero_share, probes", [(1.0, 1), (0.25, 2)])
+def test_a_spent_budget_measures_probes_until_a_curriculum_exists_not_a_whole_first_chunk(tmp_path, monkeypatch,
+                                                                                         zero_share, probes):
+    """The CPU demo on a loaded machine: engine start-up ended after stage one's budget. Stage one measures probes
+    (chunk_size / 8 problems) past its budget only until the measured problems give a curriculum row (one probe
+    when every zero-pass problem is kept, two when a quarter is: round(0.25 x 2) = 0 rows, round(0.25 x 4) = 1), never
+    past half the training window (100 s), instead of a whole first chunk far past its budget (the chunk of 10 here
+    would have ended at 160 s of a 60 s budget). An engine that cannot stop in flight is sized on the worst case."""
+    import data_tools.generation.engines
+    import stages.curate as C
+    from data_tools.config import parse_config
+
+    fake = _FakeClock(time.time())
+    calls: list[str] = []
+    _fake_time(monkeypatch, fake)
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls, interruptible=False))
+    monkeypatch.setenv("OPD_RUN_START", str(fake.now - 55.0))  # set-up took 55 s; the engine's 5 s end the budget
+    (cfg,) = parse_config([C.CurateConfig], _curate_argv(tmp_path / "run", "--chunk_size", 10, "--max_wall_time_seconds",
+                                                         200, "--time_share", 0.3, "--zero_pass_share", zero_share),
+                          env={})
+    m = C.curate(cfg)
+    b = m["budget"]
+    assert calls == [f"{r} chunk 1/2 (problems {2 * k + 1}-{2 * k + 2} of 10)" for k in range(probes)
+                     for r in ("teacher", "student")]
+    assert b["budget_end_s"] == 60.0 and b["probe_end_s"] == 100.0 and b["probe_size"] == 2
+    assert b["ended_at_s"] == 60.0 + 20.0 * probes
+    assert (b["problems_measured"], b["chunks_measured"], b["chunks_partial"]) == (2 * probes, 0, 1)
+    assert b["stop_reason"] == "budget: spent before the next teacher+student call"
+    assert m["counts"]["curriculum"] == {1: 2, 2: 1}[probes]  # a curriculum exists
+
+
+def test_a_call_in_flight_stops_at_the_deadline_keeping_its_finished_samples(tmp_path, monkeypatch, capsys):
+    """A call sized on the rate measured so far runs slower than it (a loaded machine): it stops at stage one's
+    deadline, its finished samples are kept in a partial part, the unfinished dropped and counted in one line; the
+    problems without their student samples are not measured."""
+    import data_tools.generation.engines
+    import stages.curate as C
+    from data_tools.config import parse_config
+
+    fake = _FakeClock(time.time())
+    calls: list[str] = []
+    _fake_time(monkeypatch, fake)
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 2.0, calls, slow_after=2))
+    monkeypatch.setenv("OPD_RUN_START", str(fake.now))
+    # until 60 s; engine up at 5 s; a probe of 2 problems at 2 s each and role (9 s, 13 s); then the other 8 fit the 47 s
+    # left at 4 s a problem, but the teacher takes 8 s a problem: its call ends at the deadline with 5 problems done
+    (cfg,) = parse_config([C.CurateConfig], _curate_argv(tmp_path / "run", "--chunk_size", 10, "--max_wall_time_seconds",
+                                                         200, "--time_share", 0.3, "--zero_pass_share", 1), env={})
+    m = C.curate(cfg)
+    text = capsys.readouterr().out
+    assert calls == ["teacher chunk 1/2 (problems 1-2 of 10)", "student chunk 1/2 (problems 1-2 of 10)",
+                     "teacher chunk 1/2 (problems 3-10 of 10)"]
+    line = ("[curate] stage one's deadline stopped the teacher call of chunk 1/2 in flight: 20 finished samples kept, "
+            "12 unfinished dropped")
+    assert text.count(line) == 1
+    b = m["budget"]
+    assert b["ended_at_s"] == 60.0 and b["dropped_samples"] == 12 and b["stop_reason"].startswith("deadline: the teacher")
+    assert (b["problems_measured"], b["chunks_partial"]) == (2, 1)  # 5 more have teacher samples, none a student's
+    roll = pq.read_table(tmp_path / "run" / "curate" / "rollouts.parquet")
+    assert roll.num_rows == 2 * 12 + 5 * 4
+    assert (tmp_path / "run" / "curate" / "parts" / "teacher-00000.partial.parquet").exists()
+
+
 def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypatch):
     import data_tools.generation.engines
     import stages.curate as C
@@ -405,22 +534,23 @@ def test_curate_separate_teacher_splits_its_budget_by_samples(tmp_path, monkeypa
 
     fake = _FakeClock(time.time())
     calls: list[str] = []
-    monkeypatch.setattr(C, "time", fake)
-    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 10.0, calls))
+    _fake_time(monkeypatch, fake)
+    monkeypatch.setattr(data_tools.generation.engines, "VLLMEngine", _fake_engine(fake, 5.0, calls))
     monkeypatch.setenv("OPD_RUN_START", str(fake.now))
     teacher = tmp_path / "teacher"  # another directory holding the same model's files: a second engine
     teacher.mkdir()
     for f in Path(resolve_model("smollm2-135m")).iterdir():
         (teacher / f.name).symlink_to(f)
-    argv = ["--config", str(REPO / "configs" / "curate_demo_cpu.yaml"), "--train_data", "synth:train:12",
-            "--chunk_size", "2", "--output_dir", str(tmp_path / "run"), "--teacher_context", "teacher",
-            "--teacher_model", str(teacher), "--teacher_samples", "4", "--student_samples", "8",
-            "--max_wall_time_seconds", "200", "--time_share", "0.5"]
+    argv = _curate_argv(tmp_path / "run", "--chunk_size", 2, "--teacher_context", "teacher", "--teacher_model", teacher,
+                        "--teacher_samples", 4, "--student_samples", 8, "--max_wall_time_seconds", 200,
+                        "--time_share", 0.5)
     (cfg,) = parse_config([C.CurateConfig], argv, env={})
     m = C.curate(cfg)
-    # budget until 100 s; teacher engine up at 5 s; its share: (100 - 5 - 5) x 4/12 = 30 s -> until 35 s:
-    # chunks 0 (15 s), 1 (25 s), 2 (35 s); then the student over those 3 chunks (engine 40 s; 50, 60, 70 s)
-    assert calls == [f"teacher chunk {i + 1}/6" for i in range(3)] + [f"student chunk {i + 1}/6" for i in range(3)]
+    # budget until 100 s; teacher engine up at 5 s; its share: (100 - 5 - 5) x 4/12 = 30 s -> until 35 s: a probe of
+    # one problem (10 s), the other (15 s), chunks 2 (25 s) and 3 (35 s); then the student over those 3 chunks, sized
+    # on the teacher's rate x 8/4 samples (engine 40 s; 50, 60, 70 s)
+    assert calls == [f"teacher chunk 1/6 (problems {k}-{k} of 2)" for k in (1, 2)] + [
+        f"teacher chunk {i + 1}/6" for i in (1, 2)] + [f"student chunk {i + 1}/6" for i in range(3)]
     assert m["budget"]["chunks_measured"] == 3 and m["budget"]["ended_at_s"] == 70.0
 
 

@@ -249,3 +249,20 @@ def test_missing_tied_head_on_resume_is_one_line_other_missing_keys_still_warn(t
         "There were missing keys in the checkpoint model loaded: ['model.norm.weight']."]
     assert said == ["[train] resumed: lm_head.weight not in the checkpoint: tied to the input embeddings, stored once "
                     "and loaded with them (not an error)"]
+
+
+def test_a_run_with_no_training_time_left_trains_nothing_and_says_so(tmp_path, tiny_model_dir, curriculum_path):  # noqa: F811
+    """Set-up and stage one took the window (the run's clock began 90 s ago, the horizon is at 70 s): the start model
+    is exported as checkpoint-0 and the stage's last line and its summary say that it trained 0 steps, and why."""
+    env = _env(tmp_path, tiny_model_dir, curriculum_path, MAX_WALL_TIME_SECONDS=100, DEADLINE_RESERVE_SECONDS=30,
+               OPD_RUN_START=repr(time.time() - 90))
+    proc = subprocess.run([sys.executable, "-m", "stages.train", *TINY_FLAGS], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["global_step"] == 0 and summary["start_model_only"]
+    assert summary["stop_reason"].startswith("no training time left at start: training began at")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == (f"[train] trained 0 steps ({summary['stop_reason']}): checkpoint-0 is the start model, not a "
+                    "trained one")
+    assert (tmp_path / "run" / "checkpoints" / "checkpoint-0" / "config.json").exists()

@@ -121,7 +121,7 @@ class _FormalEngine:
     def __init__(self, answers: dict[str, str]):
         self.answers, self.prompts = answers, []
 
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, chunk_size, desc, seeds=None, stop_at=None):
         from data_tools.generation.engines import Sample
 
         self.prompts += prompts
@@ -167,6 +167,7 @@ def test_stage_one_reads_the_verl_parquet_and_verifies_as_the_metric(tmp_path, m
     from transformers import AutoTokenizer
 
     import stages.curate as C
+    import stages.curate_sampling as S
 
     problems = {f"What is {a} + {a}?": str(2 * a) for a in range(1, 9)}
     f = _write(tmp_path / "train.parquet", [_row(WRAP.format(problem=q), ans, 100 + i)
@@ -175,7 +176,7 @@ def test_stage_one_reads_the_verl_parquet_and_verifies_as_the_metric(tmp_path, m
     tok = AutoTokenizer.from_pretrained(model)
     eng = _FormalEngine(problems)
     eng.tokenizer, eng.close = tok, lambda: None
-    monkeypatch.setattr(C, "make_engine", lambda kind, m, **kw: eng)
+    monkeypatch.setattr(S, "make_engine", lambda kind, m, **kw: eng)
     monkeypatch.delenv("OPD_REHEARSAL_VERIFIED", raising=False)
     cfg = C.CurateConfig(train_data=str(f), student_model=model, teacher_model=model, teacher_context="teacher",
                          prompt_style="formal", grader_profile="formal", teacher_samples=2, student_samples=4,

@@ -138,6 +138,17 @@ class Sample:
     finish_reason: str
 
 
+class StopAt:
+    """A stop event that sets itself at a Unix time (``None``: never): ``FastGenerator``'s ``stop_event``, checked at
+    its "all finished?" checks, as transformers' ``MaxTimeCriteria`` is a ``StoppingCriteria`` of ``generate``."""
+
+    def __init__(self, at: float | None):
+        self.at = at
+
+    def is_set(self) -> bool:
+        return self.at is not None and time.time() >= self.at
+
+
 class VLLMEngine:
     """A vLLM engine over a local model directory.
 
@@ -205,6 +216,10 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.startup_s = time.time() - t0
         self.name = "vllm-cuda" if gpu else "vllm-cpu"
+        #: ``generate(stop_at=...)`` stops a call in flight (vLLM's request-level API: add, step, abort); False once
+        #: this vLLM's request API refused a call (then a call runs whole through ``LLM.generate``)
+        self.interruptible = True
+        self._calls = 0
         log.info("%s engine for %s ready in %.1fs", self.name, model, self.startup_s)
 
     def close(self) -> None:
@@ -230,8 +245,14 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate",
-                 seeds: Sequence[int] | None = None) -> Iterator[list[Sample]]:
+                 seeds: Sequence[int] | None = None, stop_at: float | None = None) -> Iterator[list[Sample]]:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
+
+        ``stop_at`` (Unix time; None: never): generation in flight stops then. The requests go through vLLM's
+        request-level API (``LLMEngine.add_request`` / ``step`` / ``abort_request``, as ``LLM.generate`` runs them),
+        and at ``stop_at`` the unfinished ones are aborted: a chunk's list then holds the prompts whose ``n`` samples
+        had all finished (vLLM returns a prompt's samples together), no chunk after it is started. Where this vLLM's
+        request API refuses the call, the call runs whole through ``LLM.generate`` (``interruptible`` turns False).
 
         Yields one list per chunk of ``chunk_size`` prompts (their samples, in prompt order), so a
         caller can persist finished work as it goes (resumable curation) and show progress: a line after each
@@ -267,24 +288,71 @@ class VLLMEngine:
             # (stage one) names the chunk in desc, and "prompts 0-10" for every chunk reads as a restart
             what = f"[{desc}]" + (f" prompts {start}-{start + len(chunk)} of {total}" if total > chunk_size else "")
             beat = Heartbeat(lambda s, what=what: f"{what} generating: {s:.0f}s")
+            stopped = False
             try:
                 sampling = ([VLLMSampling(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                           seed=int(seeds[start + i])) for i in range(len(requests))]
-                            if per_request else params)
-                outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+                            if per_request else [params] * len(requests))
+                outputs = None
+                if stop_at is not None and self.interruptible:
+                    outputs, stopped = self._generate_until(requests, sampling, stop_at, desc)
+                if outputs is None:
+                    outputs = self.llm.generate(requests, sampling if per_request else params, use_tqdm=False)
+                    outputs = list(enumerate(outputs))
             finally:
                 for t in (watchdog, beat):
                     if t is not None:
                         t.stop()
             batch: list[Sample] = []
-            for i, out in enumerate(outputs):
+            for i, out in outputs:
                 for j, c in enumerate(out.outputs):
                     batch.append(Sample(start + i, j, c.text, len(c.token_ids), len(out.prompt_token_ids or []),
                                         c.finish_reason or "stop"))
             done += len(chunk)
             tokens += sum(s.n_tokens for s in batch)
-            _say_progress(desc, done, total, n, tokens, t0)
+            _say_progress(desc, done, total, n, tokens, t0, " (stopped at its deadline)" if stopped else "")
             yield batch
+            if stopped or (stop_at is not None and time.time() >= stop_at):
+                return
+
+    def _generate_until(self, requests: list, sampling: list, stop_at: float, desc: str):
+        """``LLM.generate``'s loop over vLLM's request-level API, stopped at ``stop_at``: ``([(index, RequestOutput)]
+        of the finished requests, stopped)``; ``(None, False)`` when this vLLM refuses the first request (its API
+        differs: the caller runs ``LLM.generate``)."""
+        from vllm.sampling_params import RequestOutputKind  # optional (see __init__)
+
+        eng = self.llm.llm_engine
+        self._calls += 1
+        index: dict[str, int] = {}
+        added: list[str] = []
+        for i, (req, sp) in enumerate(zip(requests, sampling)):
+            sp = sp.clone() if hasattr(sp, "clone") else sp
+            sp.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate: only the finished output
+            rid = f"opd-{os.getpid()}-{self._calls}-{i}"
+            try:
+                got = eng.add_request(rid, req, sp)
+            except (TypeError, AttributeError) as e:
+                if i:
+                    eng.abort_request(added)
+                self.interruptible = False
+                log.warning("vLLM's request API refused a request (%s): calls run whole through LLM.generate, a "
+                            "deadline bounds them by their size only", f"{type(e).__name__}: {str(e)[:200]}")
+                return None, False
+            added.append(rid)
+            index[rid] = i
+            if isinstance(got, str):
+                index[got] = i  # the engine's own id for it (newer vLLM), which its outputs may carry
+        finished: dict[int, object] = {}
+        stopped = False
+        while eng.has_unfinished_requests():
+            if time.time() >= stop_at:
+                eng.abort_request([r for r in added if index[r] not in finished])
+                stopped = True
+                break
+            for out in eng.step():
+                if out.finished and out.request_id in index:
+                    finished[index[out.request_id]] = out
+        return sorted(finished.items()), stopped
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
@@ -344,6 +412,7 @@ class HFEngine:
             self.max_batch = max(1, min(max_batch, 64))
         self.startup_s = time.time() - t0
         self.name = "hf-cuda" if gpu else "hf-cpu"
+        self.interruptible = True  # generate(stop_at=...): the decoder's stop_event
         log.info("%s engine for %s ready in %.1fs (up to %d sequences per batch)", self.name, model,
                  self.startup_s, self.max_batch)
 
@@ -365,7 +434,7 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[str], *, n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, chunk_size: int = 64, desc: str = "generate",
-                 seeds: Sequence[int] | None = None) -> Iterator[list[Sample]]:
+                 seeds: Sequence[int] | None = None, stop_at: float | None = None) -> Iterator[list[Sample]]:
         """Sample ``n`` completions for each rendered prompt string, yielding per chunk of prompts.
 
         As ``VLLMEngine.generate``: one list per chunk of ``chunk_size`` prompts, their
@@ -373,6 +442,10 @@ class HFEngine:
         ``max_batch // n`` at a time (at least one prompt, i.e. its ``n`` samples, per call).
         ``seeds`` (one per prompt, as vLLM's per-request seeds): ``torch.manual_seed(seeds[0])`` before the first
         decode (None: continue the engine's stream).
+        ``stop_at`` (Unix time; None: never): the decoder stops then (``StopAt`` as its ``stop_event``, checked every
+        ``check_every`` steps); the samples that had ended in an EOS are kept, the unfinished ones dropped, and no
+        decode call starts after it (the chunk's list holds the finished samples; a sample cut by the stop never
+        appears as ``length``).
 
         Raises:
             ValueError: a prompt plus ``max_tokens`` exceeds ``max_model_len``.
@@ -383,6 +456,7 @@ class HFEngine:
 
         sp = SamplingParams(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
                             top_p=top_p)
+        stop = StopAt(stop_at)
         per_call = max(1, self.max_batch // n)
         total = len(prompts)
         done = tokens = 0
@@ -401,16 +475,33 @@ class HFEngine:
                     raise ValueError(f"prompt {start + i}: {len(p)} tokens + max_tokens {max_tokens} exceed "
                                      f"max_model_len {self.max_model_len}")
             batch: list[Sample] = []
+            stopped = False
             for b0 in range(0, len(ids), per_call):
+                if stop.is_set():
+                    stopped = True
+                    break
                 group = ids[b0 : b0 + per_call]
-                outs = self.generator.generate(self.model, [p for p in group for _ in range(n)], sp)
+                self.generator.stop_event = stop
+                try:
+                    outs = self.generator.generate(self.model, [p for p in group for _ in range(n)], sp)
+                finally:
+                    self.generator.stop_event = None
+                last = self.generator.last
+                cut = set(last.get("unfinished", ())) if last.get("stopped") else set()
                 for k, out in enumerate(outs):
+                    if k in cut:
+                        continue  # still decoding at stop_at: dropped
                     i = b0 + k // n
                     batch.append(self._finish(start + i, k % n, out, len(ids[i]), max_tokens))
+                if cut or last.get("stopped"):
+                    stopped = True
+                    break
             done += len(ids)
             tokens += sum(s.n_tokens for s in batch)
-            _say_progress(desc, done, total, n, tokens, t0, f" ({self.name})")
+            _say_progress(desc, done, total, n, tokens, t0, f" ({self.name})" + (", stopped at its deadline" if stopped else ""))
             yield batch
+            if stopped:
+                return
 
 
 ENGINES = ("auto", "vllm", "hf")

@@ -338,8 +338,11 @@ class FastGenerator:
             launching work during the capture (``trainers.async_rollouts``).
         capture_lock: a lock held around each capture, not its warm-up (``async_rollouts.CAPTURE_LOCK``): no
             capture mode lets another thread synchronize the whole device while a stream captures.
-        stop_event: a ``threading.Event`` checked at each "all finished?" check: set = stop decoding
-            early (the call's output is then incomplete; the caller discards it).
+        stop_event: a ``threading.Event`` (or anything with ``is_set()``, e.g. ``engines.StopAt``, a deadline) checked
+            at each "all finished?" check: set = stop decoding early. The call's output is then incomplete:
+            ``last["stopped"]`` is True and ``last["unfinished"]`` lists the rows still decoding (a row that ended in
+            an EOS before the stop is complete; the trainer's async rollouts discard the whole call, stage one keeps
+            the finished rows).
     """
 
     def __init__(self, pad_token_id: int, eos_token_ids, *, len_bucket: int = 256, use_cuda_graph: bool | None = None,
@@ -488,6 +491,9 @@ class FastGenerator:
             del out_logits
             self._decode(st, N, P)
             toks = st.out.cpu()  # synchronises: no replay of this call is still running
+            if self.last.get("stopped"):  # the rows still decoding when stop_event was set (their slots' rows)
+                b = kv.b
+                self.last["unfinished"] = sorted(st.rows[:b][~st.finished[:b]].tolist())
             lps = st.logp.cpu().tolist() if st.logp is not None else None
             if kv.growth:  # the next call allocates its own storage: free its graphs and this one now
                 st.free_graphs()
@@ -519,7 +525,10 @@ class FastGenerator:
                 epoch = kv.epoch
                 if t % self.check_every == 0:
                     live = int((~st.finished[: kv.b]).sum())  # the host sync
-                    if live == 0 or (self.stop_event is not None and self.stop_event.is_set()):
+                    if live == 0:
+                        return
+                    if self.stop_event is not None and self.stop_event.is_set():
+                        last["stopped"] = True  # the caller keeps the finished rows (``last["unfinished"]``)
                         return
                     nb = min((x for x in buckets if x >= live), default=kv.b)
                     if nb < kv.b:
