@@ -348,7 +348,15 @@ def summarize(rows: list[dict]) -> dict:
 def run_realistic(opts) -> dict:
     from transformers.utils import logging as hf_logging
 
+    verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    try:
+        return _run_realistic(opts)
+    finally:  # a caller in the same process (the tests) keeps transformers' warnings
+        hf_logging.set_verbosity(verbosity)
+
+
+def _run_realistic(opts) -> dict:
     dev, cuda = opts.device, opts.device == "cuda"
     s_shape, t_shape = (sb.TINY, TINY_TEACHER) if opts.tiny else PAIRS[opts.pair]
     variants, notes = variant_overrides([v for v in opts.variants.split(",") if v])

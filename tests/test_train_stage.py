@@ -131,10 +131,17 @@ def test_killed_run_resumes_from_last_state(tmp_path, tiny_model_dir, curriculum
     # in-process restart (saves the interpreter start-up); the deadline is far away here. The fixture's curriculum
     # has no teacher solutions: the demo's SFT pass is turned off, as the first run had it
     no_sft = ["--sft_share_start", "0", "--sft_share_end", "0", "--sft_learning_rate", "0", "--sft_max_epochs", "0"]
-    rc = main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, *no_sft,
-               "--debug_max_steps", str(saved + 2),
-               "--ckpt_every_steps", "0", "--ckpt_every_minutes", "0", "--max_wall_time_seconds", "100000",
-               "--deadline_reserve_seconds", "10"])
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()  # transformers' default (warning), whatever an earlier test in this
+    hf_logging.set_verbosity_warning()      # process set: the line below is made from its warning
+    try:
+        rc = main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, *no_sft,
+                   "--debug_max_steps", str(saved + 2),
+                   "--ckpt_every_steps", "0", "--ckpt_every_minutes", "0", "--max_wall_time_seconds", "100000",
+                   "--deadline_reserve_seconds", "10"])
+    finally:
+        hf_logging.set_verbosity(verbosity)
     assert rc == 0
     out, _ = capfd.readouterr()  # transformers warned; the filter turned it into this line
     assert ("[train] resumed: lm_head.weight not in the checkpoint: tied to the input embeddings, stored once and "
