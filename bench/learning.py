@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -679,6 +680,12 @@ def _pool_stage(cfg: LearningConfig, sources: list[str]) -> int:
     return 0
 
 
+def gate_passes(lead: float, start: float, gate_lead: float, gate_rel_lead: float) -> bool:
+    """The setup's gate: the teacher's lead over the start at least ``gate_lead`` (absolute) and at least
+    ``gate_rel_lead`` of the start's own score (relative; a start at 0 passes any relative gate the lead passes)."""
+    return lead >= gate_lead and (lead >= gate_rel_lead * start)
+
+
 def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     from data_tools.models import resolve_model
     from data_tools.runio import write_json
@@ -738,7 +745,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
         from bench.learning_setup import probe_kl
 
         probe_kl(cfg, start)
-    lead = None
+    lead = gate_ok = None
     if (cfg.dir / "evals" / "teacher.parquet").exists():  # the setup's measurement, before any arm
         from bench.learning_report import setup_lines, setup_measures
 
@@ -746,13 +753,16 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
         lead = measured["lead"]
         for line in setup_lines(measured, cfg):
             print(f"[learning] setup: {line}", flush=True)
-    if cfg.gate_lead and lead is not None:
-        print(f"[learning] setup: gate {'passed' if lead >= cfg.gate_lead else 'FAILED'}: the teacher leads the start "
-              f"by {lead:+.3f} on the held-out problems, gate_lead {cfg.gate_lead:+.3f}", flush=True)
+        if cfg.gate_lead or cfg.gate_rel_lead:
+            gate_ok = gate_passes(lead, measured["start"], cfg.gate_lead, cfg.gate_rel_lead)
+            rel = lead / measured["start"] if measured["start"] > 0 else math.inf
+            print(f"[learning] setup: gate {'passed' if gate_ok else 'FAILED'}: the teacher leads the start by "
+                  f"{lead:+.3f} ({rel:+.0%} of the start's {measured['start']:.3f}) on the held-out problems; "
+                  f"gate_lead {cfg.gate_lead:+.3f}, gate_rel_lead {cfg.gate_rel_lead:+.0%}", flush=True)
     if setup_only:
         print(f"[learning] setup done in {time.time() - t_start:.0f}s: {cfg.dir}", flush=True)
         return 0
-    if cfg.gate_lead and lead is not None and lead < cfg.gate_lead:
+    if gate_ok is False:
         print("[learning] no arm run: the regime lacks the teacher lead it exists to test (rebuild it, or set "
               "--gate_lead 0 to run the arms anyway)", flush=True)
         return 3

@@ -112,6 +112,17 @@ PRESETS: dict[str, dict] = {
                     stage_one_problems=300, budget_s=150.0, marks="50,100,150", late_marks=2, learning_rate=3e-6,
                     sft_learning_rate=3e-5, sft_max_epochs=8.0, lr_scheduler_type="linear_time", lr_warmup_s=10.0,
                     kl_probe_problems=256, gate_lead=0.15),
+    # run 4, the formal regime's proxy (bench/learning/run-4-plan.md): a mid-trained start, its teacher the start
+    # after reward-only RL (as JustRL-DeepSeek-1.5B is DeepSeek-R1-Distill-Qwen-1.5B after RL), the formal metric's
+    # prompt and grader profile, GSM8K's integer answers; the teacher's RL and the start's SFT on problems 1-4400,
+    # the arms on 4401-5900, 1,500 held out; the gate: +0.10 and +30% over the start, else no arm runs.
+    "run4": dict(task="gsm8k", train_data=str(SHARED / "data" / "gsm8k_train.jsonl"), prompt_style="formal",
+                 grader_profile="formal", start_sft_steps=100, start_lr=3e-5, teacher_objective="rl",
+                 teacher_sft_s=300.0, teacher_lr=3e-6, teacher_n_train=4400, n_train=1500, unseen_arm_problems=True,
+                 n_test=1500, eval_samples=4, max_completion_length=320, stage_one_problems=300, budget_s=150.0,
+                 marks="50,100,150", late_marks=2, learning_rate=3e-6, sft_learning_rate=3e-5, sft_max_epochs=8.0,
+                 lr_scheduler_type="linear_time", lr_warmup_s=10.0, num_generations=4, kl_probe_problems=256,
+                 gate_lead=0.10, gate_rel_lead=0.30),
 }
 
 
@@ -172,6 +183,9 @@ class LearningConfig:
     lr_warmup_s: float = field(default=0.0, metadata={
         "help": "linear_time / cosine_time: seconds of linear warm-up from 0 at the start of each arm's training "
                 "window (written to the recipe as lr_warmup_time, a share of that window); >= 0."})
+    gate_rel_lead: float = field(default=0.0, metadata={
+        "help": "Setup: > 0 = also the teacher's lead must be at least this share of the start's own score (0.3 = "
+                "30%; JustRL-DeepSeek-1.5B leads its student by 81%); else exit 3 as gate_lead. 0 = no relative gate."})
     gate_lead: float = field(default=0.0, metadata={
         "help": "Setup: > 0 = the arms run only where the teacher leads the start on the held-out problems (avg@k, "
                 "paired) by at least this; else the command stops after the setup's lines with exit code 3 and runs "
@@ -267,7 +281,8 @@ class LearningConfig:
                 "another experiment's --teacher_model."})
     preset: str = field(default="", metadata={
         "help": "cpu_smoke: tiny sizes and budgets; regime3: a cut, healed student under the whole model as teacher, "
-                "long answers, few measured problems (PRESETS). It sets the fields "
+                "long answers, few measured problems; run4: the formal regime's proxy, a teacher made by RL from the "
+                "start (PRESETS). It sets the fields "
                 "still at their defaults: a flag given with another value wins."})
 
     def __post_init__(self):
@@ -330,6 +345,8 @@ class LearningConfig:
                              f"warmup_steps); got {self.lr_warmup_s} with {self.lr_scheduler_type}")
         if self.lr_scheduler_type != "constant" and self.warmup_steps:
             raise ValueError("warmup_steps is constant_with_warmup's; a time schedule warms up over lr_warmup_s")
+        if not 0 <= self.gate_rel_lead < math.inf:
+            raise ValueError(f"gate_rel_lead must be finite and >= 0, got {self.gate_rel_lead}")
         if not (0 <= self.start_lr < math.inf and 0 <= self.gate_lead <= 1) or self.kl_probe_problems < 0:
             raise ValueError(f"start_lr must be finite and >= 0, gate_lead in [0, 1] and kl_probe_problems >= 0, got "
                              f"{self.start_lr}, {self.gate_lead}, {self.kl_probe_problems}")

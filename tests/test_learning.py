@@ -1142,3 +1142,18 @@ def test_teacher_objective_sft_or_rl(tmp_path, monkeypatch, objective, w_reward,
     assert (seen.get("sft_share_start") == 1.0) is off_policy
     with pytest.raises(ValueError, match="teacher_objective"):
         LearningConfig(out=str(tmp_path / "r2"), preset="cpu_smoke", teacher_objective="dpo")
+
+
+def test_gate_absolute_and_relative(tmp_path):
+    """Run 4's gate: the teacher's lead >= gate_lead and >= gate_rel_lead x the start's score; the preset sets both."""
+    from bench.learning import gate_passes
+
+    assert gate_passes(0.205, 0.252, 0.10, 0.30)          # JustRL over its student: +0.205, +81%
+    assert not gate_passes(0.12, 0.50, 0.10, 0.30)        # +0.12 but only +24% of 0.50
+    assert not gate_passes(0.08, 0.10, 0.10, 0.30)        # +80% but under +0.10
+    assert gate_passes(0.15, 0.0, 0.10, 0.30)             # a start at 0: the absolute gate decides
+    cfg = LearningConfig(out=str(tmp_path / "r"), preset="run4")
+    assert (cfg.gate_lead, cfg.gate_rel_lead, cfg.teacher_objective, cfg.grader_profile, cfg.prompt_style,
+            cfg.n_test) == (0.10, 0.30, "rl", "formal", "formal", 1500)
+    with pytest.raises(ValueError, match="gate_rel_lead"):
+        LearningConfig(out=str(tmp_path / "r2"), gate_rel_lead=-1.0)
