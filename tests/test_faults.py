@@ -229,7 +229,7 @@ def test_train_stops_on_signal_with_final_checkpoint(tmp_path, tiny_model_dir, c
     assert summary["stop_reason"] == ("sigint" if how.startswith("ctrl-c") else "sigterm")
     # said at once, and last: where it stops, and how to go on
     stopping = [x for x in log.splitlines() if "stopping after step" in x]
-    assert len(stopping) == 1 and stopping[0].endswith("the state is saved; rerun the same command to resume"
+    assert len(stopping) == 1 and stopping[0].endswith("then its state is saved; rerun the same command to resume"
                                                        + (" (Ctrl-C again aborts without saving)" if how != "SIGTERM" else ""))
     assert f"[train] interrupted at step {summary['global_step']}; rerun the same command to resume" in log
     assert (run / "checkpoints" / f"checkpoint-{summary['global_step']}").is_dir()
@@ -423,8 +423,11 @@ def test_run_sh_stops_training_on_signal(curated, sig):
     rc, took = stop(p, sig, group=(sig == signal.SIGINT), timeout=400)  # the current step ends first
     text = log.read_text()
     assert rc == 128 + sig, (rc, text[-3000:])
-    assert "Traceback" not in text and "interrupted" not in text
     summary = json.loads((out / "train_summary.json").read_text())
+    # no traceback, and "interrupted" only in the stage's closing line, which says how to go on
+    assert "Traceback" not in text
+    assert [x for x in text.splitlines() if "interrupted" in x] == [
+        f"[train] interrupted at step {summary['global_step']}; rerun the same command to resume"]
     assert summary["stop_reason"] == sig.name.lower()
     assert (out / "checkpoints" / f"checkpoint-{summary['global_step']}").is_dir()
     _assert_exports_loadable(out / "checkpoints")
@@ -472,7 +475,7 @@ def test_ctrl_c_says_at_once_when_training_stops_and_how_to_go_on(monkeypatch, c
     t[0] += 40.0
     cb._on_sigterm(signal.SIGINT, None)
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == ["[train] SIGINT: stopping after step 3 (~100 s left in it); the state is saved; rerun the same "
+    assert out == ["[train] SIGINT: stopping after step 3 (~100 s left in it), then its state is saved; rerun the same "
                    "command to resume (Ctrl-C again aborts without saving)"]
     t[0] += 100.0
     state.global_step += 1

@@ -221,7 +221,7 @@ class DeadlineCallback(TrainerCallback):
         return max(0.0, est - (self.clock() - self._step_began))
 
     def stopping_line(self) -> str:
-        """What a stop request does, said at once: "stopping after step N (~S s left in it); the state is saved;
+        """What a stop request does, said at once: "stopping after step N (~S s left in it), then its state is saved;
         rerun the same command to resume"."""
         if self._step is None:
             when = f"stopping after step {self._last_step + 1} (training has not started its next step yet)" \
@@ -230,7 +230,7 @@ class DeadlineCallback(TrainerCallback):
             left = self.step_left_s()
             when = (f"stopping after step {self._step} (~{left:.0f} s left in it)" if left is not None
                     else f"stopping after step {self._step} (its first: no estimate of the time left in it)")
-        return f"{when}; the state is saved; rerun the same command to resume"
+        return f"{when}, then its state is saved; rerun the same command to resume"
 
     def interrupted_line(self, step: int) -> str | None:
         """The closing line of a run stopped by SIGINT / SIGTERM, else None."""
