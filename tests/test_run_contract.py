@@ -636,7 +636,11 @@ def test_run_sh_fits_the_whole_run_in_its_clock(demo_run):
     assert "recipe demo_cpu (STUDENT_MODEL is not set)" in log and "[curate] budget: until" in log
     assert "[curate] clock:" in log and "[train] clock: training from" in log and "done at" in log
     budget = json.loads((demo_run.out / "curate" / "manifest.json").read_text())["budget"]
-    assert budget["budget_end_s"] == pytest.approx(0.3 * 255, abs=0.1) and budget["problems_measured"] >= 10
+    # stage one's calls are sized to its 76.5 s (set-up and the engine's start-up take most of it on 2 cores): it
+    # measures what fits, at least its probe, and ends within one call of its budget (or, while no curriculum row
+    # exists yet, of its probes' end)
+    assert budget["budget_end_s"] == pytest.approx(0.3 * 255, abs=0.1) and budget["problems_measured"] >= 2
+    assert budget["ended_at_s"] <= max(budget["budget_end_s"], budget["probe_end_s"] or 0) + 30
     summary = json.loads((demo_run.out / "train_summary.json").read_text())
     assert summary["horizon_s"] == 255 and summary["wall_s"] <= 300  # training and its final export inside the clock
     from transformers import AutoModelForCausalLM
