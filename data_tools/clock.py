@@ -215,12 +215,12 @@ def eval_reserve(all_s: int, final_s: int, left_s: int) -> tuple[int, str]:
 
     ``all_s``: every evaluation the recipe runs after training (the final export and the start model);
     ``final_s``: the final export's alone; ``left_s``: the clock left before the final reserve. The two evaluations
-    are the comparison the README promises, so they are kept together (at most half of what is left when that holds
-    them; else all they need, training taking the rest): when time is short, training's time goes first, not the
-    start model's evaluation. Only when both do not fit in what is left is the final export's alone kept; and a
-    reserve that no evaluation could run in is not kept: when even the final export's evaluation needs more than is
-    left, training takes all of it (evaluation still runs afterwards if the time left then covers it). A run that
-    then trains no step evaluates the start model alone (its export is the start model).
+    are the comparison the README promises: they are kept together when training keeps at least half of what is left.
+    Otherwise the final export's alone is kept (the start model's runs afterwards if the time left covers it): a
+    reserve that leaves training too little for a step makes a run whose export is the start model, and comparing the
+    start model with itself tells nothing. A reserve that no evaluation could run in is not kept: when even the final
+    export's evaluation needs more than is left, training takes all of it (evaluation still runs afterwards if the
+    time left then covers it). A run that then trains no step evaluates the start model alone (its export is it).
     """
     left_s = max(int(left_s), 0)
     if final_s > left_s:
@@ -228,11 +228,9 @@ def eval_reserve(all_s: int, final_s: int, left_s: int) -> tuple[int, str]:
                    "training takes the time")
     if all_s <= left_s // 2:
         return int(all_s), f"from stage one's measured rates: ~{final_s}s for the final export alone"
-    if all_s <= left_s:
-        return int(all_s), (f"both evaluations (the start model's too) need ~{all_s}s of the {left_s}s left: training "
-                            f"gets only the other {left_s - int(all_s)}s")
     return int(final_s), (f"both evaluations need ~{all_s}s and {left_s}s are left: the final export's alone is kept "
-                          f"(~{final_s}s); the start model's runs if time is left")
+                          f"(~{final_s}s), training gets the other {left_s - int(final_s)}s; the start model's runs if "
+                          "time is left")
 
 
 def main(argv: list[str] | None = None) -> int:

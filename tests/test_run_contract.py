@@ -98,7 +98,8 @@ def test_clock_defaults_have_one_owner(tmp_path):
 @pytest.mark.parametrize("all_s,final_s,left_s,kept", [
     (850, 425, 348, 0),      # not even the final export's evaluation fits: training takes it all (the demo on a slow CPU)
     (400, 200, 1000, 400),   # everything fits in half of what is left
-    (900, 450, 1000, 900),   # more than half: the start model's evaluation is kept too, training's time goes first
+    (900, 450, 1000, 450),   # both need more than half: the final export's alone, training keeps the rest
+    (254, 127, 298, 127),    # a 420 s demo on a loaded CPU: both would leave training 44 s (0 steps), one 171 s
     (1200, 600, 1000, 600),  # both do not fit in what is left: the final export's alone
     (300, 100, -20, 0),      # nothing left at all
 ])
