@@ -104,7 +104,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
             self.teacher_model = prepare_deepspeed(teacher_model, self.accelerator)
         else:
-            # accelerate leaves an evaluation-mode model where it is under FSDP (TRL issue #2580), and the models are
+            # accelerate leaves an evaluation-mode model where it is under FSDP (huggingface/trl#2580), and the models are
             # loaded on the CPU: the frozen teacher goes whole onto this process's device (a 7B in bf16: 15 GB a GPU)
             self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
             self.teacher_model.to(self.accelerator.device)
