@@ -117,7 +117,7 @@ PRESETS: dict[str, dict] = {
     # prompt and grader profile, GSM8K's integer answers; the teacher's RL and the start's SFT on problems 1-4400,
     # the arms on 4401-5900, 1,500 held out; the gate: +0.10 and +30% over the start, else no arm runs.
     "run4": dict(task="gsm8k", train_data=str(SHARED / "data" / "gsm8k_train.jsonl"), prompt_style="formal",
-                 grader_profile="formal", start_sft_steps=100, start_lr=3e-5, teacher_objective="rl",
+                 grader_profile="formal", answer_filter="math", start_sft_steps=100, start_lr=3e-5, teacher_objective="rl",
                  teacher_sft_s=300.0, teacher_lr=3e-6, teacher_n_train=4400, n_train=1500, unseen_arm_problems=True,
                  n_test=1500, eval_samples=4, max_completion_length=320, stage_one_problems=300, budget_s=150.0,
                  marks="50,100,150", late_marks=2, learning_rate=3e-6, sft_learning_rate=3e-5, sft_max_epochs=8.0,
@@ -185,7 +185,7 @@ class LearningConfig:
                 "window (written to the recipe as lr_warmup_time, a share of that window); >= 0."})
     gate_rel_lead: float = field(default=0.0, metadata={
         "help": "Setup: > 0 = also the teacher's lead must be at least this share of the start's own score (0.3 = "
-                "30%; JustRL-DeepSeek-1.5B leads its student by 81%); else exit 3 as gate_lead. 0 = no relative gate."})
+                "30%%; JustRL-DeepSeek-1.5B leads its student by 81%%); else exit 3 as gate_lead. 0 = no relative gate."})
     gate_lead: float = field(default=0.0, metadata={
         "help": "Setup: > 0 = the arms run only where the teacher leads the start on the held-out problems (avg@k, "
                 "paired) by at least this; else the command stops after the setup's lines with exit code 3 and runs "
@@ -262,7 +262,7 @@ class LearningConfig:
                 "the late mean, which moves less between runs than one mark. 0 = off; all marks if there are fewer."})
     contrasts: str = field(default="", metadata={
         "help": "Report: comma-separated 'x:y' pairs of arms (run names without the seed, e.g. 'j:d@3e-5,j+kl3:l'): "
-                "x - y at the last mark and on the late mean, seeds pooled, paired over problems with its 95% "
+                "x - y at the last mark and on the late mean, seeds pooled, paired over problems with its 95%% "
                 "t-interval (df = problems - 1), and with >= 2 runs of each the interval from the spread between "
                 "runs (Welch's df)."})
     seed: int = field(default=0, metadata={"help": "Seed of every arm (data order, sampling, evaluation)."})
@@ -296,6 +296,9 @@ class LearningConfig:
             raise ValueError("--out is required (a run directory outside the repo)")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.grader_profile == "formal" and self.answer_filter != "math":  # refused here, not in the first arm
+            raise ValueError(f"answer_filter {self.answer_filter!r} does not apply under grader_profile formal (the "
+                             "metric's own rule decides what counts): --answer_filter math")
         bad = [a for a in self.arm_list if not ARM_RUN.fullmatch(a) or a[0] not in ARMS or "-s" in a]
         if bad or not self.arm_list:
             raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)} (each optionally @lr, then "

@@ -31,9 +31,13 @@ DDP_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "d
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m stages.launch [accelerate launch options] -- [stages.train options]"
+    if argv in (["-h"], ["--help"]):  # asked for: the usage and this module's text, exit 0
+        print(f"{usage}\n\n{__doc__.strip()}\n\nthe launcher's options: accelerate launch --help; the training "
+              "options: python -m stages.train --help")
+        return 0
     if "--" not in argv:
-        print("opd launch: usage: python -m stages.launch [accelerate launch options] -- [stages.train options]",
-              file=sys.stderr)
+        print(f"opd launch: {usage}", file=sys.stderr)
         return 2
     cut = argv.index("--")
     launcher, train = argv[:cut], argv[cut + 1 :]

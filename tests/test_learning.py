@@ -1121,7 +1121,7 @@ def test_teacher_objective_sft_or_rl(tmp_path, monkeypatch, objective, w_reward,
     from bench.learning_config import LearningConfig
 
     cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", teacher_objective=objective,
-                         grader_profile="formal")
+                         grader_profile="formal", answer_filter="math")
     cur = write_parquet([{"problem_id": "p0", "problem": "1+1?", "answer": "2", "reference": "so \\boxed{2}"}],
                         tmp_path / "cur.parquet")
     seen = {}
@@ -1154,6 +1154,8 @@ def test_gate_absolute_and_relative(tmp_path):
     assert gate_passes(0.15, 0.0, 0.10, 0.30)             # a start at 0: the absolute gate decides
     cfg = LearningConfig(out=str(tmp_path / "r"), preset="run4")
     assert (cfg.gate_lead, cfg.gate_rel_lead, cfg.teacher_objective, cfg.grader_profile, cfg.prompt_style,
-            cfg.n_test) == (0.10, 0.30, "rl", "formal", "formal", 1500)
+            cfg.n_test, cfg.answer_filter) == (0.10, 0.30, "rl", "formal", "formal", 1500, "math")
+    with pytest.raises(ValueError, match="answer_filter 'numeric' does not apply under grader_profile formal"):
+        LearningConfig(out=str(tmp_path / "r3"), grader_profile="formal")  # refused before any setup, not in an arm
     with pytest.raises(ValueError, match="gate_rel_lead"):
         LearningConfig(out=str(tmp_path / "r2"), gate_rel_lead=-1.0)
