@@ -100,7 +100,8 @@ def _yaml(recipe: dict, dest: Path) -> Path:
 
 
 def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Path, out_dir: Path,
-                 learning_rate: float, seed: int, options: dict | None = None, window_s: float | None = None) -> dict:
+                 learning_rate: float, seed: int, options: dict | None = None, window_s: float | None = None,
+                 arm_schedule: bool = True) -> dict:
     """The ``stages.train`` config (``OPDConfig`` fields) of an arm (``ARM_SPECS``); ``arm="sft"`` is SFT only on
     the reference solutions (``SFT_REFERENCE``: the start, the teacher).
 
@@ -110,6 +111,9 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
     ``options``: a run name's ``+kl`` / ``+ep`` / ``+bs`` / ``+spg`` (``LearningConfig.run_options``). ``window_s``: the arm's training
     seconds (budget_s less stage one's), over which a time schedule's ``lr_warmup_s`` becomes ``lr_warmup_time``'s
     share (the bench's clock feeds the trainer that window's fraction: ``bench.learning_clock.clock_fraction``).
+    ``arm_schedule=False``: the start's and the teacher's fine-tuning (``fine_tune``), whose steps are not an arm's
+    window: a constant rate (after ``warmup_steps``) whatever ``lr_scheduler_type`` the arms run on. (A time schedule
+    there decayed an RL-made teacher's rate to 0 over ``teacher_sft_s`` while its ``teacher_sft_steps`` went on.)
     """
     options = options or {}
     import torch
@@ -133,7 +137,7 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
         r.update(sft_share_start=1.0, sft_share_end=1.0)
     if cfg.warmup_steps and arm != "sft":  # the start and the teacher are built as before, for every experiment alike
         r.update(lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps)
-    if cfg.lr_scheduler_type != "constant" and arm != "sft":
+    if cfg.lr_scheduler_type != "constant" and arm != "sft" and arm_schedule:
         window = cfg.budget_s if window_s is None else window_s
         r.update(lr_scheduler_type=cfg.lr_scheduler_type, lr_final_ratio=0.0,
                  lr_warmup_time=min(cfg.lr_warmup_s / window, 0.99) if window > 0 else 0.0)
@@ -261,7 +265,7 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     lr = cfg.start_lr if dest_name == "start" and cfg.start_lr else cfg.teacher_lr
     recipe = train_recipe(cfg, "sft" if objective == "sft" else "a", student=src,
                           curriculum=write_parquet(cur, work / "curriculum.parquet"), out_dir=work, learning_rate=lr,
-                          seed=cfg.seed)
+                          seed=cfg.seed, arm_schedule=False)
     t0 = time.time()
     (s,) = train(cfg, _yaml(recipe, work / "train.yaml"), [seconds], max_steps=steps)
     shutil.rmtree(dest, ignore_errors=True)
@@ -272,6 +276,13 @@ def fine_tune(cfg: LearningConfig, src: str, data: dict[str, Path], *, dest_name
     print(f"[learning] {dest_name}: {'SFT' if objective == 'sft' else 'RL (reward only)'} "
           f"(wall {time.time() - t0:.0f}s) -> {_line(cfg, rows)}", flush=True)
     return dest
+
+
+def teacher_source(cfg: LearningConfig, student_path: str, start: str) -> str:
+    """The model a built teacher's fine-tuning starts from: ``--teacher_init`` (an earlier link's teacher, so a long
+    RL runs in links of at most ten minutes, each gated against this run's start), else with a cut start (regime
+    (iii)) the whole model, else the start."""
+    return cfg.teacher_init or (student_path if cfg.student_layers else start)
 
 
 def adopt_model(cfg: LearningConfig, src: str, *, dest_name: str, eval_name: str) -> Path:
@@ -737,8 +748,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
     if cfg.teacher_model:
         adopt_model(cfg, cfg.teacher_model, dest_name="teacher", eval_name="teacher")
     elif setup_only or any(ARM_SPECS[cfg.parse_run(n)[0]].needs_teacher for n in cfg.instances):
-        # the teacher: the start + more SFT, or with a cut start (regime (iii)) the whole model + SFT
-        fine_tune(cfg, student_path if cfg.student_layers else start, data, dest_name="teacher", eval_name="teacher",
+        fine_tune(cfg, teacher_source(cfg, student_path, start), data, dest_name="teacher", eval_name="teacher",
                   seconds=cfg.teacher_sft_s, steps=cfg.teacher_sft_steps, objective=cfg.teacher_objective,
                   curriculum="teacher_curriculum" if "teacher_curriculum" in data else "curriculum")
     if cfg.kl_probe_problems and has_weights(cfg.dir / "teacher") and not (cfg.dir / "data" / "setup_kl.json").exists():

@@ -227,6 +227,10 @@ class LearningConfig:
         "help": "A local HF model dir to use as the teacher instead of start + SFT (e.g. an earlier run's arm export "
                 "<out>/arms/<run>/final, kept by --keep_final: a teacher above an SFT-saturated start for regime (ii)): "
                 "copied to <out>/teacher and evaluated. Excludes teacher_sft_steps."})
+    teacher_init: str = field(default="", metadata={
+        "help": "A local HF model dir the teacher's fine-tuning (SFT or RL) starts from instead of the start, e.g. an "
+                "earlier run's <out>/teacher: a longer RL in links of at most ten minutes, each gated against this "
+                "run's own start. Excludes teacher_model; the teacher's steps or seconds are this link's."})
     teacher_lr: float = field(default=5e-5, metadata={"help": "Learning rate of the teacher's fine-tuning."})
     learning_rate: float = field(default=1e-5, metadata={"help": "Learning rate of every arm (AdamW; constant, after warmup_steps if set)."})
     warmup_steps: int = field(default=0, metadata={
@@ -317,6 +321,12 @@ class LearningConfig:
             raise ValueError("start_model replaces the start's SFT: leave start_sft_s and start_sft_steps at 0")
         if self.teacher_model and self.teacher_sft_steps:
             raise ValueError("teacher_model replaces the teacher's SFT: leave teacher_sft_steps at 0")
+        if self.teacher_init and self.teacher_model:
+            raise ValueError("teacher_init is where a built teacher's fine-tuning starts; teacher_model adopts a teacher "
+                             "as it is: give one of them")
+        if self.teacher_init and self.student_layers:
+            raise ValueError("teacher_init continues a teacher of the start's shape; student_layers builds the teacher "
+                             "from the whole model: give one of them")
         if min(self.start_sft_steps, self.teacher_sft_steps) < 0:
             raise ValueError("start_sft_steps and teacher_sft_steps must be >= 0")
         if self.teacher_n_train and self.teacher_n_train < self.n_train:
@@ -545,7 +555,7 @@ def check_given_models(cfg: "LearningConfig") -> None:
             packed by ``bench/offline_gpu.sh pack`` have no weights; an arm's ``final`` exists only with
             ``--keep_final``).
     """
-    for name, dest in (("start_model", "start"), ("teacher_model", "teacher")):
+    for name, dest in (("start_model", "start"), ("teacher_model", "teacher"), ("teacher_init", "teacher")):
         path = getattr(cfg, name)
         if path and not has_weights(cfg.dir / dest) and not has_weights(Path(path)):
             raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder with weights (no config.json "

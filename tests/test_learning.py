@@ -1121,7 +1121,8 @@ def test_teacher_objective_sft_or_rl(tmp_path, monkeypatch, objective, w_reward,
     from bench.learning_config import LearningConfig
 
     cfg = LearningConfig(out=str(tmp_path / "r"), preset="cpu_smoke", teacher_objective=objective,
-                         grader_profile="formal", answer_filter="math")
+                         grader_profile="formal", answer_filter="math", lr_scheduler_type="linear_time",
+                         lr_warmup_s=2.0)
     cur = write_parquet([{"problem_id": "p0", "problem": "1+1?", "answer": "2", "reference": "so \\boxed{2}"}],
                         tmp_path / "cur.parquet")
     seen = {}
@@ -1140,8 +1141,32 @@ def test_teacher_objective_sft_or_rl(tmp_path, monkeypatch, objective, w_reward,
                  objective=cfg.teacher_objective)
     assert seen["w_reward"] == w_reward and seen["w_kl"] == 0.0 and seen["grader_profile"] == "formal"
     assert (seen.get("sft_share_start") == 1.0) is off_policy
+    # the arms' time schedule is not the teacher's: a constant rate, never a decay to 0 over teacher_sft_s while
+    # teacher_sft_steps go on
+    assert seen["lr_scheduler_type"] == "constant"
+    assert "lr_warmup_time" not in seen and "lr_final_ratio" not in seen
     with pytest.raises(ValueError, match="teacher_objective"):
         LearningConfig(out=str(tmp_path / "r2"), preset="cpu_smoke", teacher_objective="dpo")
+
+
+def test_teacher_init_continues_an_earlier_teacher(tmp_path):
+    """--teacher_init: the teacher's fine-tuning starts from the given model (a longer RL in links), not the start;
+    refused beside a given teacher or a cut student, and a path without weights is named before any work."""
+    from bench.learning import teacher_source
+    from bench.learning_config import LearningConfig, check_given_models
+
+    base = dict(preset="cpu_smoke", teacher_objective="rl", start_sft_steps=4, teacher_sft_steps=4)
+    cfg = LearningConfig(out=str(tmp_path / "r"), teacher_init=str(tmp_path / "link1" / "teacher"), **base)
+    assert teacher_source(cfg, "raw", str(tmp_path / "r" / "start")) == str(tmp_path / "link1" / "teacher")
+    plain = LearningConfig(out=str(tmp_path / "p"), **base)
+    assert teacher_source(plain, "raw", "start-dir") == "start-dir"
+    assert teacher_source(LearningConfig(out=str(tmp_path / "c"), student_layers=12, **base), "raw", "s") == "raw"
+    with pytest.raises(FileNotFoundError, match="teacher_init: .*link1/teacher is not a Hugging Face model folder"):
+        check_given_models(cfg)
+    with pytest.raises(ValueError, match="teacher_init .* teacher_model"):
+        LearningConfig(out=str(tmp_path / "r2"), preset="cpu_smoke", teacher_init="x", teacher_model="y")
+    with pytest.raises(ValueError, match="teacher_init .* student_layers"):
+        LearningConfig(out=str(tmp_path / "r3"), teacher_init="x", student_layers=12, **base)
 
 
 def test_gate_absolute_and_relative(tmp_path):
