@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -85,18 +84,11 @@ from bench.learning_clock import _free, train  # noqa: E402
 from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
     ARM_SPECS, ARMS, HANDOVER_MARK, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings,
     refuse_renamed_flags, upgrade_settings)
-from bench.learning_data import build_data, check_disjoint, read_rows  # noqa: E402,F401 - re-exported
+from bench.learning_data import _yaml, build_data, check_disjoint, read_rows, start_path  # noqa: E402,F401 - re-exported
+from bench.learning_stage_one import (  # noqa: E402,F401 - re-exported
+    arm_curriculum, formal_stage_one_filter, stage_one_cached, stage_one_filtered, stage_one_seconds)
 
 # ------------------------------------------------------------------------------------------- recipes
-
-
-def _yaml(recipe: dict, dest: Path) -> Path:
-    """Write a recipe (a stage's config as a dict) as the YAML file the stage parses (``data_tools.config``)."""
-    import yaml
-
-    from data_tools.runio import write_text
-
-    return write_text(yaml.safe_dump(recipe, sort_keys=False), dest)
 
 
 def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Path, out_dir: Path,
@@ -137,7 +129,7 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
         r.update(sft_share_start=1.0, sft_share_end=1.0)
     if cfg.warmup_steps and arm != "sft":  # the start and the teacher are built as before, for every experiment alike
         r.update(lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps)
-    if cfg.lr_scheduler_type != "constant" and arm != "sft" and arm_schedule:
+    if cfg.lr_scheduler_type != "constant" and arm != "sft" and arm_schedule and not options.get("const"):
         window = cfg.budget_s if window_s is None else window_s
         r.update(lr_scheduler_type=cfg.lr_scheduler_type, lr_final_ratio=0.0,
                  lr_warmup_time=min(cfg.lr_warmup_s / window, 0.99) if window > 0 else 0.0)
@@ -362,10 +354,14 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
     shutil.rmtree(out, ignore_errors=True)  # a run cut short starts again
     t_wall, offset, verified = time.time(), 0.0, None
     if ARM_SPECS[arm].off_policy:  # stage one's teacher sampling is on their clock
-        s1, offset = stage_one_cached(cfg)
+        s1, _ = stage_one_cached(cfg)
+        offset = stage_one_seconds(cfg, name)
         verified = [r for r in s1 if r["correct"] or cfg.sft_filter == "none"]
+        rows = (f", {len(json.loads((cfg.dir / 'data' / 'stage_one.json').read_text())['kept'])} problems kept by "
+                "its filter" if stage_one_filtered(cfg, name) else "")
         print(f"[learning] arm {name}: stage one {len(s1)} teacher samples, {sum(r['correct'] for r in s1)} verified, "
-              f"{len(verified)} kept (sft_filter={cfg.sft_filter}), {offset:.1f}s (counted in its budget)", flush=True)
+              f"{len(verified)} kept (sft_filter={cfg.sft_filter}){rows}, {offset:.1f}s (counted in its budget)",
+              flush=True)
         if not verified:
             raise RuntimeError(f"arm {name}: the teacher produced no verified solution; nothing to fine-tune on")
     arm_curriculum(cfg, arm, name, verified)
@@ -395,17 +391,6 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
     print(f"[learning] arm {name} ({cfg.label(name)}): {_line(cfg, last)}, wall {time.time() - t_wall:.0f}s", flush=True)
 
 
-def start_path(cfg: LearningConfig) -> str:
-    """The arms' start model recorded in ``settings.json``: the given student, or ``<out>/start``, which follows
-    the run directory when it was moved (tables copied back from a GPU machine keep their settings)."""
-    settings = json.loads((cfg.dir / "settings.json").read_text())
-    path = settings["start_path"]
-    # out is recorded resolved since 2026-12-03; an older relative one is resolved from here, as it was typed
-    if settings.get("out") and Path(path) == Path(settings["out"]).expanduser().resolve() / "start":
-        return str(cfg.dir / "start")
-    return path
-
-
 def arm_recipe(cfg: LearningConfig, name: str) -> dict:
     """The ``stages.train`` recipe of arm run ``name`` (``train_recipe`` at its rate, seed and ``+kl`` / ``+ep``, on
     its curriculum; a time schedule's warm-up over its training window: ``budget_s`` less stage one's recorded
@@ -414,90 +399,12 @@ def arm_recipe(cfg: LearningConfig, name: str) -> dict:
     student = start_path(cfg)
     own = ARM_SPECS[arm].off_policy or ARM_SPECS[arm].stated_answer
     cur = cfg.dir / "arms" / name / "curriculum.parquet" if own else cfg.dir / "data" / "curriculum.parquet"
-    s1 = cfg.dir / "data" / "stage_one.json"
-    offset = float(json.loads(s1.read_text())["seconds"]) if ARM_SPECS[arm].off_policy and s1.exists() else 0.0
-    return train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name, learning_rate=lr,
-                        seed=seed, options=cfg.run_options(name), window_s=cfg.budget_s - offset)
-
-
-def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict] | None) -> Path:
-    """The curriculum table an arm reads (stage one's schema, ``stages.curate.CURRICULUM_SCHEMA``).
-
-    Arms without off-policy data or a stated answer (a-c, e): ``data/curriculum.parquet``. Off-policy arms (d, f,
-    h, i, j): the same with ``teacher_solution`` = the shortest verified teacher sample of each problem from stage
-    one (None where the teacher verified none), as stages.curate writes it. Stated-answer arms (g, i):
-    ``reference`` = the reference solution followed by the verified final answer stated explicitly.
-    """
-    from data_tools.runio import write_parquet
-
-    spec = ARM_SPECS[arm]
-    base = cfg.dir / "data" / "curriculum.parquet"
-    if not (spec.off_policy or spec.stated_answer):
-        return base
-    rows = read_rows(base)
-    if spec.off_policy:
-        best: dict[str, str] = {}
-        for r in verified or []:
-            if r["problem_id"] not in best or len(r["completion"]) < len(best[r["problem_id"]]):
-                best[r["problem_id"]] = r["completion"]
-        for r in rows:
-            r["teacher_solution"] = best.get(r["problem_id"])
-    if spec.stated_answer:
-        for r in rows:
-            r["reference"] = f"{r['reference']}\nThe final answer is {r['answer']}."
-    return write_parquet(rows, cfg.dir / "arms" / name / "curriculum.parquet")
-
-
-def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
-    """Stage one of the off-policy arms through ``stages.curate`` and its seconds, once per run
-    (``stage_one/curate.yaml`` -> ``stage_one/curate/``; teacher rows -> ``data/stage_one.{parquet,json}``).
-
-    The teacher (``<out>/teacher``) samples the first ``stage_one_problems`` training problems
-    ``stage_one_samples`` times; the grader marks each. A sample is kept (``correct``) when graded correct,
-    finished and not a repeat of an earlier one. The seconds charged to each off-policy arm's clock are the
-    teacher's generation and grading (curate's ``timings.teacher_s``): curate also samples the student once
-    per problem for its pass rates, which this experiment does not use, so that is not charged. Samples are
-    seeded by the run's ``seed`` setting, not the arm's: one stage one feeds every off-policy arm.
-    """
-    import shutil
-
-    import pyarrow.parquet as pq
-
-    from data_tools.config import parse_config
-    from data_tools.runio import write_json, write_parquet
-    from stages.curate import CurateConfig, curate
-
-    p, meta = cfg.dir / "data" / "stage_one.parquet", cfg.dir / "data" / "stage_one.json"
-    if p.exists() and meta.exists():
-        return read_rows(p), float(json.loads(meta.read_text())["seconds"])
-    settings = json.loads((cfg.dir / "settings.json").read_text())
-    work = cfg.dir / "stage_one"
-    shutil.rmtree(work, ignore_errors=True)  # a stage one cut short is measured again, whole
-    k = cfg.stage_one_samples
-    recipe = _yaml(dict(train_data=str(cfg.dir / "data" / "train.parquet"), limit=cfg.stage_one_problems,
-                        student_model=start_path(cfg), teacher_model=str(cfg.dir / "teacher"),
-                        teacher_context="teacher", prompt_style=cfg.prompt_style, teacher_samples=k, student_samples=1,
-                        max_tokens=cfg.max_completion_length, temperature=cfg.eval_temperature, top_p=1.0,
-                        answer_filter=cfg.answer_filter, seed=settings["seed"] + 104729, engine=cfg.engine,
-                        dtype="float32", max_model_len=1024, chunk_size=max(1, cfg.eval_batch // k),
-                        zero_pass_share=1.0, output_dir=str(work)), work / "curate.yaml")
-    (ccfg,) = parse_config([CurateConfig], ["--config", str(recipe)], env={})
-    manifest = curate(ccfg)
-    _free()
-    rollouts = pq.read_table(manifest["tables"]["rollouts"]).to_pylist()
-    out, seen = [], set()
-    for r in sorted((r for r in rollouts if r["role"] == "teacher"), key=lambda r: (r["chunk"], r["sample_index"])):
-        dup = (r["problem_id"], r["completion"]) in seen
-        seen.add((r["problem_id"], r["completion"]))
-        out.append(dict(problem_id=r["problem_id"], sample_index=r["sample_index"], prompt=r["prompt"],
-                        completion=r["completion"], correct=bool(r["correct"]) and r["finish_reason"] == "stop" and not dup,
-                        graded_correct=bool(r["correct"]), duplicate=dup, n_tokens=r["n_tokens"],
-                        finish_reason=r["finish_reason"]))
-    seconds = float(manifest["timings"]["teacher_s"])
-    write_parquet(out, p)
-    write_json({"seconds": seconds, "engine": manifest["engine"], "curate_manifest": str(work / "curate" / "manifest.json")},
-               meta)
-    return out, seconds
+    offset = stage_one_seconds(cfg, name)
+    recipe = train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name,
+                          learning_rate=lr, seed=seed, options=cfg.run_options(name), window_s=cfg.budget_s - offset)
+    if stage_one_filtered(cfg, name):  # the formal recipe's order over stage one's kept rows (curriculum: ordered)
+        recipe["curriculum"] = "ordered"
+    return recipe
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -765,9 +672,10 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
             print(f"[learning] setup: {line}", flush=True)
         if cfg.gate_lead or cfg.gate_rel_lead:
             gate_ok = gate_passes(lead, measured["start"], cfg.gate_lead, cfg.gate_rel_lead)
-            rel = lead / measured["start"] if measured["start"] > 0 else math.inf
+            rel = (f"{lead / measured['start']:+.0%} of the start's {measured['start']:.3f}" if measured["start"] > 0
+                   else "the start at 0")
             print(f"[learning] setup: gate {'passed' if gate_ok else 'FAILED'}: the teacher leads the start by "
-                  f"{lead:+.3f} ({rel:+.0%} of the start's {measured['start']:.3f}) on the held-out problems; "
+                  f"{lead:+.3f} ({rel}) on the held-out problems; "
                   f"gate_lead {cfg.gate_lead:+.3f}, gate_rel_lead {cfg.gate_rel_lead:+.0%}", flush=True)
     if setup_only:
         print(f"[learning] setup done in {time.time() - t_start:.0f}s: {cfg.dir}", flush=True)

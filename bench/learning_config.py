@@ -85,7 +85,7 @@ ARMS = {k: v.label for k, v in ARM_SPECS.items()}
 #: (``f@3e-05-s1``, ``j@3e-06+kl3+ep2-s1``, ``b+bs8``, ``j+spg16``). The name is the file name of its evaluations.
 _NUM = r"[0-9.]+(?:e[+-]?[0-9]+)?"
 ARM_RUN = re.compile(rf"([a-z])(?:@({_NUM}))?(?:\+kl({_NUM}))?(?:\+ep({_NUM}))?(?:\+bs([0-9]+))?(?:\+spg([0-9]+))?"
-                     r"(?:-s([0-9]+))?")
+                     r"(?:\+(const))?(?:\+(all))?(?:-s([0-9]+))?")
 #: Learning-rate schedules an arm can run on (``OPDConfig.lr_scheduler_type``): constant (after ``warmup_steps``), or
 #: linear / cosine decay over the arm's training seconds (``trainers.schedules``, the formal recipe's ``linear_time``).
 ARM_SCHEDULES = ("constant", "linear_time", "cosine_time")
@@ -112,17 +112,19 @@ PRESETS: dict[str, dict] = {
                     stage_one_problems=300, budget_s=150.0, marks="50,100,150", late_marks=2, learning_rate=3e-6,
                     sft_learning_rate=3e-5, sft_max_epochs=8.0, lr_scheduler_type="linear_time", lr_warmup_s=10.0,
                     kl_probe_problems=256, gate_lead=0.15),
-    # run 4, the formal regime's proxy (bench/learning/run-4-plan.md): a mid-trained start, its teacher the start
-    # after reward-only RL (as JustRL-DeepSeek-1.5B is DeepSeek-R1-Distill-Qwen-1.5B after RL), the formal metric's
-    # prompt and grader profile, GSM8K's integer answers; the teacher's RL and the start's SFT on problems 1-4400,
-    # the arms on 4401-5900, 1,500 held out; the gate: +0.10 and +30% over the start, else no arm runs.
-    "run4": dict(task="gsm8k", train_data=str(SHARED / "data" / "gsm8k_train.jsonl"), prompt_style="formal",
-                 grader_profile="formal", answer_filter="math", start_sft_steps=100, start_lr=3e-5, teacher_objective="rl",
-                 teacher_sft_s=300.0, teacher_lr=3e-6, teacher_n_train=4400, n_train=1500, unseen_arm_problems=True,
-                 n_test=1500, eval_samples=4, max_completion_length=320, stage_one_problems=300, budget_s=150.0,
-                 marks="50,100,150", late_marks=2, learning_rate=3e-6, sft_learning_rate=3e-5, sft_max_epochs=8.0,
-                 lr_scheduler_type="linear_time", lr_warmup_s=10.0, num_generations=4, kl_probe_problems=256,
-                 gate_lead=0.10, gate_rel_lead=0.30),
+    # run 4, the formal regime's proxy (bench/learning/run-4-plan.md): a mid-trained start (regime (i)'s: 60 SFT steps
+    # at 5e-5), its teacher the start after 400 steps of reward-only RL at a constant 3e-6 (as JustRL-DeepSeek-1.5B is
+    # DeepSeek-R1-Distill-Qwen-1.5B after RL), the formal metric's prompt and grader profile, the hard ladder (GSM8K
+    # gave the 135M start 0.025: no signal for its RL); the start and the teacher on problems 1-4400, the arms on
+    # 4401-5900, 1,500 held out; the gate: +0.10 and +30% over the start, else no arm runs. Stage one as the formal
+    # recipe's (4 teacher samples, the start's pass rate over 8, its filter and order).
+    "run4": dict(task="ladder", prompt_style="formal", grader_profile="formal", answer_filter="math",
+                 start_sft_steps=60, start_lr=5e-5, teacher_objective="rl", teacher_sft_steps=400, teacher_lr=3e-6,
+                 teacher_n_train=4400, n_train=1500, unseen_arm_problems=True, n_test=1500, eval_samples=4,
+                 stage_one_problems=300, budget_s=150.0, marks="50,100,150", late_marks=2, learning_rate=3e-6,
+                 sft_learning_rate=3e-5, sft_max_epochs=8.0, lr_scheduler_type="linear_time", lr_warmup_s=10.0,
+                 num_generations=4, kl_probe_problems=256, gate_lead=0.10, gate_rel_lead=0.30, stage_one_samples=4,
+                 stage_one_filter="formal"),
 }
 
 
@@ -133,7 +135,9 @@ class LearningConfig:
     out: str = field(default="", metadata={"help": "Run directory (outside the repo). Required."})
     task: str = field(default="ladder", metadata={"help": "ladder: data_tools.synth hard ladder; gsm8k: GSM8K."})
     arms: str = field(default="a,b,c,d,e", metadata={
-        "help": "Comma-separated arms to run, in this order (see ARMS); 'f@3e-5' runs arm f at that learning rate."})
+        "help": "Comma-separated arms to run, in this order (see ARMS); 'f@3e-5' runs arm f at that learning rate; "
+                "'+kl3', '+ep2', '+bs8', '+spg16', '+const', '+all' set one run's KL weight, SFT passes, rollout batch, "
+                "its updates, a constant rate, every arm problem without stage one's filter (LearningConfig.run_options)."})
     arm_lr: str = field(default="", metadata={
         "help": "Learning rates per arm, e.g. 'd=5e-5,f=3e-5' (arms not named, and not given as x@lr, use learning_rate)."})
     seeds: str = field(default="", metadata={
@@ -248,6 +252,12 @@ class LearningConfig:
     eval_batch: int = field(default=1200, metadata={"help": "Sequences per generation call in evaluation / stage one."})
     stage_one_problems: int = field(default=6000, metadata={"help": "Stage one (arms d, f, h, i, j): training problems the teacher samples."})
     stage_one_samples: int = field(default=1, metadata={"help": "Stage one (arms d, f, h, i, j): teacher samples per problem."})
+    stage_one_filter: str = field(default="none", metadata={
+        "help": "formal: stage one as the formal recipe's (configs/curate_r1_distill_1p5b.yaml's student_samples, "
+                "band_low / band_high, zero_pass_share, order): the start sampled for its pass rate, the band filter, the "
+                "easy-to-hard order; the off-policy arms train on its kept rows in that order and are charged its "
+                "teacher and student seconds ('+all', run 4's arm N: every arm problem instead, the teacher's seconds "
+                "only). none: every arm problem, shuffled, the teacher's seconds only (the runs before run 4)."})
     sft_filter: str = field(default="verified", metadata={
         "help": "Arms d, f, h, i, j: verified = fine-tune only on graded-correct, finished, distinct teacher samples (the "
                 "classical recipe); none = on every teacher sample (an ablation; lets the CPU smoke test run arm d "
@@ -406,6 +416,8 @@ class LearningConfig:
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.stage_one_filter not in ("none", "formal"):
+            raise ValueError(f"stage_one_filter must be 'none' or 'formal', got {self.stage_one_filter!r}")
         if self.sft_filter not in ("verified", "none"):
             raise ValueError(f"sft_filter must be 'verified' or 'none', got {self.sft_filter!r}")
         if self.eval_temperature <= 0 or self.temperature <= 0:
@@ -435,23 +447,32 @@ class LearningConfig:
         return [int(x) for x in self.seeds.split(",") if x.strip()] or [self.seed]
 
     def run_name(self, arm: str, lr: float, seed: int, w_kl: float | None = None,
-                 sft_max_epochs: float | None = None, batch: int | None = None, spg: int | None = None) -> str:
+                 sft_max_epochs: float | None = None, batch: int | None = None, spg: int | None = None,
+                 const: bool = False, every_problem: bool = False) -> str:
         """An ``ARM_RUN`` name: ``w_kl`` / ``sft_max_epochs`` / ``batch`` / ``spg`` (None = the arm's own) as
-        ``+kl`` / ``+ep`` / ``+bs`` / ``+spg``."""
+        ``+kl`` / ``+ep`` / ``+bs`` / ``+spg``; ``const`` as ``+const``, ``every_problem`` as ``+all``."""
         return (arm + (f"@{lr:g}" if lr != self.learning_rate else "")
                 + (f"+kl{w_kl:g}" if w_kl is not None else "")
                 + (f"+ep{sft_max_epochs:g}" if sft_max_epochs is not None else "")
                 + (f"+bs{batch}" if batch is not None else "")
                 + (f"+spg{spg}" if spg is not None else "")
+                + ("+const" if const else "")
+                + ("+all" if every_problem else "")
                 + (f"-s{seed}" if seed != self.seed else ""))
 
     def run_options(self, name: str) -> dict[str, float]:
         """The settings a run name gives beyond its rate and seed: ``{"w_kl": w}`` for ``+kl<w>`` (the on-policy
-        KL weight, ``w_reward`` staying the arm's 1), ``{"sft_max_epochs": n}`` for ``+ep<n>``; {} for neither.
+        KL weight, ``w_reward`` staying the arm's 1), ``{"sft_max_epochs": n}`` for ``+ep<n>``, ``batch`` / ``spg``
+        for ``+bs<n>`` / ``+spg<n>`` (the rollout batch and the updates it is split into), ``{"const": True}`` for
+        ``+const`` (this run at a constant rate under the run's time schedule: run 4's arm R, as the reference recipe
+        runs), ``{"every_problem": True}`` for ``+all`` (an off-policy arm on every arm problem, shuffled, instead of
+        stage one's kept rows under ``stage_one_filter formal``: run 4's arm N); {} for none.
 
         Raises:
             ValueError: not an ``ARM_RUN`` name; ``+kl`` on an arm without both the KL and the reward term, or a
-                weight <= 0 (arm l is w_kl = 0); ``+ep`` on an arm that does not hand over (j, k, l), or <= 0.
+                weight <= 0 (arm l is w_kl = 0); ``+ep`` on an arm that does not hand over (j, k, l), or <= 0;
+                ``+bs`` / ``+spg`` on arm d or not dividing evenly; ``+const`` where the run's schedule is constant;
+                ``+all`` on an arm without stage one or under ``stage_one_filter none``.
         """
         m = ARM_RUN.fullmatch(name)
         if not m or m.group(1) not in ARMS:
@@ -481,6 +502,16 @@ class LearningConfig:
                 out["batch"] = batch
             if m.group(6) is not None:
                 out["spg"] = spg
+        if m.group(7) is not None:
+            if self.lr_scheduler_type == "constant":
+                raise ValueError(f"{name!r}: +const runs one arm at a constant rate under a time schedule; this "
+                                 "run's lr_scheduler_type is constant already")
+            out["const"] = True
+        if m.group(8) is not None:
+            if not spec.off_policy or self.stage_one_filter == "none":
+                raise ValueError(f"{name!r}: +all trains an off-policy arm on every arm problem instead of stage one's "
+                                 "kept rows; it needs such an arm and stage_one_filter formal")
+            out["every_problem"] = True
         return out
 
     def canonical(self, name: str) -> str:
@@ -502,7 +533,7 @@ class LearningConfig:
         m = ARM_RUN.fullmatch(name)
         if not m or m.group(1) not in ARMS:
             raise ValueError(f"not an arm run name: {name!r} (e.g. 'c', 'f@3e-05', 'd-s1', 'j@3e-06+kl3+ep2')")
-        return m.group(1), float(m.group(2)) if m.group(2) else self.learning_rate, int(m.group(7)) if m.group(7) else self.seed
+        return m.group(1), float(m.group(2)) if m.group(2) else self.learning_rate, int(m.group(9)) if m.group(9) else self.seed
 
     def label(self, group: str) -> str:
         """Label of an arm (a run name without its seed) for tables and the plot."""
@@ -520,6 +551,10 @@ class LearningConfig:
         if "batch" in opts or "spg" in opts:
             b, k = opts.get("batch", self.per_device_train_batch_size), opts.get("spg", 1)
             text += f", rollouts of {b}" + (f" in {k} updates" if k > 1 else "")
+        if opts.get("const"):
+            text += ", constant rate"
+        if opts.get("every_problem"):
+            text += ", every arm problem (no stage-one filter)"
         return text + (f", lr {lr:g}" if lr != self.learning_rate else "")
 
     @property

@@ -1,8 +1,10 @@
 """The problems of bench/learning.py: which problems the start, the teacher and the arms train on, and the held-out
-set every mark is scored on (``data/*.parquet`` of a run directory)."""
+set every mark is scored on (``data/*.parquet`` of a run directory); the run directory's start model and the YAML
+recipes the stages read."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,3 +115,23 @@ def read_rows(path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
     return pq.read_table(path).to_pylist()
+
+
+def _yaml(recipe: dict, dest: Path) -> Path:
+    """Write a recipe (a stage's config as a dict) as the YAML file the stage parses (``data_tools.config``)."""
+    import yaml
+
+    from data_tools.runio import write_text
+
+    return write_text(yaml.safe_dump(recipe, sort_keys=False), dest)
+
+
+def start_path(cfg: LearningConfig) -> str:
+    """The arms' start model recorded in ``settings.json``: the given student, or ``<out>/start``, which follows
+    the run directory when it was moved (tables copied back from a GPU machine keep their settings)."""
+    settings = json.loads((cfg.dir / "settings.json").read_text())
+    path = settings["start_path"]
+    # out is recorded resolved since 2026-12-03; an older relative one is resolved from here, as it was typed
+    if settings.get("out") and Path(path) == Path(settings["out"]).expanduser().resolve() / "start":
+        return str(cfg.dir / "start")
+    return path

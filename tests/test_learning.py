@@ -418,6 +418,41 @@ def test_arm_curriculum_carries_verified_solutions_and_stated_answer(tmp_path):
     assert arm_curriculum(cfg, "c", "c", None) == cfg.dir / "data" / "curriculum.parquet"
 
 
+def test_stage_one_filter_formal_keeps_its_rows_in_order_and_charges_the_students_seconds(tmp_path):
+    """stage_one_filter formal (run 4's arm F): an off-policy arm trains on stage one's kept rows in stage one's
+    order (curriculum: ordered) and its clock carries the start's pass-rate sampling too; '+all' (arm N) trains on
+    every arm problem, shuffled, charged the teacher's seconds only; arms without stage one are untouched."""
+    from bench.learning import (arm_curriculum, arm_recipe, formal_stage_one_filter, stage_one_filtered,
+                                stage_one_seconds)
+
+    cfg = LearningConfig(out=str(tmp_path / "r"), stage_one_filter="formal", arms="j,j+all,d,d+all,c")
+    base = [dict(problem_id=f"p{i}", problem=f"q{i}", answer=str(i), reference=f"ref {i}", bucket=0, curriculum_index=i,
+                 prompt_style="reasoning", source="synth") for i in range(5)]
+    write_parquet(base, cfg.dir / "data" / "curriculum.parquet")
+    (cfg.dir / "data" / "stage_one.json").write_text(json.dumps(
+        {"seconds": 12.5, "student_seconds": 7.5, "filter": "formal", "kept": ["p3", "p0", "p4"]}))
+    (cfg.dir / "settings.json").write_text(json.dumps({"start_path": str(tmp_path / "start")}))
+    verified = [dict(problem_id="p3", completion="3"), dict(problem_id="p1", completion="1")]
+    j = pq.read_table(arm_curriculum(cfg, "j", "j", verified)).to_pylist()
+    assert [r["problem_id"] for r in j] == ["p3", "p0", "p4"] and [r["curriculum_index"] for r in j] == [0, 1, 2]
+    assert [r["teacher_solution"] for r in j] == ["3", None, None]
+    n = pq.read_table(arm_curriculum(cfg, "j", "j+all", verified)).to_pylist()
+    assert [r["problem_id"] for r in n] == [f"p{i}" for i in range(5)] and n[1]["teacher_solution"] == "1"
+    assert stage_one_seconds(cfg, "j") == 20.0 and stage_one_seconds(cfg, "d") == 20.0  # teacher + start
+    assert stage_one_seconds(cfg, "j+all") == 12.5 and stage_one_seconds(cfg, "c") == 0.0  # teacher only; none
+    assert stage_one_filtered(cfg, "d") and not stage_one_filtered(cfg, "d+all") and not stage_one_filtered(cfg, "c")
+    assert arm_recipe(cfg, "j")["curriculum"] == "ordered" and arm_recipe(cfg, "j+all")["curriculum"] == "shuffled"
+    assert cfg.label("j+all").endswith("every arm problem (no stage-one filter)")
+    assert formal_stage_one_filter() == dict(student_samples=8, band_low=0.0, band_high=1.0, zero_pass_share=0.25,
+                                             order="easy_to_hard")  # configs/curate_r1_distill_1p5b.yaml's
+    with pytest.raises(ValueError, match=r"\+all .* stage_one_filter formal"):
+        LearningConfig(out=str(tmp_path / "n"), arms="j+all")  # the filter off: +all would be the arm itself
+    with pytest.raises(ValueError, match=r"\+all"):
+        LearningConfig(out=str(tmp_path / "n2"), stage_one_filter="formal", arms="c+all")  # no stage one
+    with pytest.raises(ValueError, match="stage_one_filter must be"):
+        LearningConfig(out=str(tmp_path / "n3"), stage_one_filter="band")
+
+
 def test_report_pools_seeds_of_one_arm(tmp_path):
     cfg = LearningConfig(out=str(tmp_path / "run"), arms="c", seeds="0,1", marks="10", budget_s=10, n_test=2,
                          eval_samples=2)
@@ -1179,7 +1214,8 @@ def test_gate_absolute_and_relative(tmp_path):
     assert gate_passes(0.15, 0.0, 0.10, 0.30)             # a start at 0: the absolute gate decides
     cfg = LearningConfig(out=str(tmp_path / "r"), preset="run4")
     assert (cfg.gate_lead, cfg.gate_rel_lead, cfg.teacher_objective, cfg.grader_profile, cfg.prompt_style,
-            cfg.n_test, cfg.answer_filter) == (0.10, 0.30, "rl", "formal", "formal", 1500, "math")
+            cfg.n_test, cfg.answer_filter, cfg.task, cfg.teacher_sft_steps) == (0.10, 0.30, "rl", "formal", "formal",
+                                                                                1500, "math", "ladder", 400)
     with pytest.raises(ValueError, match="answer_filter 'numeric' does not apply under grader_profile formal"):
         LearningConfig(out=str(tmp_path / "r3"), grader_profile="formal")  # refused before any setup, not in an arm
     with pytest.raises(ValueError, match="gate_rel_lead"):

@@ -439,6 +439,28 @@ def test_rollout_batch_and_updates_in_run_names(tmp_path):
         assert got == w, name
 
 
+def test_const_runs_one_arm_at_a_constant_rate_under_a_time_schedule(tmp_path):
+    """+const (run 4's arm R, the reference recipe's constant rate): that run's recipe is constant while the others
+    keep the run's linear_time schedule; refused where the run's schedule is constant already."""
+    from bench.learning import _yaml, arm_recipe
+    from data_tools.config import parse_config
+    from trainers.opd_config import OPDConfig
+
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="b+bs8+const,j", seeds="0,2", per_device_train_batch_size=128,
+                         num_generations=4, learning_rate=1e-6, lr_scheduler_type="linear_time", lr_warmup_s=10.0)
+    assert cfg.instances == ["b+bs8+const", "b+bs8+const-s2", "j", "j-s2"]
+    assert cfg.parse_run("b+bs8+const-s2") == ("b", 1e-6, 2)
+    assert cfg.run_options("b+bs8+const-s2") == {"batch": 8, "const": True}
+    assert cfg.label("b+bs8+const").endswith(", rollouts of 8, constant rate")
+    (cfg.dir).mkdir(parents=True)
+    (cfg.dir / "settings.json").write_text(json.dumps({"start_path": str(tmp_path / "start")}))
+    for name, sched in (("b+bs8+const-s2", "constant"), ("j", "linear_time")):
+        (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / "x.yaml"))], env={})
+        assert args.lr_scheduler_type == sched, name
+    with pytest.raises(ValueError, match="constant already"):
+        LearningConfig(out=str(tmp_path / "c"), arms="b+const")
+
+
 # ------------------------------------------------------------------------------------------- setup lines, contrasts
 
 
