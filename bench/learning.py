@@ -139,6 +139,13 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
         spg = int(options.get("spg", 1))
         r.update(per_device_train_batch_size=int(options.get("batch", cfg.per_device_train_batch_size)) // spg,
                  steps_per_generation=spg)
+    if cfg.micro_batch:  # the same optimizer step in micro-batches of micro_batch rows (GSM8K-length answers)
+        step = r["per_device_train_batch_size"]
+        ga = max(1, step // cfg.micro_batch)
+        if step % ga or r["sft_batch_size"] % ga:
+            raise ValueError(f"micro_batch {cfg.micro_batch}: a step of {step} completions and SFT steps of "
+                             f"{r['sft_batch_size']} solutions must split evenly into {ga} micro-batches")
+        r.update(per_device_train_batch_size=step // ga, gradient_accumulation_steps=ga)
     if spec.off_policy == "mix":
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if spec.off_policy == "seq":  # SFT steps until the cap, then on-policy (the cap ends the off-policy steps)

@@ -111,7 +111,7 @@ PRESETS: dict[str, dict] = {
                     unseen_arm_problems=True, n_test=1500, eval_samples=4, max_completion_length=320,
                     stage_one_problems=300, budget_s=150.0, marks="50,100,150", late_marks=2, learning_rate=3e-6,
                     sft_learning_rate=3e-5, sft_max_epochs=8.0, lr_scheduler_type="linear_time", lr_warmup_s=10.0,
-                    kl_probe_problems=256, gate_lead=0.15),
+                    kl_probe_problems=256, gate_lead=0.15, micro_batch=32),
     # run 4, the formal regime's proxy (bench/learning/run-4-plan.md): a mid-trained start (regime (i)'s: 60 SFT steps
     # at 5e-5), its teacher the start after 400 steps of reward-only RL at a constant 3e-6 (as JustRL-DeepSeek-1.5B is
     # DeepSeek-R1-Distill-Qwen-1.5B after RL), the formal metric's prompt and grader profile, the hard ladder (GSM8K
@@ -243,6 +243,11 @@ class LearningConfig:
                 "weight) stay small. Counted in steps: every arm gets the same number of small first updates. 0 = no "
                 "warm-up."})
     sft_batch_size: int = field(default=64, metadata={"help": "Solutions per off-policy (SFT) step: the start, the teacher, arm d, and the SFT steps of f, h, i, j."})
+    micro_batch: int = field(default=0, metadata={
+        "help": "> 0: completions (or SFT solutions) per forward: each optimizer step runs as gradient_accumulation_steps "
+                "= its batch / micro_batch micro-batches, the same step in less memory (GSM8K's 320-token answers need "
+                "it on an 80 GB card: 128 in one forward ran out of memory; the ladder's 45-token ones fit whole). "
+                "0 = a step in one forward."})
     num_generations: int = field(default=8, metadata={"help": "G: samples per prompt in on-policy steps (every arm but d)."})
     per_device_train_batch_size: int = field(default=128, metadata={"help": "Completions per on-policy optimizer step (every arm but d; one process, no accumulation)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of on-policy rollouts."})
@@ -416,6 +421,9 @@ class LearningConfig:
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.micro_batch < 0 or (self.micro_batch and self.per_device_train_batch_size % self.micro_batch):
+            raise ValueError(f"micro_batch must be 0 or divide per_device_train_batch_size "
+                             f"({self.per_device_train_batch_size}), got {self.micro_batch}")
         if self.stage_one_filter not in ("none", "formal"):
             raise ValueError(f"stage_one_filter must be 'none' or 'formal', got {self.stage_one_filter!r}")
         if self.sft_filter not in ("verified", "none"):

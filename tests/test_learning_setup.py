@@ -439,6 +439,33 @@ def test_rollout_batch_and_updates_in_run_names(tmp_path):
         assert got == w, name
 
 
+def test_micro_batch_splits_each_step_without_changing_it(tmp_path):
+    """--micro_batch: every optimizer step (an arm's update, the teacher's RL, an SFT step) runs in micro-batches of
+    that many rows; the rows a step sees, the rollout batch and its updates stay as they were."""
+    import bench.learning as bl
+    from bench.learning import _yaml, arm_recipe
+    from data_tools.config import parse_config
+    from trainers.opd_config import OPDConfig
+
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="c,j+spg4,b+bs8,d", per_device_train_batch_size=128,
+                         num_generations=4, micro_batch=32, sft_batch_size=64)
+    (cfg.dir).mkdir(parents=True)
+    (cfg.dir / "settings.json").write_text(json.dumps({"start_path": str(tmp_path / "start")}))
+    want = {"c": (32, 4, 1), "j+spg4": (32, 1, 4), "b+bs8": (8, 1, 1), "d": (32, 4, 1)}
+    for name, w in want.items():
+        (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / "x.yaml"))], env={})
+        assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == w
+    teacher = bl.train_recipe(cfg, "a", student="s", curriculum=tmp_path / "c.parquet", out_dir=tmp_path / "t",
+                              learning_rate=3e-6, seed=0, arm_schedule=False)
+    assert (teacher["per_device_train_batch_size"], teacher["gradient_accumulation_steps"]) == (32, 4)
+    with pytest.raises(ValueError, match="split evenly"):
+        bl.train_recipe(LearningConfig(out=str(tmp_path / "o"), per_device_train_batch_size=128, num_generations=4,
+                                       micro_batch=32, sft_batch_size=6), "d", student="s",
+                        curriculum=tmp_path / "c.parquet", out_dir=tmp_path / "d", learning_rate=1e-5, seed=0)
+    with pytest.raises(ValueError, match="micro_batch must be 0 or divide"):
+        LearningConfig(out=str(tmp_path / "p"), per_device_train_batch_size=128, micro_batch=48)
+
+
 def test_const_runs_one_arm_at_a_constant_rate_under_a_time_schedule(tmp_path):
     """+const (run 4's arm R, the reference recipe's constant rate): that run's recipe is constant while the others
     keep the run's linear_time schedule; refused where the run's schedule is constant already."""
