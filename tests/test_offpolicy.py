@@ -375,6 +375,51 @@ def test_sft_learning_rate_scales_off_policy_steps_only(tmp_path, tokenizer):  #
         make_trainer(tmp_path / "d", tokenizer, solved_curriculum(tmp_path / "d"), sft_learning_rate=1e-5)
 
 
+@pytest.mark.parametrize("ga", [1, 2])
+def test_sft_micro_batch_size_slices_an_off_policy_step_without_changing_it(tmp_path, tokenizer, ga):  # noqa: F811
+    """sft_micro_batch_size: an off-policy step's micro-batches run in slices (here of 1 and of 3 solutions, the
+    last slice shorter), and the step is the one without slices: the same gradient going into the optimizer (no
+    clipping), the same SFT loss in its metrics; the backbone's forwards say the slices happened."""
+    kw = dict(sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4, debug_max_steps=1, max_grad_norm=1e9,
+              lr_scheduler_type="constant", warmup_steps=0, gradient_accumulation_steps=ga)
+
+    class Grads(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            self.seen.append(torch.cat([p.grad.detach().flatten().clone() for p in model.parameters()
+                                        if p.grad is not None]))
+
+    def run(name, **extra):
+        torch.manual_seed(0)
+        tr = make_trainer(tmp_path / name, tokenizer, solved_curriculum(tmp_path / name), **kw, **extra)
+        rows, grads = [], Grads()
+        tr.add_callback(grads)
+        model = tr.accelerator.unwrap_model(tr.model)
+
+        def count(m, args, kwargs, out):  # the rows of the backbone's input, however it is called
+            x = next(v for v in (*args, *kwargs.values()) if torch.is_tensor(v))
+            rows.append(x.size(0))
+
+        h = model.model.register_forward_hook(count, with_kwargs=True)
+        tr.train()
+        h.remove()
+        (rec,) = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]
+        (g,) = grads.seen
+        return g, rec, rows
+
+    whole, rec, rows = run("whole")
+    assert rows == [4 // ga] * ga and whole.abs().sum() > 0  # one forward a micro-batch
+    for k, want in ((1, [1] * 4), (3, [3, 1] if ga == 1 else [2, 2])):
+        g, r, seen = run(f"k{k}", sft_micro_batch_size=k)
+        assert seen == want, k
+        torch.testing.assert_close(g, whole, rtol=1e-4, atol=1e-7)
+        assert r["loss/sft"] == pytest.approx(rec["loss/sft"], rel=1e-5) and r["sft/off_policy_step"] == 1.0
+    with pytest.raises(ValueError, match="sft_micro_batch_size must be >= 0"):
+        make_trainer(tmp_path / "bad", tokenizer, solved_curriculum(tmp_path / "bad"), sft_micro_batch_size=-1)
+
+
 def test_nothing_is_kept_across_the_formal_schedule(tmp_path, tokenizer):  # noqa: F811
     """The formal recipe's shape: SFT steps on the solutions until their passes are spent, then on-policy steps
     (KL + reward + w_sft): the tensors alive after each step stay level within each phase and across the hand-over

@@ -149,6 +149,12 @@ class OPDConfig(DistillationConfig):
     sft_batch_size: int = field(default=64, metadata={
         "help": "Teacher solutions per off-policy optimizer step (all processes; a multiple of world size x "
                 "gradient_accumulation_steps)."})
+    sft_micro_batch_size: int = field(default=0, metadata={
+        "help": "> 0: at most this many teacher solutions per forward in an off-policy step: each of its "
+                "gradient_accumulation_steps micro-batches runs in slices of this size, gradients summed; the step "
+                "is the same (its solutions, its one update, its loss), only its memory lower. For recipes whose "
+                "on-policy updates are small (steps_per_generation with gradient_accumulation_steps 1) while an SFT "
+                "step is sft_batch_size long solutions. 0 = a micro-batch in one forward."})
     sft_learning_rate: float = field(default=0.0, metadata={
         "help": "> 0: the learning rate of off-policy steps, on learning_rate's schedule (warm-up, decay): each such "
                 "step runs at the scheduled rate x sft_learning_rate / learning_rate; on-policy steps keep "
@@ -359,6 +365,7 @@ class OPDConfig(DistillationConfig):
              f"sft_batch_size ({self.sft_batch_size}) must be a positive multiple of gradient_accumulation_steps "
              f"({self.gradient_accumulation_steps}): e.g. "
              f"{max(1, self.sft_batch_size // self.gradient_accumulation_steps) * self.gradient_accumulation_steps}")
+        need(self.sft_micro_batch_size >= 0, f"sft_micro_batch_size must be >= 0, got {self.sft_micro_batch_size}")
         need(self.sft_max_epochs >= 0, f"sft_max_epochs must be >= 0, got {self.sft_max_epochs}")
         need(math.isfinite(self.sft_learning_rate) and self.sft_learning_rate >= 0,
              f"sft_learning_rate must be a finite number >= 0, got {self.sft_learning_rate}")

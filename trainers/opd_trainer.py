@@ -36,6 +36,7 @@ What this subclass adds (docs/design.md section 5):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -116,6 +117,7 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         self.generation_batch_size = (args.per_device_train_batch_size * world * args.gradient_accumulation_steps
                                       * args.steps_per_generation)
         self._buffer_pos = 0  # micro-steps served from the buffered rollout batch (its window: _prepare_inputs)
+        self._slice = None  # an off-policy micro-batch's slice, handed to _prepare_inputs by training_step
         if self.generation_batch_size % args.num_generations:
             raise ValueError(f"generation batch of {self.generation_batch_size} completions is not a multiple of "
                              f"num_generations={args.num_generations}")
@@ -281,6 +283,9 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
         # steps of GA micro-batches each, num_iterations times over (TRL GRPO's order); an off-policy batch one
         # step. The sampler repeats each rollout batch GA x steps_per_generation x num_iterations times, so a window
         # cut short (an off-policy step) generates next from the same prompts.
+        if self._slice is not None:  # training_step's slice of a micro-batch already drawn (sft_micro_batch_size)
+            part, self._slice = self._slice, None
+            return part
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
         a = self.args
@@ -583,10 +588,30 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
     # ---- step bookkeeping ----
     def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        micro = self._prepare_inputs(inputs)
+        parts = self._sft_slices(micro)
+        loss = None
+        for i, part in enumerate(parts):
+            # every slice but the last accumulates locally, as a micro-step inside gradient accumulation does
+            sync = contextlib.nullcontext() if i == len(parts) - 1 else self.accelerator.no_sync(model)
+            self._slice = part
+            with sync:
+                got = super().training_step(model, part, num_items_in_batch)
+            loss = got if loss is None else loss + got
         if not torch.isfinite(loss).all():
             self.steps.bad_loss = True
         return loss
+
+    def _sft_slices(self, micro: dict[str, Any]) -> list[dict[str, Any]]:
+        """An off-policy micro-batch in slices of at most ``sft_micro_batch_size`` solutions (the last may be
+        shorter); each slice's loss is normalised by the step's global solution-token count (``_sft_loss``), so
+        their gradients sum to the micro-batch's. Anything else is one part."""
+        k = self.args.sft_micro_batch_size
+        if not k or "off_policy" not in micro or micro["sft_completion_ids"].size(0) <= k:
+            return [micro]
+        n = micro["sft_completion_ids"].size(0)
+        return [{key: v[s : s + k] if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == n else v
+                 for key, v in micro.items()} for s in range(0, n, k)]
 
     def _finish_step(self) -> None:
         """At ``on_step_end``: the step's metrics (``StepLog.finish``, the off-policy term's), then its rollouts."""
