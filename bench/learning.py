@@ -82,11 +82,11 @@ from bench.learning_report import report, summarize_mark  # noqa: E402 - after t
 
 from bench.learning_clock import _free, train  # noqa: E402
 from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
-    ARM_SPECS, ARMS, HANDOVER_MARK, SFT_REFERENCE, LearningConfig, check_given_models, has_weights, merge_settings,
-    refuse_renamed_flags, upgrade_settings)
+    ARM_SPECS, ARMS, HANDOVER_MARK, PRESETS, SFT_REFERENCE, LearningConfig, check_given_models, has_weights,
+    merge_settings, refuse_renamed_flags, upgrade_settings)
 from bench.learning_data import _yaml, build_data, check_disjoint, read_rows, start_path  # noqa: E402,F401 - re-exported
 from bench.learning_stage_one import (  # noqa: E402,F401 - re-exported
-    arm_curriculum, formal_stage_one_filter, stage_one_cached, stage_one_filtered, stage_one_seconds)
+    NothingToTrain, arm_curriculum, formal_stage_one_filter, stage_one_cached, stage_one_filtered, stage_one_seconds)
 
 # ------------------------------------------------------------------------------------------- recipes
 
@@ -139,13 +139,12 @@ def train_recipe(cfg: LearningConfig, arm: str, *, student: str, curriculum: Pat
         spg = int(options.get("spg", 1))
         r.update(per_device_train_batch_size=int(options.get("batch", cfg.per_device_train_batch_size)) // spg,
                  steps_per_generation=spg)
-    if cfg.micro_batch:  # the same optimizer step in micro-batches of micro_batch rows (GSM8K-length answers)
-        step = r["per_device_train_batch_size"]
-        ga = max(1, step // cfg.micro_batch)
-        if step % ga or r["sft_batch_size"] % ga:
-            raise ValueError(f"micro_batch {cfg.micro_batch}: a step of {step} completions and SFT steps of "
-                             f"{r['sft_batch_size']} solutions must split evenly into {ga} micro-batches")
-        r.update(per_device_train_batch_size=step // ga, gradient_accumulation_steps=ga)
+    if cfg.micro_batch:  # the same steps in micro-batches of at most micro_batch rows (GSM8K-length answers)
+        r["sft_micro_batch_size"] = cfg.micro_batch  # an SFT step in slices, whatever its accumulation steps
+        if arm != "sft" and spec.off_policy != "sft":  # on-policy steps: their accumulation steps
+            step = r["per_device_train_batch_size"]
+            ga = cfg.accumulation_steps(step, with_sft=bool(spec.off_policy))
+            r.update(per_device_train_batch_size=step // ga, gradient_accumulation_steps=ga)
     if spec.off_policy == "mix":
         r.update(w_sft=cfg.w_sft, sft_share_start=cfg.sft_share_start, sft_share_end=cfg.sft_share_end)
     if spec.off_policy == "seq":  # SFT steps until the cap, then on-policy (the cap ends the off-policy steps)
@@ -370,7 +369,7 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
               f"{len(verified)} kept (sft_filter={cfg.sft_filter}){rows}, {offset:.1f}s (counted in its budget)",
               flush=True)
         if not verified:
-            raise RuntimeError(f"arm {name}: the teacher produced no verified solution; nothing to fine-tune on")
+            raise NothingToTrain("the teacher produced no verified solution in stage one; nothing to fine-tune on")
     arm_curriculum(cfg, arm, name, verified)
     recipe = _yaml(arm_recipe(cfg, name), out / "train.yaml")
     print(f"[learning] arm {name}: stages.train recipe {recipe}", flush=True)
@@ -456,8 +455,35 @@ def _parse(argv):
                         help="--stage pool: comma-separated run directories (e.g. packed tables of a later lease) "
                              "whose arm runs join --out's.")
     refuse_renamed_flags(argv)
+    argv, preset = _take_preset(argv)
+    if preset:  # the preset's values become the flags' defaults: a flag given wins, also at its plain default
+        parser.set_defaults(**PRESETS[preset])
     cfg, extra = parser.parse_args_into_dataclasses(args=argv)
     return cfg, extra
+
+
+def _take_preset(argv: list[str]) -> tuple[list[str], str]:
+    """``argv`` without its ``--preset NAME`` / ``--preset=NAME``, and the name (the last one given; "" = none).
+
+    Raises:
+        ValueError: an unknown preset, or ``--preset`` without a name.
+    """
+    rest, name, i = [], "", 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--preset", "--preset="):
+            if i + 1 >= len(argv) or a.endswith("="):
+                raise ValueError("--preset needs a name: " + ", ".join(sorted(p for p in PRESETS if p)))
+            name, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--preset="):
+            name = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if name and name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(p for p in PRESETS if p)}, got {name!r}")
+    return rest, name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -516,15 +542,20 @@ def main(argv: list[str] | None = None) -> int:
                 if extra.stage == "recipe":
                     import yaml
 
+                    recipe = arm_recipe(cfg, extra.arm)  # refused (one line) before any of the header is printed
                     print(f"# {extra.arm}: the stages.train recipe bench/learning.py runs for this arm, from {saved}'s "
                           "settings (other flags on this command are not applied).\n# The arm's budget_s, its marks and "
                           "its off-policy share schedule run on bench/learning.py's own clock (a trainer hook), not "
                           "in this file:\n# alone through stages.train it would train until max_wall_time_seconds. An "
                           "arm with its own curriculum (d, f, g, h, i, j)\n# writes it when it runs; on a machine without "
                           "CUDA the recipe adds use_cpu: true.")
-                    print(yaml.safe_dump(arm_recipe(cfg, extra.arm), sort_keys=False), end="")
+                    print(yaml.safe_dump(recipe, sort_keys=False), end="")
                 else:
-                    run_arm(cfg, extra.arm)
+                    try:
+                        run_arm(cfg, extra.arm)
+                    except NothingToTrain as e:  # said in one line; the command goes on to the next arm
+                        print(f"[learning] arm {extra.arm}: not run: {e}", flush=True)
+                        return 1
                 return 0
             if extra.stage == "regrade":
                 regrade(cfg)
@@ -689,7 +720,7 @@ def run_all(cfg: LearningConfig, setup_only: bool = False) -> int:
         return 0
     if gate_ok is False:
         print("[learning] no arm run: the regime lacks the teacher lead it exists to test (rebuild it, or set "
-              "--gate_lead 0 to run the arms anyway)", flush=True)
+              "--gate_lead 0 --gate_rel_lead 0 to run the arms anyway)", flush=True)
         return 3
     skipped, overhead = {}, cfg.arm_overhead_s
     for arm in cfg.instances:

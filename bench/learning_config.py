@@ -301,8 +301,8 @@ class LearningConfig:
     preset: str = field(default="", metadata={
         "help": "cpu_smoke: tiny sizes and budgets; regime3: a cut, healed student under the whole model as teacher, "
                 "long answers, few measured problems; run4: the formal regime's proxy, a teacher made by RL from the "
-                "start (PRESETS). It sets the fields "
-                "still at their defaults: a flag given with another value wins."})
+                "start (PRESETS). On the command line its values are the flags' defaults: a flag given wins, at any "
+                "value; in code (LearningConfig(preset=...)) it sets the fields still at their defaults."})
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -320,8 +320,9 @@ class LearningConfig:
                              "metric's own rule decides what counts): --answer_filter math")
         bad = [a for a in self.arm_list if not ARM_RUN.fullmatch(a) or a[0] not in ARMS or "-s" in a]
         if bad or not self.arm_list:
-            raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)} (each optionally @lr, then "
-                             f"+kl<w_kl>, then +ep<passes>), got {self.arms!r}")
+            raise ValueError(f"arms must be a comma-separated subset of {sorted(ARMS)}, each optionally followed, in "
+                             f"this order, by @<lr>, +kl<w_kl>, +ep<passes>, +bs<batch>, +spg<updates>, +const, +all "
+                             f"(e.g. 'j@3e-6+kl3', 'b+bs8+const', 'j+spg16', 'j+all'); {bad or 'none'} do not read so")
         for a in self.arm_list:
             self.run_options(a)  # raises for a weight or a pass count the arm cannot take
         try:
@@ -334,11 +335,11 @@ class LearningConfig:
                              f"{self.arm_lr!r}, {self.seeds!r}")
         if self.start_model and (self.start_sft_s > 0 or self.start_sft_steps):
             raise ValueError("start_model replaces the start's SFT: leave start_sft_s and start_sft_steps at 0")
-        if self.teacher_model and self.teacher_sft_steps:
-            raise ValueError("teacher_model replaces the teacher's SFT: leave teacher_sft_steps at 0")
         if self.teacher_init and self.teacher_model:
             raise ValueError("teacher_init is where a built teacher's fine-tuning starts; teacher_model adopts a teacher "
                              "as it is: give one of them")
+        if self.teacher_model and self.teacher_sft_steps:
+            raise ValueError("teacher_model replaces the teacher's SFT: leave teacher_sft_steps at 0")
         if self.teacher_init and self.student_layers:
             raise ValueError("teacher_init continues a teacher of the start's shape; student_layers builds the teacher "
                              "from the whole model: give one of them")
@@ -421,9 +422,15 @@ class LearningConfig:
 
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.micro_batch < 0 or (self.micro_batch and self.per_device_train_batch_size % self.micro_batch):
-            raise ValueError(f"micro_batch must be 0 or divide per_device_train_batch_size "
-                             f"({self.per_device_train_batch_size}), got {self.micro_batch}")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
+        if self.micro_batch:  # every step that will run, split as train_recipe splits it: refused now, not mid-run
+            self.accumulation_steps(self.per_device_train_batch_size, with_sft=False)  # the teacher's RL
+            for a in self.arm_list:
+                opts, spec = self.run_options(a), ARM_SPECS[self.parse_run(a)[0]]
+                if spec.off_policy != "sft":
+                    step = opts.get("batch", self.per_device_train_batch_size) // opts.get("spg", 1)
+                    self.accumulation_steps(step, with_sft=bool(spec.off_policy), name=a)
         if self.stage_one_filter not in ("none", "formal"):
             raise ValueError(f"stage_one_filter must be 'none' or 'formal', got {self.stage_one_filter!r}")
         if self.sft_filter not in ("verified", "none"):
@@ -467,6 +474,23 @@ class LearningConfig:
                 + ("+const" if const else "")
                 + ("+all" if every_problem else "")
                 + (f"-s{seed}" if seed != self.seed else ""))
+
+    def accumulation_steps(self, step: int, *, with_sft: bool, name: str = "") -> int:
+        """Under ``micro_batch``: the gradient-accumulation steps that run an on-policy step of ``step`` completions in
+        micro-batches of at most ``micro_batch`` (ceil(step / micro_batch), which must divide the step evenly, and
+        ``sft_batch_size`` too when the run also takes SFT steps: the trainer splits both into as many). 1 without.
+
+        Raises:
+            ValueError: the step, or the SFT step, does not split evenly; the message names the run.
+        """
+        if not self.micro_batch:
+            return 1
+        ga = -(-step // self.micro_batch)
+        if step % ga or (with_sft and self.sft_batch_size % ga):
+            raise ValueError(f"micro_batch {self.micro_batch}{f' ({name})' if name else ''}: a step of {step} "
+                             f"completions{f' and SFT steps of {self.sft_batch_size} solutions' if with_sft else ''} "
+                             f"must split evenly into {ga} micro-batches of at most {self.micro_batch}")
+        return ga
 
     def run_options(self, name: str) -> dict[str, float]:
         """The settings a run name gives beyond its rate and seed: ``{"w_kl": w}`` for ``+kl<w>`` (the on-policy
@@ -601,8 +625,10 @@ def check_given_models(cfg: "LearningConfig") -> None:
     for name, dest in (("start_model", "start"), ("teacher_model", "teacher"), ("teacher_init", "teacher")):
         path = getattr(cfg, name)
         if path and not has_weights(cfg.dir / dest) and not has_weights(Path(path)):
+            hint = ("; an earlier run's teacher is <its out>/teacher" if name == "teacher_init"
+                    else "; an arm's <out>/arms/<run>/final is kept only with --keep_final")
             raise FileNotFoundError(f"{name}: {path} is not a Hugging Face model folder with weights (no config.json "
-                                    "or no *.safetensors); an arm's <out>/arms/<run>/final is kept only with --keep_final")
+                                    f"or no *.safetensors){hint}")
 
 
 #: Settings renamed to ``OPDConfig``'s field names: old name -> new. A ``settings.json`` written under an old name
@@ -650,7 +676,7 @@ def refuse_renamed_flags(argv: list[str]) -> None:
 #: the deadline and its overhead estimate, what the fast-generation check decided, where the directory lives,
 #: whether arm exports are kept, and what the report and the setup's gate read.
 LOOSE_SETTINGS = ("arms", "arm_lr", "seeds", "deadline_s", "arm_overhead_s", "fast_generation_used", "out", "keep_final",
-                  "late_marks", "runs", "contrasts", "gate_lead")
+                  "late_marks", "runs", "contrasts", "gate_lead", "gate_rel_lead")
 
 
 def merge_settings(old: dict | None, new: dict, arms: list[str]) -> dict:

@@ -436,9 +436,11 @@ def _table(col: dict, cfg: LearningConfig) -> list[str]:
     if t:
         amount = f"{cfg.teacher_sft_steps} steps" if cfg.teacher_sft_steps else f"{cfg.teacher_sft_s:.0f} s"
         wider = f" of {cfg.teacher_n_train} problems" if cfg.teacher_n_train > cfg.n_train else ""
-        how = (cfg.teacher_model if cfg.teacher_model
-               else f"{'the whole student' if cfg.student_layers else 'start'} + {amount} of SFT on "
-                    f"reference solutions{wider}, lr {cfg.teacher_lr}")
+        what = ("of reward-only RL (the verifier's reward, no references)" if cfg.teacher_objective == "rl"
+                else "of SFT on reference solutions")
+        src = (f"{cfg.teacher_init} (an earlier link's teacher)" if cfg.teacher_init
+               else "the whole student" if cfg.student_layers else "start")
+        how = cfg.teacher_model if cfg.teacher_model else f"{src} + {amount} {what}{wider}, lr {cfg.teacher_lr}"
         lines.append(f"- teacher ({how}): "
                      f"avg@{k} {_fmt(t['avg_at_k'])} ± {_fmt(t['stderr'])}, clip {_fmt(t['clip_rate'], 2)}, "
                      f"{t['mean_tokens']:.1f} tokens")

@@ -19,6 +19,10 @@ from bench.learning_data import _yaml, read_rows, start_path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class NothingToTrain(RuntimeError):
+    """An off-policy arm with no data from stage one: no verified solution, or no problem its filter kept."""
+
+
 def stage_one_filtered(cfg: LearningConfig, name: str) -> bool:
     """Whether arm run ``name`` trains on stage one's kept rows in their order (``stage_one_filter formal``, an
     off-policy arm, no ``+all``) rather than on every arm problem."""
@@ -59,7 +63,11 @@ def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict
         by_id = {r["problem_id"]: r for r in rows}
         rows = [{**by_id[pid], "curriculum_index": i} for i, pid in enumerate(kept) if pid in by_id]
         if not rows:
-            raise RuntimeError(f"arm {name}: stage one kept no problem (data/stage_one.json); nothing to train on")
+            meta = json.loads((cfg.dir / "data" / "stage_one.json").read_text())
+            raise NothingToTrain(f"stage one's filter (stage_one_filter formal) kept none of its {meta.get('measured', '?')} "
+                                 "problems: it keeps only problems the teacher solved at least once (configs/"
+                                 "curate_r1_distill_1p5b.yaml); a teacher that solves some, or '+all' / "
+                                 "--stage_one_filter none")
     if spec.off_policy:
         best: dict[str, str] = {}
         for r in verified or []:
@@ -108,7 +116,7 @@ def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
                         max_tokens=cfg.max_completion_length, temperature=cfg.eval_temperature, top_p=1.0,
                         answer_filter=cfg.answer_filter, **({"grader_profile": cfg.grader_profile} if cfg.grader_profile else {}),
                         seed=settings["seed"] + 104729, engine=cfg.engine, dtype="float32", max_model_len=1024,
-                        chunk_size=max(1, cfg.eval_batch // k), output_dir=str(work), **filt), work / "curate.yaml")
+                        chunk_size=max(1, cfg.eval_batch // k), output_dir=str(work)) | filt, work / "curate.yaml")
     (ccfg,) = parse_config([CurateConfig], ["--config", str(recipe)], env={})
     manifest = curate(ccfg)
     _free()
@@ -128,7 +136,7 @@ def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
         kept = [r["problem_id"] for r in cur]
     write_parquet(out, p)
     write_json({"seconds": seconds, "student_seconds": float(manifest["timings"].get("student_s") or 0.0),
-                "filter": cfg.stage_one_filter, "kept": kept, "engine": manifest["engine"],
+                "filter": cfg.stage_one_filter, "kept": kept, "measured": len({r["problem_id"] for r in out}), "engine": manifest["engine"],
                 "curate_manifest": str(work / "curate" / "manifest.json")}, meta)
     return out, seconds
 
@@ -136,8 +144,8 @@ def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
 def formal_stage_one_filter() -> dict:
     """The formal recipe's stage-one filter (``configs/curate_r1_distill_1p5b.yaml``): the start's samples per problem
     for its pass rate, the pass-rate band, the share of teacher-solved problems the start never solves kept anyway,
-    and the order."""
+    the order, and the sampling temperature the pass rates are measured at."""
     import yaml
 
     recipe = yaml.safe_load((ROOT / "configs" / "curate_r1_distill_1p5b.yaml").read_text())
-    return {k: recipe[k] for k in ("student_samples", "band_low", "band_high", "zero_pass_share", "order")}
+    return {k: recipe[k] for k in ("student_samples", "band_low", "band_high", "zero_pass_share", "order", "temperature")}

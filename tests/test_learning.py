@@ -422,8 +422,8 @@ def test_stage_one_filter_formal_keeps_its_rows_in_order_and_charges_the_student
     """stage_one_filter formal (run 4's arm F): an off-policy arm trains on stage one's kept rows in stage one's
     order (curriculum: ordered) and its clock carries the start's pass-rate sampling too; '+all' (arm N) trains on
     every arm problem, shuffled, charged the teacher's seconds only; arms without stage one are untouched."""
-    from bench.learning import (arm_curriculum, arm_recipe, formal_stage_one_filter, stage_one_filtered,
-                                stage_one_seconds)
+    from bench.learning import (NothingToTrain, arm_curriculum, arm_recipe, formal_stage_one_filter,
+                                stage_one_filtered, stage_one_seconds)
 
     cfg = LearningConfig(out=str(tmp_path / "r"), stage_one_filter="formal", arms="j,j+all,d,d+all,c")
     base = [dict(problem_id=f"p{i}", problem=f"q{i}", answer=str(i), reference=f"ref {i}", bucket=0, curriculum_index=i,
@@ -444,7 +444,12 @@ def test_stage_one_filter_formal_keeps_its_rows_in_order_and_charges_the_student
     assert arm_recipe(cfg, "j")["curriculum"] == "ordered" and arm_recipe(cfg, "j+all")["curriculum"] == "shuffled"
     assert cfg.label("j+all").endswith("every arm problem (no stage-one filter)")
     assert formal_stage_one_filter() == dict(student_samples=8, band_low=0.0, band_high=1.0, zero_pass_share=0.25,
-                                             order="easy_to_hard")  # configs/curate_r1_distill_1p5b.yaml's
+                                             order="easy_to_hard", temperature=1.0)  # curate_r1_distill_1p5b.yaml's
+    (cfg.dir / "data" / "stage_one.json").write_text(json.dumps(
+        {"seconds": 1.0, "student_seconds": 1.0, "filter": "formal", "kept": [], "measured": 5}))
+    with pytest.raises(NothingToTrain, match="kept none of its 5 problems: it keeps only problems the teacher solved"):
+        arm_curriculum(cfg, "j", "j", verified)
+    assert len(pq.read_table(arm_curriculum(cfg, "j", "j+all", verified))) == 5  # N needs no kept row
     with pytest.raises(ValueError, match=r"\+all .* stage_one_filter formal"):
         LearningConfig(out=str(tmp_path / "n"), arms="j+all")  # the filter off: +all would be the arm itself
     with pytest.raises(ValueError, match=r"\+all"):
@@ -1202,6 +1207,26 @@ def test_teacher_init_continues_an_earlier_teacher(tmp_path):
         LearningConfig(out=str(tmp_path / "r2"), preset="cpu_smoke", teacher_init="x", teacher_model="y")
     with pytest.raises(ValueError, match="teacher_init .* student_layers"):
         LearningConfig(out=str(tmp_path / "r3"), teacher_init="x", student_layers=12, **base)
+
+
+def test_a_flag_given_wins_over_the_preset_even_at_its_plain_default():
+    """On the command line a preset's values are the flags' defaults: '--gate_lead 0' under --preset run4 is 0
+    (the value a user types to run the arms past the gate), not the preset's 0.10, as are other flags set back to
+    their plain defaults; what is not given comes from the preset."""
+    from bench.learning import _parse
+
+    given = {"--gate_lead": ("gate_lead", 0.0), "--gate_rel_lead": ("gate_rel_lead", 0.0),
+             "--stage_one_filter": ("stage_one_filter", "none"), "--teacher_objective": ("teacher_objective", "sft"),
+             "--learning_rate": ("learning_rate", 1e-5)}
+    for flag, (name, value) in given.items():
+        cfg, _ = _parse(["--out", "/nowhere/r", "--preset", "run4", flag, str(value)])
+        assert getattr(cfg, name) == value, flag
+        assert (cfg.task, cfg.teacher_sft_steps) == ("ladder", 400)  # the rest is the preset's
+    cfg, _ = _parse(["--out", "/nowhere/r", "--preset=run4", "--unseen_arm_problems", "false"])
+    assert cfg.unseen_arm_problems is False and cfg.gate_lead == 0.10
+    for bad, msg in ((["--preset", "run5"], "preset must be one of"), (["--preset"], "--preset needs a name")):
+        with pytest.raises(ValueError, match=msg):
+            _parse(["--out", "/nowhere/r", *bad])
 
 
 def test_gate_absolute_and_relative(tmp_path):

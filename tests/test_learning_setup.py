@@ -441,29 +441,35 @@ def test_rollout_batch_and_updates_in_run_names(tmp_path):
 
 def test_micro_batch_splits_each_step_without_changing_it(tmp_path):
     """--micro_batch: every optimizer step (an arm's update, the teacher's RL, an SFT step) runs in micro-batches of
-    that many rows; the rows a step sees, the rollout batch and its updates stay as they were."""
+    at most that many rows (on-policy: accumulation steps; SFT: the trainer's sft_micro_batch_size slices); the rows a
+    step sees, the rollout batch and its updates stay as they were. A step that cannot split evenly is refused when
+    the settings are read, naming the run, not mid-run."""
     import bench.learning as bl
     from bench.learning import _yaml, arm_recipe
     from data_tools.config import parse_config
     from trainers.opd_config import OPDConfig
 
-    cfg = LearningConfig(out=str(tmp_path / "r"), arms="c,j+spg4,b+bs8,d", per_device_train_batch_size=128,
+    cfg = LearningConfig(out=str(tmp_path / "r"), arms="c,j+spg4,b+bs8,d,b+bs24", per_device_train_batch_size=128,
                          num_generations=4, micro_batch=32, sft_batch_size=64)
     (cfg.dir).mkdir(parents=True)
     (cfg.dir / "settings.json").write_text(json.dumps({"start_path": str(tmp_path / "start")}))
-    want = {"c": (32, 4, 1), "j+spg4": (32, 1, 4), "b+bs8": (8, 1, 1), "d": (32, 4, 1)}
+    want = {"c": (32, 4, 1), "j+spg4": (32, 1, 4), "b+bs8": (8, 1, 1), "d": (128, 1, 1), "b+bs24": (24, 1, 1)}
     for name, w in want.items():
         (args,) = parse_config([OPDConfig], ["--config", str(_yaml(arm_recipe(cfg, name), tmp_path / "x.yaml"))], env={})
         assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == w
+        assert args.sft_micro_batch_size == 32  # d's SFT steps of 64: two slices of 32
     teacher = bl.train_recipe(cfg, "a", student="s", curriculum=tmp_path / "c.parquet", out_dir=tmp_path / "t",
                               learning_rate=3e-6, seed=0, arm_schedule=False)
     assert (teacher["per_device_train_batch_size"], teacher["gradient_accumulation_steps"]) == (32, 4)
-    with pytest.raises(ValueError, match="split evenly"):
-        bl.train_recipe(LearningConfig(out=str(tmp_path / "o"), per_device_train_batch_size=128, num_generations=4,
-                                       micro_batch=32, sft_batch_size=6), "d", student="s",
-                        curriculum=tmp_path / "c.parquet", out_dir=tmp_path / "d", learning_rate=1e-5, seed=0)
-    with pytest.raises(ValueError, match="micro_batch must be 0 or divide"):
-        LearningConfig(out=str(tmp_path / "p"), per_device_train_batch_size=128, micro_batch=48)
+    assert cfg.accumulation_steps(24, with_sft=False) == 1 and LearningConfig(
+        out=str(tmp_path / "q"), per_device_train_batch_size=128, micro_batch=16).accumulation_steps(24, with_sft=False) == 2
+    for bad, msg in ((dict(arms="b+bs68"), r"\(b\+bs68\): a step of 68 completions must split evenly into 3"),
+                     (dict(arms="j", sft_batch_size=6), r"\(j\): a step of 128 completions and SFT steps of 6"),
+                     (dict(arms="c", per_device_train_batch_size=96, micro_batch=20), "split evenly into 5"),
+                     (dict(micro_batch=-1), "micro_batch must be >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            LearningConfig(out=str(tmp_path / "p"), **{"per_device_train_batch_size": 128, "num_generations": 4,
+                                                        "micro_batch": 32, **bad})
 
 
 def test_const_runs_one_arm_at_a_constant_rate_under_a_time_schedule(tmp_path):
