@@ -420,6 +420,21 @@ def test_sft_micro_batch_size_slices_an_off_policy_step_without_changing_it(tmp_
         make_trainer(tmp_path / "bad", tokenizer, solved_curriculum(tmp_path / "bad"), sft_micro_batch_size=-1)
 
 
+def test_a_step_begun_in_eval_mode_is_still_the_schedules(tmp_path, tokenizer):  # noqa: F811
+    """A model in eval mode when a step begins (as from_pretrained leaves it, or after a mark's evaluation) does not
+    turn an off-policy step into the parent trainer's evaluation path: the step is the schedule's, in training mode."""
+    tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path), sft_share_start=1.0, sft_share_end=1.0,
+                      sft_batch_size=4, debug_max_steps=1)
+    tr.train()  # the optimizer and the accelerator's wrappers exist
+    batch = next(iter(tr.get_train_dataloader()))
+    tr._buffered_inputs = None  # a new window
+    tr.model.eval()
+    loss = tr.training_step(tr.model, batch)
+    assert tr.model.training and torch.isfinite(loss)
+    # the schedule drew this window (an off-policy batch of teacher solutions), not the parent's generation path
+    assert tr._buffered_inputs is not None and "off_policy" in tr._buffered_inputs[0]
+
+
 def test_nothing_is_kept_across_the_formal_schedule(tmp_path, tokenizer):  # noqa: F811
     """The formal recipe's shape: SFT steps on the solutions until their passes are spent, then on-policy steps
     (KL + reward + w_sft): the tensors alive after each step stay level within each phase and across the hand-over

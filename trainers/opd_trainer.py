@@ -588,7 +588,8 @@ class OPDTrainer(SaveAndResume, DistillationTrainer):
 
     # ---- step bookkeeping ----
     def training_step(self, model, inputs, num_items_in_batch=None):
-        micro = self._prepare_inputs(inputs)
+        model.train()  # as Trainer.training_step does first: _prepare_inputs reads training mode (after an evaluation
+        micro = self._prepare_inputs(inputs)  # or an export at a mark the model is in eval mode)
         parts = self._sft_slices(micro)
         loss = None
         for i, part in enumerate(parts):
