@@ -251,8 +251,30 @@ def training_phases(run: Path, sft_expected: bool, summ: dict) -> tuple[list[Pha
         r["_gen_tokens"] = (r.get("throughput/tokens_per_s") or 0) * (r.get("time/step") or 0)
     out.append(steps_phase("on-policy steps", onp, 2, "_gen_tokens"))
     med = {"sft_step_s": statistics.median([r["time/step"] for r in sft]) if sft else None,
-           "onpolicy_step_s": statistics.median([r["time/step"] for r in onp]) if onp else None}
+           "onpolicy_step_s": per_update_seconds(onp)}
+    gens = sum(r.get("reward/mean") is not None for r in onp)
+    if onp and 0 < gens < len(onp) and med["onpolicy_step_s"]:  # several updates a rollout batch
+        out[-1].detail += (f"; {gens} rollout batches, {med['onpolicy_step_s']:.1f} s an update over its batch "
+                           "(the projection's)")
     return out, med
+
+
+def per_update_seconds(onp: list[dict]) -> float | None:
+    """Seconds an on-policy update costs, from the metrics' rows in step order: the median over rollout batches of
+    the batch's seconds per update. A batch begins with the update that generated (the one row with
+    ``reward/mean``); with ``steps_per_generation`` > 1 its later updates are cheap, so a median over steps would
+    price every update as a later one. Only whole batches count (a run stopped mid-batch leaves its last short)."""
+    rows = [r for r in onp if r.get("time/step")]
+    batches: list[list[float]] = []
+    for r in rows:
+        if r.get("reward/mean") is not None or not batches:
+            batches.append([])
+        batches[-1].append(r["time/step"])
+    if not batches:
+        return None
+    n = max(len(b) for b in batches)
+    whole = [b for b in batches if len(b) == n]
+    return statistics.median(sum(b) / len(b) for b in whole)
 
 
 def export_phase(run: Path, clock_s: float, hedges: list[float], summ: dict) -> tuple[Phase, dict]:

@@ -235,6 +235,14 @@ class _Console(TrainerCallback):
             reset = f"; optimizer moments reset, rate warming up over {k} steps" if k else ""
             print(f"[train] on-policy from step {state.global_step} (after {self._sft_steps} off-policy SFT steps, "
                   f"{g('sft/epoch'):.3g} passes over the curriculum's teacher solutions{reset})", flush=True)
+        spg = getattr(args, "steps_per_generation", 1) or 1
+        if spg > 1 and logs.get("reward/mean") is None and getattr(self, "_gen_step", None):
+            # a later update of a rollout batch: its reward and lengths are the generating step's line
+            k = state.global_step - self._gen_step + 1
+            print(f"[step {state.global_step}] loss={g('loss'):.4f} kl={g('kl/sampled_mean'):.4f} update {k}/{spg} "
+                  f"of step {self._gen_step}'s rollouts step={g('time/step'):.1f}s", flush=True)
+            return
+        self._gen_step = state.global_step
         print(f"[step {state.global_step}] loss={g('loss'):.4f} kl={g('kl/sampled_mean'):.4f} "
               f"reward={g('reward/mean'):.3f} len={g('completions/mean_length'):.1f} "
               f"step={g('time/step'):.1f}s gen={g('time/generation'):.1f}s", flush=True)

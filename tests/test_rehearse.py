@@ -244,3 +244,18 @@ def test_cpu_miniature_of_the_formal_rehearsal(tmp_path):
     assert ("projected for the real clock on one engine worker, the formal machine's layout (one GPU)"
             in (rdir / "rehearsal.md").read_text())
     assert rep["projection_for"] == "on one engine worker, the formal machine's layout (one GPU)"
+
+
+def test_an_update_is_priced_over_its_whole_rollout_batch():
+    """steps_per_generation 4: a batch's first update generates (8 s), the next three reuse its rollouts (1 s each):
+    an update costs 11 / 4 s, not the 1 s a median over steps says; a batch cut short by the clock is left out; with
+    one update a batch it is the median step."""
+    from stages.rehearse import per_update_seconds
+
+    def batch(first, later, n):
+        return [{"time/step": first, "reward/mean": 0.5}] + [{"time/step": later} for _ in range(n - 1)]
+
+    rows = batch(20.0, 1.0, 4) + batch(8.0, 1.0, 4) + batch(8.0, 1.0, 4) + batch(8.0, 1.0, 2)
+    assert per_update_seconds(rows) == 11 / 4
+    assert per_update_seconds([{"time/step": t, "reward/mean": 0.1} for t in (5.0, 3.0, 4.0)]) == 4.0
+    assert per_update_seconds([]) is None

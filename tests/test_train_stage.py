@@ -273,3 +273,26 @@ def test_a_run_with_no_training_time_left_trains_nothing_and_says_so(tmp_path, t
     assert last == (f"[train] trained 0 steps ({summary['stop_reason']}): checkpoint-0 is the start model, not a "
                     "trained one")
     assert (tmp_path / "run" / "checkpoints" / "checkpoint-0" / "config.json").exists()
+
+
+def test_console_names_the_later_updates_of_a_rollout_batch(capsys):
+    """With steps_per_generation > 1 only a rollout batch's first update samples: its line has the reward and the
+    lengths, and the later updates say which update of whose rollouts they are, not 'reward=nan len=nan'."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from stages.train import _Console
+
+    cb, state, args = _Console(), TrainerState(), SimpleNamespace(steps_per_generation=4)
+    for step in range(1, 7):
+        state.global_step = step
+        first = step in (1, 5)
+        logs = {"loss": 0.1, "kl/sampled_mean": 0.1, "time/step": 1.0}
+        if first:
+            logs.update({"reward/mean": 0.5, "completions/mean_length": 30.0, "time/generation": 0.5})
+        cb.on_log(args, state, None, logs=logs)
+    lines = capsys.readouterr().out.splitlines()
+    assert "reward=0.500 len=30.0" in lines[0] and "reward=0.500" in lines[4]
+    assert lines[1].endswith("update 2/4 of step 1's rollouts step=1.0s") and "update 4/4 of step 1's" in lines[3]
+    assert "update 2/4 of step 5's rollouts" in lines[5] and not any("nan" in x for x in lines)
