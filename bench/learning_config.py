@@ -244,9 +244,9 @@ class LearningConfig:
                 "warm-up."})
     sft_batch_size: int = field(default=64, metadata={"help": "Solutions per off-policy (SFT) step: the start, the teacher, arm d, and the SFT steps of f, h, i, j."})
     micro_batch: int = field(default=0, metadata={
-        "help": "> 0: completions (or SFT solutions) per forward: each optimizer step runs as gradient_accumulation_steps "
-                "= its batch / micro_batch micro-batches, the same step in less memory (GSM8K's 320-token answers need "
-                "it on an 80 GB card: 128 in one forward ran out of memory; the ladder's 45-token ones fit whole). "
+        "help": "> 0: at most this many completions (or SFT solutions) per forward: an on-policy step runs as "
+                "ceil(its batch / micro_batch) accumulation steps, an SFT step in slices of micro_batch; the same "
+                "steps in less memory (long answers: a few hundred tokens x 128 completions may not fit one forward). "
                 "0 = a step in one forward."})
     num_generations: int = field(default=8, metadata={"help": "G: samples per prompt in on-policy steps (every arm but d)."})
     per_device_train_batch_size: int = field(default=128, metadata={"help": "Completions per on-policy optimizer step (every arm but d; one process, no accumulation)."})
@@ -261,8 +261,8 @@ class LearningConfig:
         "help": "formal: stage one as the formal recipe's (configs/curate_r1_distill_1p5b.yaml's student_samples, "
                 "band_low / band_high, zero_pass_share, order): the start sampled for its pass rate, the band filter, the "
                 "easy-to-hard order; the off-policy arms train on its kept rows in that order and are charged its "
-                "teacher and student seconds ('+all', run 4's arm N: every arm problem instead, the teacher's seconds "
-                "only). none: every arm problem, shuffled, the teacher's seconds only (the runs before run 4)."})
+                "teacher and student seconds ('+all' on a run name: every arm problem instead, the teacher's seconds "
+                "only). none: every arm problem, shuffled, the teacher's seconds only."})
     sft_filter: str = field(default="verified", metadata={
         "help": "Arms d, f, h, i, j: verified = fine-tune only on graded-correct, finished, distinct teacher samples (the "
                 "classical recipe); none = on every teacher sample (an ablation; lets the CPU smoke test run arm d "
