@@ -86,7 +86,8 @@ from bench.learning_config import (  # noqa: E402,F401 - ARMS: re-exported
     merge_settings, refuse_renamed_flags, upgrade_settings)
 from bench.learning_data import _yaml, build_data, check_disjoint, read_rows, start_path  # noqa: E402,F401 - re-exported
 from bench.learning_stage_one import (  # noqa: E402,F401 - re-exported
-    NothingToTrain, arm_curriculum, formal_stage_one_filter, stage_one_cached, stage_one_filtered, stage_one_seconds)
+    NothingToTrain, arm_curriculum, formal_stage_one_filter, stage_one_cached, stage_one_filtered, stage_one_meta,
+    stage_one_seconds)
 
 # ------------------------------------------------------------------------------------------- recipes
 
@@ -360,11 +361,11 @@ def run_arm(cfg: LearningConfig, name: str) -> None:
     shutil.rmtree(out, ignore_errors=True)  # a run cut short starts again
     t_wall, offset, verified = time.time(), 0.0, None
     if ARM_SPECS[arm].off_policy:  # stage one's teacher sampling is on their clock
-        s1, _ = stage_one_cached(cfg)
+        s1 = stage_one_cached(cfg)
         offset = stage_one_seconds(cfg, name)
         verified = [r for r in s1 if r["correct"] or cfg.sft_filter == "none"]
-        rows = (f", {len(json.loads((cfg.dir / 'data' / 'stage_one.json').read_text())['kept'])} problems kept by "
-                "its filter" if stage_one_filtered(cfg, name) else "")
+        rows = (f", {len(stage_one_meta(cfg)['kept'])} problems kept by its filter"
+                if stage_one_filtered(cfg, name) else "")
         print(f"[learning] arm {name}: stage one {len(s1)} teacher samples, {sum(r['correct'] for r in s1)} verified, "
               f"{len(verified)} kept (sft_filter={cfg.sft_filter}){rows}, {offset:.1f}s (counted in its budget)",
               flush=True)
@@ -463,27 +464,25 @@ def _parse(argv):
 
 
 def _take_preset(argv: list[str]) -> tuple[list[str], str]:
-    """``argv`` without its ``--preset NAME`` / ``--preset=NAME``, and the name (the last one given; "" = none).
+    """``argv`` without its ``--preset NAME`` / ``--preset=NAME`` (argparse's own reading), and the name ("" = none).
 
     Raises:
         ValueError: an unknown preset, or ``--preset`` without a name.
     """
-    rest, name, i = [], "", 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("--preset", "--preset="):
-            if i + 1 >= len(argv) or a.endswith("="):
-                raise ValueError("--preset needs a name: " + ", ".join(sorted(p for p in PRESETS if p)))
-            name, i = argv[i + 1], i + 2
-            continue
-        if a.startswith("--preset="):
-            name = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
-    if name and name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(p for p in PRESETS if p)}, got {name!r}")
-    return rest, name
+    import argparse
+
+    names = sorted(p for p in PRESETS if p)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    pre.add_argument("--preset", default="")
+    try:
+        known, rest = pre.parse_known_args(argv)
+    except argparse.ArgumentError:
+        raise ValueError("--preset needs a name: " + ", ".join(names)) from None
+    if not known.preset and any(a.startswith("--preset") for a in argv):
+        raise ValueError("--preset needs a name: " + ", ".join(names))
+    if known.preset and known.preset not in PRESETS:
+        raise ValueError(f"preset must be one of {names}, got {known.preset!r}")
+    return rest, known.preset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,12 @@ class NothingToTrain(RuntimeError):
     """An off-policy arm with no data from stage one: no verified solution, or no problem its filter kept."""
 
 
+def stage_one_meta(cfg: LearningConfig) -> dict | None:
+    """``data/stage_one.json`` (stage one's seconds, its filter and kept rows), or None before stage one ran."""
+    meta = cfg.dir / "data" / "stage_one.json"
+    return json.loads(meta.read_text()) if meta.exists() else None
+
+
 def stage_one_filtered(cfg: LearningConfig, name: str) -> bool:
     """Whether arm run ``name`` trains on stage one's kept rows in their order (``stage_one_filter formal``, an
     off-policy arm, no ``+all``) rather than on every arm problem."""
@@ -35,10 +41,9 @@ def stage_one_seconds(cfg: LearningConfig, name: str) -> float:
     """Stage one's seconds on arm run ``name``'s clock (0 before stage one ran, and for arms without it): the
     teacher's sampling and grading, plus the start's pass-rate sampling where the run uses the filter those pass
     rates feed (``stage_one_filtered``). One stage one serves every off-policy arm (``data/stage_one.json``)."""
-    meta = cfg.dir / "data" / "stage_one.json"
-    if not ARM_SPECS[cfg.parse_run(name)[0]].off_policy or not meta.exists():
+    m = stage_one_meta(cfg)
+    if not ARM_SPECS[cfg.parse_run(name)[0]].off_policy or m is None:
         return 0.0
-    m = json.loads(meta.read_text())
     return float(m["seconds"]) + (float(m.get("student_seconds") or 0.0) if stage_one_filtered(cfg, name) else 0.0)
 
 
@@ -59,11 +64,10 @@ def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict
         return base
     rows = read_rows(base)
     if stage_one_filtered(cfg, name):  # the formal recipe's stage one: its kept rows, in its order
-        kept = json.loads((cfg.dir / "data" / "stage_one.json").read_text()).get("kept") or []
+        meta = stage_one_meta(cfg) or {}
         by_id = {r["problem_id"]: r for r in rows}
-        rows = [{**by_id[pid], "curriculum_index": i} for i, pid in enumerate(kept) if pid in by_id]
+        rows = [{**by_id[pid], "curriculum_index": i} for i, pid in enumerate(meta.get("kept") or []) if pid in by_id]
         if not rows:
-            meta = json.loads((cfg.dir / "data" / "stage_one.json").read_text())
             raise NothingToTrain(f"stage one's filter (stage_one_filter formal) kept none of its {meta.get('measured', '?')} "
                                  "problems: it keeps only problems the teacher solved at least once (configs/"
                                  "curate_r1_distill_1p5b.yaml); a teacher that solves some, or '+all' / "
@@ -81,8 +85,8 @@ def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict
     return write_parquet(rows, cfg.dir / "arms" / name / "curriculum.parquet")
 
 
-def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
-    """Stage one of the off-policy arms through ``stages.curate`` and its seconds, once per run
+def stage_one_cached(cfg: LearningConfig) -> list[dict]:
+    """Stage one of the off-policy arms through ``stages.curate``, once per run, its teacher rows
     (``stage_one/curate.yaml`` -> ``stage_one/curate/``; teacher rows -> ``data/stage_one.{parquet,json}``).
 
     The teacher (``<out>/teacher``) samples the first ``stage_one_problems`` training problems
@@ -103,7 +107,7 @@ def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
 
     p, meta = cfg.dir / "data" / "stage_one.parquet", cfg.dir / "data" / "stage_one.json"
     if p.exists() and meta.exists():
-        return read_rows(p), float(json.loads(meta.read_text())["seconds"])
+        return read_rows(p)
     settings = json.loads((cfg.dir / "settings.json").read_text())
     work = cfg.dir / "stage_one"
     shutil.rmtree(work, ignore_errors=True)  # a stage one cut short is measured again, whole
@@ -138,7 +142,7 @@ def stage_one_cached(cfg: LearningConfig) -> tuple[list[dict], float]:
     write_json({"seconds": seconds, "student_seconds": float(manifest["timings"].get("student_s") or 0.0),
                 "filter": cfg.stage_one_filter, "kept": kept, "measured": len({r["problem_id"] for r in out}), "engine": manifest["engine"],
                 "curate_manifest": str(work / "curate" / "manifest.json")}, meta)
-    return out, seconds
+    return out
 
 
 def formal_stage_one_filter() -> dict:
