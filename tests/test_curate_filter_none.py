@@ -359,3 +359,22 @@ def test_stage_two_trains_on_an_unfiltered_curriculum(tmp_path, tiny_model_dir, 
     assert [r["sft/off_policy_step"] for r in recs] == [1.0, 0.0, 0.0]  # one pass over <= 4 solutions, then on-policy
     trained = {r["problem_id"] for f in (out / "rollouts").glob("*.parquet") for r in pq.read_table(f).to_pylist()}
     assert trained and trained <= {r["problem_id"] for r in cur}
+
+
+def test_the_unfiltered_formal_config_is_the_formal_one_with_filter_none():
+    """configs/curate_r1_distill_1p5b_all.yaml differs from the formal stage one by its filter alone (and the settings
+    only the filter reads)."""
+    from dataclasses import asdict
+
+    from data_tools.config import parse_config
+    from stages.curate import CurateConfig
+
+    env = {"STUDENT_MODEL": "/models/student", "TEACHER_MODEL": "/models/teacher", "TRAIN_DATA": "/data/train.parquet",
+           "OUTPUT_DIR": "/tmp/opd-test-filter-unused"}
+    (formal,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b.yaml")], env=env)
+    (unfiltered,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b_all.yaml")],
+                                 env=env)
+    assert (formal.filter, unfiltered.filter) == ("pass_rate", "none")
+    only_filter = {"filter", "student_samples", "band_low", "band_high", "zero_pass_share", "n_buckets", "order"}
+    assert {k: v for k, v in asdict(unfiltered).items() if k not in only_filter} == {
+        k: v for k, v in asdict(formal).items() if k not in only_filter}
