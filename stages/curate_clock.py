@@ -63,9 +63,10 @@ def stage_clock(cfg: CurateConfig, t_start: float, *, announce: bool) -> StageCl
     deadline = clock0 + cfg.time_share * window
     hard_end = clock0 + max(cfg.time_share, FORCED_SHARE) * window
     if announce:
+        need = "a verified teacher solution" if cfg.filter == "none" else "a curriculum row"
         print(f"[curate] budget: until {deadline - clock0:.0f}s on the run's clock (time_share {cfg.time_share:g} x "
               f"{window:.0f}s), {t_start - clock0:.0f}s of it already used; engine calls sized to it (a probe of "
-              f"{probe_size(cfg)} problem(s) first); until a curriculum row exists, probes run past it, never past "
+              f"{probe_size(cfg)} problem(s) first); until {need} exists, probes run past it, never past "
               f"{hard_end - clock0:.0f}s", flush=True)
     return StageClock(clock0, deadline, hard_end)
 

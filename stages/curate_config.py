@@ -61,7 +61,7 @@ class CurateConfig(EngineSettings):
                 "under the same budget; the chunks merge into one curriculum. Over nodes (env NNODES, NODE_RANK, a "
                 "shared output_dir) node 0 merges."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity). Under a clock a chunk is measured in engine calls sized to the time left (stages/curate_clock.py)."})
-    probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in a probe, the first engine call before a rate is measured; probes go on past a spent budget until the measured problems give a curriculum row, never past half the training window. 0 = chunk_size / 8, rounded up."})
+    probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in a probe, the first engine call before a rate is measured; probes go on past a spent budget until the measured problems give a curriculum row (filter none: a verified teacher solution), never past half the training window. 0 = chunk_size / 8, rounded up."})
     filter: str = field(default="pass_rate", metadata={
         "help": "What stage one keeps: pass_rate (the student's pass rate over student_samples picks the rows: band_low, "
                 "band_high, zero_pass_share, ordered by difficulty into n_buckets) or none (no student samples: the "

@@ -272,7 +272,7 @@ def test_a_separate_teacher_gets_the_whole_budget(tmp_path, monkeypatch):
     assert any(r["teacher_solution"] for r in cur) and not all(r["teacher_solution"] for r in cur)
 
 
-def test_calls_are_forced_past_a_spent_budget_until_a_verified_solution_exists(tmp_path, monkeypatch):
+def test_calls_are_forced_past_a_spent_budget_until_a_verified_solution_exists(tmp_path, monkeypatch, capsys):
     """Set-up took the whole budget: probes run past it until one verified teacher solution exists (what the SFT phase
     needs; every problem is a row already), then stop: here the third problem visited is the first one solved."""
     from data_tools.problems import load_problems
@@ -293,6 +293,7 @@ def test_calls_are_forced_past_a_spent_budget_until_a_verified_solution_exists(t
     cur = pq.read_table(out / "curate" / "curriculum.parquet").to_pylist()
     assert [r["problem_id"] for r in cur if r["teacher_solution"]] == [visit[2]["problem_id"]] and len(cur) == 12
     assert m["counts"]["teacher_solutions"] == 1
+    assert "until a verified teacher solution exists, probes run past it, never past 100s" in capsys.readouterr().out
 
 
 def test_a_bad_filter_is_one_clear_error():
