@@ -20,6 +20,7 @@ import pytest
 
 from tests.test_run_contract import _FakeClock, _fake_time
 from tests.test_train_stage import TINY_FLAGS, _env
+from tests.test_shards import digits  # noqa: F401 - pytest fixture
 from tests.test_trainer import tiny_model_dir, tokenizer  # noqa: F401 - pytest fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -379,3 +380,40 @@ def test_the_unfiltered_formal_config_is_the_formal_one_with_filter_none():
     only_filter = {"filter", "student_samples", "band_low", "band_high", "zero_pass_share", "n_buckets", "order"}
     assert {k: v for k, v in asdict(unfiltered).items() if k not in only_filter} == {
         k: v for k, v in asdict(formal).items() if k not in only_filter}
+
+
+@pytest.mark.slow
+def test_two_workers_under_filter_none_write_the_curriculum_of_one_and_a_killed_one_resumes(digits):
+    """Real worker processes (``--workers 2``, the hf engine on test_shards' tiny digit model): the teacher alone
+    samples in each, the merge is one worker's curriculum; a worker killed after its first chunk stops the run, and a
+    re-run resumes every shard to the same tables."""
+    import subprocess
+    import sys
+
+    from tests.test_shards import _done, _env as shard_env
+
+    def curate(out: Path, workers: int, env: dict | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "stages.curate", "--train_data", digits["data"], "--student_model", digits["model"],
+               "--teacher_context", "privileged", "--privileged_reference", "answer", "--prompt_style", "short",
+               "--teacher_samples", "4", "--max_tokens", "5", "--max_model_len", "256", "--chunk_size", "2",
+               "--engine", "hf", "--answer_filter", "numeric", "--filter", "none", "--workers", str(workers),
+               "--output_dir", str(out)]
+        return subprocess.Popen(cmd, cwd=REPO, env=shard_env(**(env or {})), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    root = digits["root"]
+    rc, _, err = _done(curate(root / "none-one", 1))
+    assert rc == 0, err[-3000:]
+    one = _tables(root / "none-one")
+    assert {r["role"] for r in one["rollouts"]} == {"teacher"} and len(one["rollouts"]) == 10 * 4
+    assert len(one["curriculum"]) == 10 and any(r["teacher_solution"] for r in one["curriculum"])
+    out = root / "none-two"
+    rc, stdout, err = _done(curate(out, 2, {"OPD_TEST_CURATE_SHARD_EXIT": "1"}))
+    assert rc == 1 and "worker 1/2 (CUDA_VISIBLE_DEVICES=1) exited with code 9" in err
+    assert "[w1/2] [teacher] chunk 2/5 -> teacher-00001.parquet" in stdout
+    rc, stdout, err = _done(curate(out, 2))
+    assert rc == 0, err[-3000:]
+    assert "[curate] resuming:" in stdout and " teacher chunks already in " in stdout and "student chunks" not in stdout
+    assert _tables(out) == one
+    m = json.loads((out / "curate" / "manifest.json").read_text())
+    assert [s["chunks_measured"] for s in m["workers"]["per_shard"]] == [3, 2]
