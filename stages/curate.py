@@ -11,6 +11,10 @@
    from those, a reward-only method does not; opd_literature.md section 5).
 4. Curriculum: kept rows ordered by difficulty (easy -> hard by default) into ``n_buckets`` buckets.
 
+``filter: none`` skips 2-4: no student samples (the teacher gets the whole budget), and the curriculum is every
+usable problem in the seeded visiting order, one bucket, with the teacher's verified solution where it has one
+(``stages.curate_curriculum.build_unfiltered``).
+
 Under a clock (``max_wall_time_seconds``, set by run.sh), stage one has a time budget, ``time_share`` of
 the clock before training: chunks of problems are visited in a seeded random order, each measured in engine
 calls sized to the time left (a probe of ``probe_size`` problems first, then as many as the measured rate fits),
@@ -91,11 +95,11 @@ def curate(cfg: CurateConfig) -> dict:
     shards = nnodes * cfg.workers
     gpus = device_slices(cfg.workers, cfg.tensor_parallel_size) if cfg.workers > 1 else []
     prep = prepare(cfg)
-    if prep.any_have("teacher") or prep.any_have("student"):  # an earlier run of this curation stopped part-way
-        done = {r: sum(prep.have(r, i) for i in range(prep.n_chunks)) for r in ("teacher", "student")}
+    if any(prep.any_have(r) for r in prep.roles):  # an earlier run of this curation stopped part-way
+        done = {r: sum(prep.have(r, i) for i in range(prep.n_chunks)) for r in prep.roles}
         rest = "nothing left to measure" if min(done.values()) == prep.n_chunks else "measuring the rest"
-        print(f"[curate] resuming: {done['teacher']}/{prep.n_chunks} teacher and {done['student']}/{prep.n_chunks} "
-              f"student chunks already in {prep.parts}; {rest}", flush=True)
+        print("[curate] resuming: " + " and ".join(f"{n}/{prep.n_chunks} {r}" for r, n in done.items())
+              + f" chunks already in {prep.parts}; {rest}", flush=True)
     clock = stage_clock(cfg, t_start, announce=True)
     clock0 = clock.clock0
     kw = dict(t_start=t_start, clock=clock, nnodes=nnodes)
@@ -150,7 +154,7 @@ def run_shard(cfg: CurateConfig, shard: int, shards: int) -> dict:
     rec = measure(cfg, prep, shard, shards, clock=clock)
     write_json(rec, _shard_path(prep, shard, shards))
     n_mine = len([i for i in range(prep.n_chunks) if i % shards == shard])
-    n_done = sum(prep.have("teacher", i) and prep.have("student", i) for i in range(prep.n_chunks) if i % shards == shard)
+    n_done = sum(prep.done(i) for i in range(prep.n_chunks) if i % shards == shard)
     print(f"[curate] shard {shard}/{shards} done: {n_done}/{n_mine} of its chunks measured"
           + (f"; {rec['stop_reason']}" if rec["stop_reason"] else ""), flush=True)
     return rec

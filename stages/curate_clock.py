@@ -63,9 +63,10 @@ def stage_clock(cfg: CurateConfig, t_start: float, *, announce: bool) -> StageCl
     deadline = clock0 + cfg.time_share * window
     hard_end = clock0 + max(cfg.time_share, FORCED_SHARE) * window
     if announce:
+        need = "a verified teacher solution" if cfg.filter == "none" else "a curriculum row"
         print(f"[curate] budget: until {deadline - clock0:.0f}s on the run's clock (time_share {cfg.time_share:g} x "
               f"{window:.0f}s), {t_start - clock0:.0f}s of it already used; engine calls sized to it (a probe of "
-              f"{probe_size(cfg)} problem(s) first); until a curriculum row exists, probes run past it, never past "
+              f"{probe_size(cfg)} problem(s) first); until {need} exists, probes run past it, never past "
               f"{hard_end - clock0:.0f}s", flush=True)
     return StageClock(clock0, deadline, hard_end)
 
@@ -177,11 +178,13 @@ class ChunkBudget:
 
 def budget_record(cfg: CurateConfig, budget, timings: dict, rollouts: pa.Table, manifest_path: Path, *,
                   clock: StageClock, t_start: float, n_chunks: int, measured: int, partial: int,
-                  chunks: dict[str, int], problems: tuple[int, int]) -> dict:
+                  chunks: dict[str, int], problems: tuple[int, int], mean_role: str = "student") -> dict:
     """The manifest's ``budget`` block: the clock stage one had and used, what it measured, and the
     measured rates (completion tokens/s, engine start-up, mean length) that run.sh's evaluation
-    estimate reads; a run that generated nothing keeps the rates of the manifest it resumed."""
-    student = rollouts.filter(pa.compute.equal(rollouts["role"], "student"))
+    estimate reads; a run that generated nothing keeps the rates of the manifest it resumed. The mean length is the
+    student's samples' (evaluation samples the student), ``mean_role``'s where the student was not sampled (``filter:
+    none``: the teacher's, the nearest measured length; ``mean_completion_tokens_of`` says whose)."""
+    student = rollouts.filter(pa.compute.equal(rollouts["role"], mean_role))
     prev = {}
     if manifest_path.exists():
         with contextlib.suppress(ValueError, OSError):
@@ -200,7 +203,8 @@ def budget_record(cfg: CurateConfig, budget, timings: dict, rollouts: pa.Table, 
             "completion_tokens": budget.tokens, "generation_s": round(budget.gen_s, 1),
             "completion_tokens_per_s": round(budget.tokens / budget.gen_s, 1) if budget.gen_s > 0 else prev.get("completion_tokens_per_s"),
             "engine_startup_s": timings.get("engine_startup_s", prev.get("engine_startup_s")),
-            "mean_completion_tokens": round(pa.compute.mean(student["n_tokens"]).as_py() or 0.0, 1) if student.num_rows else None}
+            "mean_completion_tokens": round(pa.compute.mean(student["n_tokens"]).as_py() or 0.0, 1) if student.num_rows else None,
+            "mean_completion_tokens_of": mean_role}
 
 
 def budget_line(b: dict, engine_started: bool = True) -> str:

@@ -26,6 +26,9 @@ CURRICULUM_SCHEMA = pa.schema([
     ("pass_rate", pa.float64()), ("teacher_pass_rate", pa.float64()), ("bucket", pa.int64()),
     ("curriculum_index", pa.int64()), ("prompt_style", pa.string()),
 ])
+#: ``CurateConfig.filter``'s values: the pass-rate band filter (the student samples each problem), or none (the teacher
+#: alone samples; every usable problem is a curriculum row).
+FILTERS = ("pass_rate", "none")
 REJECT_SCHEMA = pa.schema([("problem_id", pa.string()), ("stage", pa.string()), ("reason", pa.string()),
                            ("row_index", pa.int64()), ("raw", pa.string())])
 
@@ -44,7 +47,7 @@ class CurateConfig(EngineSettings):
     privileged_reference: str = field(default="solution", metadata={"help": "What the privileged teacher sees: solution (the reference solution when the row has one, else the answer) or answer (only 'The correct answer is X.')."})
     prompt_style: str = field(default="reasoning", metadata={"help": f"Instruction appended to problems: {sorted(P.STYLES)}."})
     teacher_samples: int = field(default=4, metadata={"help": "Teacher solutions per problem (n)."})
-    student_samples: int = field(default=8, metadata={"help": "Student samples per problem (k) for the pass rate."})
+    student_samples: int = field(default=8, metadata={"help": "Student samples per problem (k) for the pass rate; unused under filter none (no student samples)."})
     max_tokens: int = field(default=4096, metadata={"help": "Generation cap per completion, tokens."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (1.0 = the policy's own distribution)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
@@ -58,7 +61,12 @@ class CurateConfig(EngineSettings):
                 "under the same budget; the chunks merge into one curriculum. Over nodes (env NNODES, NODE_RANK, a "
                 "shared output_dir) node 0 merges."})
     chunk_size: int = field(default=64, metadata={"help": "Prompts per saved chunk (resume granularity). Under a clock a chunk is measured in engine calls sized to the time left (stages/curate_clock.py)."})
-    probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in a probe, the first engine call before a rate is measured; probes go on past a spent budget until the measured problems give a curriculum row, never past half the training window. 0 = chunk_size / 8, rounded up."})
+    probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in a probe, the first engine call before a rate is measured; probes go on past a spent budget until the measured problems give a curriculum row (filter none: a verified teacher solution), never past half the training window. 0 = chunk_size / 8, rounded up."})
+    filter: str = field(default="pass_rate", metadata={
+        "help": "What stage one keeps: pass_rate (the student's pass rate over student_samples picks the rows: band_low, "
+                "band_high, zero_pass_share, ordered by difficulty into n_buckets) or none (no student samples: the "
+                "teacher alone samples, the curriculum is every usable problem in the seeded visiting order, one "
+                "bucket, teacher_solution where the teacher verified one; the band, order and bucket settings are unused)."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})
     band_high: float = field(default=1.0, metadata={"help": "... and p < band_high (exclusive: the default drops problems the student always solves)."})
     zero_pass_share: float = field(default=0.25, metadata={"help": "Share of teacher-solved p = 0 problems to keep anyway (0..1)."})
@@ -92,6 +100,8 @@ class CurateConfig(EngineSettings):
                      "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.filter not in FILTERS:
+            raise ValueError(f"filter must be one of {list(FILTERS)}, got {self.filter!r}")
         if not 0.0 <= self.band_low < self.band_high <= 1.0:
             raise ValueError(f"need 0 <= band_low < band_high <= 1, got {self.band_low}, {self.band_high}")
         if not 0.0 <= self.zero_pass_share <= 1.0:
@@ -113,6 +123,11 @@ class CurateConfig(EngineSettings):
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         self.output_dir = str(check_outside_repo(Path(self.output_dir) if self.output_dir else default_output_dir(self.experiment_name)))
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles stage one samples: the teacher, and the student for its pass rate (not under ``filter: none``)."""
+        return ("teacher",) if self.filter == "none" else ("teacher", "student")
 
     def role_prompts(self, tokenizer, role: str, rows: list[dict]) -> list[str]:
         """``role``'s rendered prompts for ``rows`` under this config's prompt settings (``data_tools.prompts``)."""

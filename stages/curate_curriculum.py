@@ -1,5 +1,5 @@
-"""Stage one's result: the band filter and the easy-to-hard order (``build_curriculum``), and the tables and the
-manifest built from every chunk on disk (``merge``)."""
+"""Stage one's result: the band filter and the easy-to-hard order (``build_curriculum``), or every problem unfiltered
+(``build_unfiltered``, ``filter: none``), and the tables and the manifest built from every chunk on disk (``merge``)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,9 @@ def _versions() -> dict:
             pass
     return out
 
-def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig) -> tuple[list[dict], list[dict]]:
-    """Filter problems by teacher success and student pass rate; order and bucket the kept ones.
-
-    Returns ``(curriculum_rows, filter_rejects)``. Pass rates are means of ``correct`` over each
-    role's samples. Ties within a difficulty are broken by a seeded hash, so the order is stable.
-    """
+def _sample_stats(rollouts: pa.Table) -> tuple[dict[tuple[str, str], list[int]], dict[str, tuple[int, str]]]:
+    """``(problem_id, role) -> [correct, samples]`` and ``problem_id -> (n_tokens, completion)`` of the shortest
+    verified teacher sample (the cheapest context; the first of equal lengths)."""
     stats: dict[tuple[str, str], list[int]] = {}
     best_solution: dict[str, tuple[int, str]] = {}
     for r in rollouts.select(["problem_id", "role", "correct", "completion", "n_tokens"]).to_pylist():
@@ -44,8 +41,31 @@ def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig
         s[1] += 1
         if r["role"] == "teacher" and r["correct"]:
             prev = best_solution.get(r["problem_id"])
-            if prev is None or r["n_tokens"] < prev[0]:  # shortest verified solution: cheapest context
+            if prev is None or r["n_tokens"] < prev[0]:
                 best_solution[r["problem_id"]] = (r["n_tokens"], r["completion"])
+    return stats, best_solution
+
+
+def _row(r: dict, sol: tuple[int, str] | None, cfg: CurateConfig, *, pass_rate: float | None,
+         teacher_pass_rate: float | None, bucket: int, index: int) -> dict:
+    """A curriculum row (``CURRICULUM_SCHEMA``) of problem ``r`` with its shortest verified teacher solution ``sol``.
+    ``reference`` (the privileged teacher's context in stage two): under a separate teacher its verified solution
+    where it has one, else the row's reference solution or answer (``privileged_reference``)."""
+    return {"problem_id": r["problem_id"], "problem": r["problem"], "answer": r["answer"],
+            "reference": sol[1] if sol and cfg.teacher_context == "teacher" else P.reference_text(r, cfg.privileged_reference),
+            "teacher_solution": sol[1] if sol else None, "solution": r.get("solution"),
+            "source": r.get("source"), "level": r.get("level"), "pass_rate": pass_rate,
+            "teacher_pass_rate": teacher_pass_rate, "bucket": bucket, "curriculum_index": index,
+            "prompt_style": cfg.prompt_style}
+
+
+def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig) -> tuple[list[dict], list[dict]]:
+    """Filter problems by teacher success and student pass rate; order and bucket the kept ones.
+
+    Returns ``(curriculum_rows, filter_rejects)``. Pass rates are means of ``correct`` over each
+    role's samples. Ties within a difficulty are broken by a seeded hash, so the order is stable.
+    """
+    stats, best_solution = _sample_stats(rollouts)
     rng = random.Random(cfg.seed)
     kept, rejects, zero = [], [], []
     for row in problems:
@@ -79,27 +99,47 @@ def build_curriculum(problems: list[dict], rollouts: pa.Table, cfg: CurateConfig
     by_difficulty = sorted(kept, key=lambda r: (-r["pass_rate"], tiebreak[r["problem_id"]]))
     rank = {r["problem_id"]: i for i, r in enumerate(by_difficulty)}
     n = max(len(kept), 1)
-    out = []
-    for i, r in enumerate(kept):
-        sol = best_solution.get(r["problem_id"])
-        out.append({"problem_id": r["problem_id"], "problem": r["problem"], "answer": r["answer"],
-                    "reference": sol[1] if sol and cfg.teacher_context == "teacher" else P.reference_text(r, cfg.privileged_reference),
-                    "teacher_solution": sol[1] if sol else None, "solution": r.get("solution"),
-                    "source": r.get("source"), "level": r.get("level"), "pass_rate": r["pass_rate"],
-                    "teacher_pass_rate": r["teacher_pass_rate"],
-                    "bucket": min(rank[r["problem_id"]] * cfg.n_buckets // n, cfg.n_buckets - 1),
-                    "curriculum_index": i, "prompt_style": cfg.prompt_style})
+    out = [_row(r, best_solution.get(r["problem_id"]), cfg, pass_rate=r["pass_rate"],
+                teacher_pass_rate=r["teacher_pass_rate"],
+                bucket=min(rank[r["problem_id"]] * cfg.n_buckets // n, cfg.n_buckets - 1), index=i)
+           for i, r in enumerate(kept)]
     return out, rejects
+
+
+def build_unfiltered(visit: list[dict], measured: list[dict], rollouts: pa.Table, cfg: CurateConfig) -> list[dict]:
+    """``filter: none``: every problem of ``visit`` (the seeded visiting order) is a curriculum row, in that order, one
+    bucket (no difficulty is measured). ``teacher_solution``: the shortest verified teacher sample where the problem
+    was ``measured`` and the teacher solved it, else None; ``teacher_pass_rate`` where measured, else None;
+    ``pass_rate`` None (the student was not sampled: a null, not a 0 that would read as "never solved")."""
+    stats, best_solution = _sample_stats(rollouts)
+    ids = {r["problem_id"] for r in measured}
+    out = []
+    for i, r in enumerate(visit):
+        t = stats.get((r["problem_id"], "teacher")) if r["problem_id"] in ids else None
+        out.append(_row(r, best_solution.get(r["problem_id"]) if t else None, cfg, pass_rate=None,
+                        teacher_pass_rate=t[0] / t[1] if t else None, bucket=0, index=i))
+    return out
+
 
 def measured_problems(visit: list[dict], rollouts: pa.Table, student_samples: int) -> list[dict]:
     """The problems of ``visit`` (in its order) that stage one measured: at least one finished teacher sample and all
     ``student_samples`` student samples (a pass rate over fewer would favour the samples that end early, which a
-    call stopped at the deadline keeps)."""
+    call stopped at the deadline keeps); ``student_samples`` 0: the teacher's sample alone (``filter: none``)."""
     have: dict[tuple[str, str], int] = {}
     for pid, role in zip(rollouts.column("problem_id").to_pylist(), rollouts.column("role").to_pylist()):
         have[(pid, role)] = have.get((pid, role), 0) + 1
     return [r for r in visit if have.get((r["problem_id"], "teacher"), 0) >= 1
             and have.get((r["problem_id"], "student"), 0) >= student_samples]
+
+
+def curriculum_of(cfg: CurateConfig, visit: list[dict], rollouts: pa.Table) -> tuple[list[dict], list[dict], list[dict]]:
+    """``(measured problems, curriculum rows, filter rejects)`` of ``rollouts`` under ``cfg.filter``: the band filter
+    over the problems measured by both roles, or (``none``) every problem of ``visit``, no rejects."""
+    if cfg.filter == "none":
+        measured = measured_problems(visit, rollouts, 0)
+        return measured, build_unfiltered(visit, measured, rollouts, cfg), []
+    measured = measured_problems(visit, rollouts, cfg.student_samples)
+    return (measured, *build_curriculum(measured, rollouts, cfg))
 
 
 def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: float, clock: StageClock,
@@ -110,28 +150,29 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
     out, n_chunks, missing = prep.out, prep.n_chunks, missing or []
     shards = records[0]["shards"] if records else len(missing)
     # one listing: rollouts and measured chunks agree
-    parts = {(role, i): f for i in range(n_chunks) for role in ("teacher", "student")
-             if (f := prep.measured_part(role, i)) is not None}
+    roles = prep.roles  # the roles this curation samples: a chunk is measured when every one's part is whole
+    parts = {(role, i): f for i in range(n_chunks) for role in roles if (f := prep.measured_part(role, i)) is not None}
     whole = lambda role, i: parts.get((role, i)) == prep.part(role, i)  # noqa: E731
-    measured = [i for i in range(n_chunks) if whole("teacher", i) and whole("student", i)]
-    partial = sum(1 for i in range(n_chunks) if i not in measured and ((("teacher", i) in parts) or (("student", i) in parts)))
+    measured = [i for i in range(n_chunks) if all(whole(r, i) for r in roles)]
+    partial = sum(1 for i in range(n_chunks) if i not in measured and any((r, i) in parts for r in roles))
     tables = [pq.read_table(f, schema=ROLLOUT_SCHEMA) for f in parts.values()]
     rollouts = pa.concat_tables(tables) if tables else ROLLOUT_SCHEMA.empty_table()
     write_parquet(rollouts, out / "rollouts.parquet")
-    measured_rows = measured_problems(prep.visit, rollouts, cfg.student_samples)
-    curriculum, filter_rejects = build_curriculum(measured_rows, rollouts, cfg)
+    measured_rows, curriculum, filter_rejects = curriculum_of(cfg, prep.visit, rollouts)
     write_parquet(pa.Table.from_pylist(curriculum, schema=CURRICULUM_SCHEMA), out / "curriculum.parquet")
     loaded = prep.loaded
     load_rejects = [{**r, "stage": "load"} for r in loaded.rejects] + prep.context_rejects
     write_parquet(pa.Table.from_pylist(load_rejects + filter_rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
 
-    roles = {role: rollouts.filter(pa.compute.equal(rollouts["role"], role)) for role in ("teacher", "student")}
     counts = {"input_rows": loaded.n_read, "problems": len(prep.rows), "load_rejects": len(load_rejects),
               "duplicates": loaded.duplicates, "conflicts": loaded.conflicts, "filter_rejects": len(filter_rejects),
-              "curriculum": len(curriculum), "rollouts": rollouts.num_rows}
-    for role, t in roles.items():
-        counts[f"{role}_accuracy"] = round(pa.compute.mean(t["correct"].cast(pa.float64())).as_py() or 0.0, 4)
-        counts[f"{role}_clip_rate"] = round(pa.compute.mean(pa.compute.equal(t["finish_reason"], "length").cast(pa.float64())).as_py() or 0.0, 4)
+              "curriculum": len(curriculum), "rollouts": rollouts.num_rows,
+              "teacher_solutions": sum(r["teacher_solution"] is not None for r in curriculum)}
+    for role in ("teacher", "student"):  # a role this curation does not sample: None (no samples, not a rate of 0)
+        t = rollouts.filter(pa.compute.equal(rollouts["role"], role))
+        sampled = role in roles
+        counts[f"{role}_accuracy"] = round(pa.compute.mean(t["correct"].cast(pa.float64())).as_py() or 0.0, 4) if sampled else None
+        counts[f"{role}_clip_rate"] = round(pa.compute.mean(pa.compute.equal(t["finish_reason"], "length").cast(pa.float64())).as_py() or 0.0, 4) if sampled else None
     counts["problems_measured"] = len(measured_rows)
 
     # one process: its own record; several: generation ran side by side, so wall times are the longest shard's
@@ -155,6 +196,7 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
     budget_rec = budget_record(cfg, budget, timings, rollouts, out / "manifest.json", clock=clock, t_start=t_start,
                                n_chunks=n_chunks, measured=len(measured), partial=partial,
                                chunks={r: sum(whole(r, i) for i in range(n_chunks)) for r in ("teacher", "student")},
+                               mean_role="student" if "student" in roles else "teacher",
                                problems=(len(measured_rows), len(prep.rows)))
     chunk_of = {r["problem_id"]: k // cfg.chunk_size for k, r in enumerate(prep.visit)}
     per_shard = []
@@ -179,9 +221,10 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
               + (f"; no record from shard(s) {missing}" if missing else ""), flush=True)
     print(budget_line(budget_rec, engine_started=bool(engine_used)), flush=True)
     unvisited = counts["problems"] - counts["problems_measured"]
-    print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum, "
+    accs = ", ".join(f"{r} acc {counts[f'{r}_accuracy']}" for r in roles)
+    print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum "
+          f"(filter {cfg.filter}), {counts['teacher_solutions']} with a verified teacher solution, "
           f"{counts['load_rejects'] + counts['filter_rejects']} rejects"
           + (f", {unvisited} not measured (the clock's budget ended first)" if unvisited else "")
-          + f"; teacher acc {counts['teacher_accuracy']}, "
-          f"student acc {counts['student_accuracy']}; tables in {out}", flush=True)
+          + f"; {accs}; tables in {out}", flush=True)
     return manifest

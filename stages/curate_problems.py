@@ -25,13 +25,19 @@ def _model_fingerprint(path: str) -> dict:
     return {"path": str(p), "config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest(), "weights": weights}
 
 def _fingerprint(cfg: CurateConfig, models: dict) -> str:
-    """What makes finished chunks reusable: data, models, prompts and sampling (not filter settings)."""
+    """What makes finished chunks reusable: data, models, prompts and sampling (not the band filter's settings, which
+    only read the samples). ``filter: none`` samples no student (its chunks are done without student parts, and its
+    teacher had the whole budget): another curation, and ``student_samples`` is not part of it."""
     keys = ("train_data", "limit", "teacher_context", "privileged_reference", "prompt_style", "teacher_samples", "student_samples",
             "max_tokens", "temperature", "top_p", "seed", "chunk_size", "max_model_len", "dtype")
+    if cfg.filter != "pass_rate":
+        keys = tuple(k for k in keys if k != "student_samples")
     # chunk i holds the i-th slice of the seeded visiting order (curate()), not of the input file
     extra = {"rehearsal": r} if (r := rehearsal.manifest_record()) else {}  # chunks of a rehearsal never serve a real run
     if cfg.grader_profile != "default":  # chunks keep their verdicts: another profile's are not reused (default: as before)
         extra["grader_profile"] = cfg.grader_profile
+    if cfg.filter != "pass_rate":  # the default's fingerprint stays as before (its chunks resume)
+        extra["filter"] = cfg.filter
     blob = json.dumps({k: getattr(cfg, k) for k in keys} | {"models": models, "visit_order": "seeded_shuffle"} | extra,
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -84,6 +90,7 @@ class Prepared:
     visit: list[dict]
     n_chunks: int
     chunk_size: int
+    roles: tuple[str, ...] = ("teacher", "student")  # the roles this curation samples (``CurateConfig.roles``)
 
     def part(self, role: str, i: int, *, partial: bool = False) -> Path:
         return self.parts / f"{role}-{i:05d}{'.partial' if partial else ''}.parquet"
@@ -91,6 +98,10 @@ class Prepared:
     def have(self, role: str, i: int) -> bool:
         """``role``'s samples of chunk ``i`` are on disk, the whole chunk."""
         return self.part(role, i).exists()
+
+    def done(self, i: int) -> bool:
+        """Chunk ``i`` is on disk whole for every role this curation samples (``roles``)."""
+        return all(self.have(role, i) for role in self.roles)
 
     def any_have(self, role: str) -> bool:
         return any(self.have(role, i) for i in range(self.n_chunks))
@@ -132,7 +143,7 @@ def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
         # refuse before writing anything: a refused curation leaves another curation's tables as they were
         if (state.exists() and json.loads(state.read_text()).get("fingerprint") != fp and parts.exists()
                 and any(parts.iterdir())):
-            raise ValueError(f"{out} holds chunks of a different curation (data, models or sampling changed); "
+            raise ValueError(f"{out} holds chunks of a different curation (data, models, sampling or filter changed); "
                              f"use another OUTPUT_DIR or delete {parts}")
         write_parquet(rows, out / "problems.parquet")
         write_json({"fingerprint": fp}, state)
@@ -146,4 +157,4 @@ def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
     random.Random(cfg.seed).shuffle(visit)
     n_chunks = (len(visit) + cfg.chunk_size - 1) // cfg.chunk_size
     return Prepared(out, parts, loaded, rows, context_rejects, student, teacher, models, fp, visit, n_chunks,
-                    cfg.chunk_size)
+                    cfg.chunk_size, cfg.roles)

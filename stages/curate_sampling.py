@@ -1,5 +1,6 @@
-"""Stage one's sampling: the teacher's and the student's samples of each chunk, graded and saved, on one engine or
-two, in engine calls the stage's clock sizes and stops (``measure``; the rule is ``stages.curate_clock``'s)."""
+"""Stage one's sampling: the teacher's and the student's samples of each chunk (the teacher's alone under ``filter:
+none``), graded and saved, on one engine or two, in engine calls the stage's clock sizes and stops (``measure``; the
+rule is ``stages.curate_clock``'s)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from data_tools.grader import grade_batch
 from data_tools.runio import write_parquet
 from stages.curate_clock import ChunkBudget, StageClock, probe_size
 from stages.curate_config import ROLLOUT_SCHEMA, CurateConfig
-from stages.curate_curriculum import build_curriculum, measured_problems
+from stages.curate_curriculum import curriculum_of
 from stages.curate_problems import Prepared
 
 #: Fault-injection hook of the tests: the process measuring this shard index (of two or more) exits with
-#: code 9 (``os._exit``) after its first student chunk is on disk.
+#: code 9 (``os._exit``) after its first chunk is on disk whole (its last role's part: the student's, or under
+#: ``filter: none`` the teacher's).
 FAULT_ENV = "OPD_TEST_CURATE_SHARD_EXIT"
 
 
@@ -104,18 +106,25 @@ def _offsets_with_samples(part: Path, rows: list[dict]) -> list[int]:
 
 
 def curriculum_has_row(prep: Prepared, cfg: CurateConfig, *, skip: int | None = None, extra: list[dict] = ()) -> bool:
-    """Whether the problems measured so far give a curriculum row: chunks whole on disk for both roles (an earlier
-    run's or another shard's: taken to), else the band filter over every part on disk (but chunk ``skip``'s, being
-    measured again) and the records ``extra`` not saved yet."""
+    """Whether the problems measured so far give what training needs first, stage one's forced calls go on until it
+    exists: a curriculum row (the band filter's), or under ``filter: none`` (every problem is a row) a verified teacher
+    solution, which the SFT phase trains on. The band filter: chunks whole on disk for both roles (an earlier run's or
+    another shard's: taken to), else the filter over every part on disk (but chunk ``skip``'s, being measured again)
+    and the records ``extra`` not saved yet. ``none``: a correct teacher sample in those parts or records."""
     n = prep.n_chunks
-    if any(prep.have("teacher", i) and prep.have("student", i) for i in range(n)):
+    if cfg.filter == "none":
+        if any(x["role"] == "teacher" and x["correct"] for x in extra):
+            return True
+        files = [f for i in range(n) if i != skip if (f := prep.measured_part("teacher", i))]
+        return any(any(pq.read_table(f, columns=["correct"]).column("correct").to_pylist()) for f in files)
+    if any(prep.done(i) for i in range(n)):
         return True
     files = [f for i in range(n) if i != skip for r in ("teacher", "student") if (f := prep.measured_part(r, i))]
     recs = [x for f in files for x in pq.read_table(f, schema=ROLLOUT_SCHEMA).to_pylist()] + list(extra)
     if not recs:
         return False
     table = pa.Table.from_pylist(recs, schema=ROLLOUT_SCHEMA)
-    return bool(build_curriculum(measured_problems(prep.visit, table, cfg.student_samples), table, cfg)[0])
+    return bool(curriculum_of(cfg, prep.visit, table)[1])
 
 
 def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, *, clock: StageClock) -> dict:
@@ -128,10 +137,12 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     Two engines: the teacher measures chunks until its share of the time, then the student the problems the teacher
     sampled. Calls are forced (past the budget, until the clock's ``hard_end``) while no curriculum row exists
     (``curriculum_has_row``), so a curriculum exists when time allows; a separate teacher's first call only.
+    ``filter: none`` (``prep.roles`` is the teacher alone): no student calls, the teacher has the whole budget on either
+    path, and calls are forced until a verified teacher solution exists (the SFT phase's data).
     """
-    have, any_have, n_chunks = prep.have, prep.any_have, prep.n_chunks
+    have, any_have, n_chunks, roles = prep.have, prep.any_have, prep.n_chunks, prep.roles
     mine = [i for i in range(n_chunks) if i % shards == shard]
-    n_of = {"teacher": cfg.teacher_samples, "student": cfg.student_samples}
+    n_of = {r: {"teacher": cfg.teacher_samples, "student": cfg.student_samples}[r] for r in roles}
     budget = ChunkBudget(clock.deadline, dict(n_of), hard_end=clock.hard_end, probe=probe_size(cfg),
                          max_tokens=cfg.max_tokens)
     model_of = {"teacher": prep.teacher, "student": prep.student}
@@ -140,7 +151,7 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     engine_kw = dict(seed=cfg.seed, max_model_len=cfg.max_model_len, pid_file=pid_file, **cfg.engine_kwargs())
     engine = None
     engine_used: dict = {}  # stays empty when every chunk was already on disk
-    # fault-injection hook of the tests: the process measuring this shard dies after its first student chunk
+    # fault-injection hook of the tests: the process measuring this shard dies after its first whole chunk
     die_after = os.environ.get(FAULT_ENV) == str(shard) and shards > 1
 
     kind = cfg.engine  # becomes "hf" for the rest of the stage once vLLM has failed (vllm_failed)
@@ -180,12 +191,13 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
     def prompts_for(role: str, eng) -> list[str]:
         return cfg.role_prompts(eng.tokenizer, role, prep.visit)
 
-    row_exists = [False]  # a curriculum row is known to exist (then cached: it stays)
+    row_exists = [False]  # a curriculum row (filter none: a verified teacher solution) is known to exist (it stays)
 
     def forced(roles: list[str], i: int, got: dict[str, list[dict]]) -> bool:
-        """No curriculum row yet: stage one may go on past its budget (to the clock's ``hard_end``). A separate
-        teacher's first call only: its samples alone make no row (the student's phase then goes on until one)."""
-        if roles == ["teacher"] and prep.teacher != prep.student:
+        """No curriculum row yet (``filter: none``: no verified teacher solution yet): stage one may go on past its
+        budget (to the clock's ``hard_end``). A separate teacher's first call only, when a student phase follows:
+        the teacher's samples alone make no row (the student's phase then goes on until one)."""
+        if roles == ["teacher"] and prep.teacher != prep.student and "student" in prep.roles:
             return not any_have("teacher") and not budget.measured("teacher")
         if not row_exists[0]:
             row_exists[0] = curriculum_has_row(prep, cfg, skip=i, extra=[x for r in got.values() for x in r])
@@ -235,29 +247,31 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
         for r in roles:
             if got[r]:
                 write_part(prep.parts, r, i, got[r], len(rows), whole=whole, n_chunks=n_chunks)
-        if die_after and whole and "student" in roles:
+        if die_after and whole and prep.roles[-1] in roles:
             print(f"[curate] {FAULT_ENV}={shard}: exiting with code 9 after chunk {i}", flush=True)
             os._exit(9)
         return done == len(offsets)
 
     try:  # the engine's worker processes must go down on errors and SIGTERM too (see exit_on_sigterm)
         if (clock.deadline is not None and time.time() >= clock.deadline
-                and any(have("teacher", i) and have("student", i) for i in range(n_chunks))):
+                and any(prep.done(i) for i in range(n_chunks))
+                and (cfg.filter != "none" or curriculum_has_row(prep, cfg))):
             budget.stop_reason = "budget spent before stage one began; the chunks measured earlier are used"
         elif prep.teacher == prep.student:  # one engine for both roles: each call's problems, teacher then student
-            todo = [i for i in mine if not (have("teacher", i) and have("student", i))]
+            todo = [i for i in mine if not prep.done(i)]
             if todo:
                 eng = open_engine(prep.student)
                 prompts = {role: prompts_for(role, eng) for role in n_of}
                 for i in todo:
-                    if not run_chunk([r for r in ("teacher", "student") if not have(r, i)], i, prompts):
+                    if not run_chunk([r for r in roles if not have(r, i)], i, prompts):
                         break
-        else:  # two engines, one after the other: the teacher gets its samples' share of the time left
+        else:  # two engines, one after the other: the teacher gets its samples' share of the time left (all of it
+            # under filter none: no student engine follows)
             todo = [i for i in mine if not have("teacher", i)]
             if todo:
                 eng = open_engine(prep.teacher)
                 t_deadline = t_hard = None
-                if clock.deadline is not None:  # the student's engine will take about as long to start as this one
+                if clock.deadline is not None and "student" in roles:  # the student's engine: about this one's start-up
                     share = cfg.teacher_samples / (cfg.teacher_samples + cfg.student_samples)
                     now = time.time()
                     t_deadline = now + (clock.deadline - now - eng.startup_s) * share
@@ -266,7 +280,7 @@ def measure(cfg: CurateConfig, prep: Prepared, shard: int = 0, shards: int = 1, 
                 for i in todo:
                     if not run_chunk(["teacher"], i, prompts, deadline=t_deadline, hard_end=t_hard):
                         break
-            todo = [i for i in mine if prep.measured_part("teacher", i) and not have("student", i)]
+            todo = [i for i in mine if "student" in roles and prep.measured_part("teacher", i) and not have("student", i)]
             if todo:
                 eng = open_engine(prep.student)
                 prompts = {"student": prompts_for("student", eng)}

@@ -53,7 +53,8 @@ from data_tools.clock import read_yaml as _yaml
 DEFAULT_SECONDS = 1200
 DEFAULT_VERIFIED = "0.5"
 #: Of the problems stage one measures in a rehearsal, the share expected to end in the curriculum with a solution
-#: (data_tools.rehearsal's fractions: 94% teacher-solved x ~90% inside the band), with a margin.
+#: (data_tools.rehearsal's fractions: 94% teacher-solved x ~90% inside the band; under ``filter: none`` the
+#: teacher-solved 94% alone), with a margin.
 KEPT_WITH_SOLUTION = 0.75
 
 
@@ -185,14 +186,16 @@ def _unix(stamp: str | None) -> float | None:
 
 
 def stage_one_phases(run: Path) -> tuple[list[Phase], dict]:
-    """Teacher and student phases of stage one from its rollouts (chunk times) and manifest."""
+    """Teacher and student phases of stage one from its rollouts (chunk times) and manifest; the teacher's alone under
+    ``filter: none`` (no student samples). ``rates``: seconds a problem per role, and the counts the projection scales:
+    problems measured, curriculum rows, rows with a verified teacher solution, usable problems."""
     import pyarrow.parquet as pq  # report only: run.sh calls plan and clean at its start, which import no pyarrow
 
     man = json.loads((run / "curate" / "manifest.json").read_text())
     roll = pq.read_table(run / "curate" / "rollouts.parquet",
                          columns=["problem_id", "role", "n_tokens", "chunk", "started_at", "finished_at"]).to_pylist()
-    out, rates = [], {}
-    for role in ("teacher", "student"):
+    out, rates = [], {"filter": (man.get("config") or {}).get("filter", "pass_rate")}
+    for role in ("teacher",) if rates["filter"] == "none" else ("teacher", "student"):
         rows = [r for r in roll if r["role"] == role]
         chunks = sorted({r["chunk"] for r in rows})
         if not rows:
@@ -211,6 +214,9 @@ def stage_one_phases(run: Path) -> tuple[list[Phase], dict]:
     rates["workers"] = int((man.get("workers") or {}).get("shards") or 1)  # engine workers, all nodes: one a GPU
     rates["problems"] = int(man["counts"].get("problems_measured", 0))
     rates["rows"] = int(man["counts"].get("curriculum", 0))
+    # every row the band filter keeps has a solution (a manifest from before the count was recorded: its rows)
+    rates["solutions"] = int(man["counts"].get("teacher_solutions", rates["rows"]))
+    rates["all_problems"] = int(man["counts"].get("problems", 0))
     rates["rehearsal"] = man.get("rehearsal")
     return out, rates
 
@@ -373,23 +379,36 @@ def project(rates: dict, med: dict, ex: dict, curate: dict, train: dict, real_t:
     per_problem = (rates.get("teacher") or 0.0) + (rates.get("student") or 0.0)
     startup = rates.get("startup_s") or 0.0
     problems = max(0, int((budget - setup_s - startup) / per_problem)) if per_problem else 0
-    rows = int(problems * (rates["rows"] / rates["problems"])) if rates.get("problems") else 0
+    unfiltered = rates.get("filter") == "none"
+    if unfiltered:  # every usable problem is a row; solutions where the teacher verified one, of the problems measured
+        problems = min(problems, rates.get("all_problems") or problems)
+    n_sols = rates.get("solutions", rates["rows"])  # the band filter's rows all have a solution
+    share_of = lambda n: problems * n / rates["problems"] if rates.get("problems") else 0  # noqa: E731
+    sols = int(share_of(n_sols))
+    rows = rates.get("all_problems", 0) if unfiltered else int(share_of(rates["rows"]))
     window = real_t - real_r - real_e - budget
+    who = "the teacher alone (filter none)" if unfiltered else "teacher + student"
     rows_out = [("stage one budget", f"{budget:.0f} s (time_share {share:g} of {real_t - real_r - real_e:.0f} s)"),
                 ("stage one problems measured",
-                 f"~{problems:,} ({per_problem:.2f} s a problem, teacher + student, all workers; set-up {setup_s:.0f} s, "
-                 f"engine start-up {startup:.0f} s)"),
-                ("curriculum rows", f"~{rows:,} (the rehearsal's kept share {rates['rows']}/{rates['problems']}: "
-                                    "forced by its verified share, a real teacher's differs)")]
+                 f"~{problems:,} ({per_problem:.2f} s a problem, {who}, all workers; set-up {setup_s:.0f} s, "
+                 f"engine start-up {startup:.0f} s)")]
+    if unfiltered:
+        rows_out += [("curriculum rows", f"{rows:,} (filter none: every usable problem)"),
+                     ("verified teacher solutions", f"~{sols:,} (the rehearsal's share {n_sols}/"
+                                                    f"{rates['problems']} of the problems measured: forced by its "
+                                                    "verified share, a real teacher's differs)")]
+    else:
+        rows_out.append(("curriculum rows", f"~{rows:,} (the rehearsal's kept share {rates['rows']}/{rates['problems']}: "
+                                            "forced by its verified share, a real teacher's differs)"))
     sft_s = 0.0
     if _sft_phase(train) and med.get("sft_step_s"):
         passes, batch = float(_train_setting(train, "sft_max_epochs")), int(_train_setting(train, "sft_batch_size"))
-        steps = int(passes * rows / batch)
+        steps = int(passes * sols / batch)
         sft_s = steps * med["sft_step_s"]
         over = (f"; LONGER THAN THE TRAINING WINDOW: the hand-over to on-policy steps never comes (fewer "
                 f"sft_max_epochs, or a smaller time_share)" if sft_s > real_t - real_r - real_e - budget else "")
         rows_out.append(("SFT steps", f"~{steps:,} x {med['sft_step_s']:.1f} s = {sft_s:.0f} s ({passes:g} "
-                                      f"passes over ~{rows:,} solutions, {batch} a step){over}"))
+                                      f"passes over ~{sols:,} solutions, {batch} a step){over}"))
     every = float(_train_setting(train, "ckpt_every_minutes") or 0) * 60
     hedges = list(_train_setting(train, "ckpt_hedge_fractions") or [])
     first = hedges[0] if hedges else 1.0
@@ -425,8 +444,12 @@ def build_report(run: Path, curate_cfg: str, train_cfg: str, real_t: float, real
         s1, rates = [Phase("stage one", ok=False, detail="no curate/manifest.json")], {}
     rep.phases += s1
     if rates:
-        sol = rates["rows"]
-        rep.phases.append(Phase("curriculum", ok=sol > 0, detail=f"{rates['rows']} rows from {rates['problems']} problems"
+        # the SFT phase trains on the verified teacher solutions (the band filter's rows all have one)
+        need = rates["solutions"] if _sft_phase(train) else rates["rows"]
+        what = (f"{rates['rows']} rows (filter none: every problem), {rates['solutions']} with a verified teacher "
+                f"solution from {rates['problems']} problems measured" if rates["filter"] == "none"
+                else f"{rates['rows']} rows from {rates['problems']} problems")
+        rep.phases.append(Phase("curriculum", ok=need > 0, detail=what
                                 + (f"; rehearsal verified share {rates['rehearsal'].get('value')}"
                                    if rates.get("rehearsal") else "")))
     summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}

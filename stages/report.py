@@ -165,10 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# opd run report: {run}", ""]
     manifest = run / "curate" / "manifest.json"
     if manifest.exists():  # how much stage one gave training: a short clock can leave a tiny curriculum
-        c = json.loads(manifest.read_text()).get("counts", {})
+        man = json.loads(manifest.read_text())
+        c = man.get("counts", {})
         report["curriculum_rows"] = c.get("curriculum")
-        lines.append(f"stage one: {c.get('curriculum')} curriculum rows from {c.get('problems_measured')} problems "
-                     f"measured of {c.get('problems')}")
+        if (man.get("config") or {}).get("filter") == "none":  # every problem a row; the teacher's solutions from those measured
+            lines.append(f"stage one: {c.get('curriculum')} curriculum rows (filter none: every problem), "
+                         f"{c.get('teacher_solutions')} with a verified teacher solution from {c.get('problems_measured')} "
+                         f"problems measured of {c.get('problems')}")
+        else:
+            lines.append(f"stage one: {c.get('curriculum')} curriculum rows from {c.get('problems_measured')} problems "
+                         f"measured of {c.get('problems')}")
     outcome = training_outcome(run)
     if outcome is not None:
         report["training"] = outcome

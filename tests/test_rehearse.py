@@ -192,6 +192,41 @@ def test_report_says_when_the_first_step_outlasted_the_window(tmp_path):
                                       "REHEARSAL_SECONDS")
 
 
+def test_a_rehearsal_of_stage_one_without_its_filter_projects_every_row_and_its_solutions(tmp_path):
+    """``filter: none``: stage one samples the teacher alone (no student phase to fail), every usable problem is a
+    curriculum row, and the SFT phase's projection counts the verified solutions, not the rows."""
+    import pyarrow.parquet as pq
+
+    from data_tools.runio import write_parquet
+
+    run = tmp_path / "run"
+    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves={5: [0.8], 6: [0.9]})
+    roll = [r for r in pq.read_table(run / "curate" / "rollouts.parquet").to_pylist()
+            if r["role"] == "teacher"]
+    write_parquet(roll, run / "curate" / "rollouts.parquet")
+    (run / "curate" / "manifest.json").write_text(json.dumps(
+        {"config": {"filter": "none"}, "timings": {"engine_startup_s": 15.0}, "rehearsal": {"value": "0.5"},
+         "counts": {"problems_measured": 20, "curriculum": 15285, "teacher_solutions": 15, "problems": 15285}}))
+    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    by = {p.name: p for p in rep.phases}
+    assert "stage one: student" not in by and by["stage one: teacher"].ok
+    assert by["curriculum"].ok and by["curriculum"].detail.startswith(
+        "15285 rows (filter none: every problem), 15 with a verified teacher solution from 20 problems measured")
+    proj = dict(rep.projection)
+    # 0.5 s a problem, the teacher's alone: (8,460 - 10 - 15) / 0.5 = 16,870, more than the 15,285 there are
+    assert proj["stage one problems measured"].startswith("~15,285 (0.50 s a problem, the teacher alone (filter none)")
+    assert proj["curriculum rows"] == "15,285 (filter none: every usable problem)"
+    sols = int(15285 * 15 / 20)
+    assert proj["verified teacher solutions"].startswith(f"~{sols:,} (the rehearsal's share 15/20")
+    assert proj["SFT steps"].startswith(f"~{int(8 * sols / 64):,} x 8.0 s") and f"over ~{sols:,} solutions" in proj["SFT steps"]
+    # no verified solution at all: the SFT phase has nothing to train on
+    man = json.loads((run / "curate" / "manifest.json").read_text())
+    man["counts"]["teacher_solutions"] = 0
+    (run / "curate" / "manifest.json").write_text(json.dumps(man))
+    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    assert not {p.name: p for p in rep.phases}["curriculum"].ok
+
+
 def test_load_back_loads_and_generates_each_export(tmp_path, tiny_model_dir):  # noqa: F811
     import shutil
 

@@ -41,6 +41,13 @@ def test_report_from_metrics_and_evals(tmp_path, capsys, monkeypatch):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert not png.exists()
+    # stage one without its filter: every problem is a row; what training's SFT phase has is the solutions
+    (tmp_path / "curate" / "manifest.json").write_text(json.dumps(
+        {"config": {"filter": "none"}, "counts": {"curriculum": 120, "teacher_solutions": 7, "problems_measured": 10,
+                                                  "problems": 120}}))
+    assert main(["--run", str(tmp_path)]) == 0
+    assert ("stage one: 120 curriculum rows (filter none: every problem), 7 with a verified teacher solution from 10 "
+            "problems measured of 120") in capsys.readouterr().out
 
 
 def test_report_of_a_run_still_in_its_sft_phase_offers_its_sft_query(tmp_path, capsys, monkeypatch):
