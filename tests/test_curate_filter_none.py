@@ -365,7 +365,7 @@ def test_stage_two_trains_on_an_unfiltered_curriculum(tmp_path, tiny_model_dir, 
 
 def test_the_unfiltered_formal_config_is_the_formal_one_with_filter_none():
     """configs/curate_r1_distill_1p5b_all.yaml differs from the formal stage one by its filter alone (and the settings
-    only the filter reads)."""
+    only the filter reads), and by the seconds the student's samples took there."""
     from dataclasses import asdict
 
     from data_tools.config import parse_config
@@ -377,7 +377,11 @@ def test_the_unfiltered_formal_config_is_the_formal_one_with_filter_none():
     (unfiltered,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b_all.yaml")],
                                  env=env)
     assert (formal.filter, unfiltered.filter) == ("pass_rate", "none")
-    only_filter = {"filter", "student_samples", "band_low", "band_high", "zero_pass_share", "n_buckets", "order"}
+    only_filter = {"filter", "student_samples", "band_low", "band_high", "zero_pass_share", "n_buckets", "order",
+                   "time_share"}
+    # the student's samples' share of stage one's seconds goes to training: the teacher's 4 of 12 samples a problem
+    share = formal.time_share * formal.teacher_samples / (formal.teacher_samples + formal.student_samples)
+    assert unfiltered.time_share == pytest.approx(round(share, 2)) == 0.07
     assert {k: v for k, v in asdict(unfiltered).items() if k not in only_filter} == {
         k: v for k, v in asdict(formal).items() if k not in only_filter}
 
