@@ -187,9 +187,11 @@ def _plan(ns: argparse.Namespace) -> dict[str, Any]:
     if not ns.protocols.split():
         e = 0.0  # nothing to evaluate: nothing to keep
     t, r = resolve_clock(ns.train)
-    share = float(read_yaml(ns.curate).get("time_share", DEFAULT_CURATE_SHARE))
+    curate = read_yaml(ns.curate)
+    share = float(curate.get("time_share", DEFAULT_CURATE_SHARE))
     return {"recipe": ns.recipe, "curate_config": ns.curate, "train_config": ns.train, "protocols": ns.protocols.split(),
-            "eval_policy": kind, "curate_share": share, **split(t, r, e, share)}
+            "eval_policy": kind, "curate_share": share, "curate_filter": str(curate.get("filter") or "pass_rate"),
+            **split(t, r, e, share)}
 
 
 def _print_plan(p: dict[str, Any]) -> None:
@@ -197,7 +199,9 @@ def _print_plan(p: dict[str, Any]) -> None:
     ev = (f"{f(p['eval_reserve_s'])}  reserved (re-estimated from stage one's measured rates)"
           if p["eval_policy"] == "reserve" else "       0 s  reserved: each evaluation runs only if the time left covers its estimate")
     print(f"recipe {p['recipe']}")
-    print(f"  stage one   {p['curate_config']}")
+    what = {"none": "filter none: the teacher alone samples, every problem a row"}.get(p.get("curate_filter", ""),
+                                                                                        "the student's pass-rate filter")
+    print(f"  stage one   {p['curate_config']}  ({what})")
     print(f"  training    {p['train_config']}")
     print(f"  evaluation  {' '.join('configs/eval/' + x + '.yaml' for x in p['protocols']) or '(none)'}")
     print(f"clock (from run.sh's start, set-up included): MAX_WALL_TIME_SECONDS = {p['clock_s']:.0f} s, "

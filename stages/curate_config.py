@@ -96,12 +96,13 @@ class CurateConfig(EngineSettings):
         if self.grader_profile == "formal" and self.answer_filter != "math":
             raise ValueError(f"answer_filter {self.answer_filter!r} does not apply under grader_profile formal (the metric's "
                              "own rule decides): leave answer_filter at math")
-        for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",
-                     "workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.filter not in FILTERS:
             raise ValueError(f"filter must be one of {list(FILTERS)}, got {self.filter!r}")
+        # under filter none the student is not sampled: student_samples may be anything >= 0 (e.g. 0, to say so)
+        for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",
+                     "workers"):
+            if getattr(self, name) < (0 if name == "student_samples" and self.filter == "none" else 1):
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.band_low < self.band_high <= 1.0:
             raise ValueError(f"need 0 <= band_low < band_high <= 1, got {self.band_low}, {self.band_high}")
         if not 0.0 <= self.zero_pass_share <= 1.0:

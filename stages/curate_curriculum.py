@@ -225,6 +225,10 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
     print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum "
           f"(filter {cfg.filter}), {counts['teacher_solutions']} with a verified teacher solution, "
           f"{counts['load_rejects'] + counts['filter_rejects']} rejects"
-          + (f", {unvisited} not measured (the clock's budget ended first)" if unvisited else "")
+          + (f", {unvisited} not measured (stage one's time ended first)" if unvisited else "")
           + f"; {accs}; tables in {out}", flush=True)
+    if cfg.filter == "none" and not counts["teacher_solutions"]:
+        print(f"[curate] WARNING: no verified teacher solution in {out / 'curriculum.parquet'} (filter none; the teacher "
+              f"verified none of its {counts['problems_measured']} problems measured): stage two's SFT phase has nothing "
+              "to train on (sft_max_epochs alone: every step on-policy; a share or w_sft: refused)", flush=True)
     return manifest

@@ -164,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
               "plots": [str(png)] if png else [], "checkpoints": [str(c) for c in ckpts]}
     lines = [f"# opd run report: {run}", ""]
     manifest = run / "curate" / "manifest.json"
+    unfiltered = False  # stage one under filter none: no pass rates, one bucket
     if manifest.exists():  # how much stage one gave training: a short clock can leave a tiny curriculum
         man = json.loads(manifest.read_text())
+        unfiltered = (man.get("config") or {}).get("filter") == "none"
         c = man.get("counts", {})
         report["curriculum_rows"] = c.get("curriculum")
-        if (man.get("config") or {}).get("filter") == "none":  # every problem a row; the teacher's solutions from those measured
+        if unfiltered:  # every problem a row; the teacher's solutions from those measured
             lines.append(f"stage one: {c.get('curriculum')} curriculum rows (filter none: every problem), "
                          f"{c.get('teacher_solutions')} with a verified teacher solution from {c.get('problems_measured')} "
                          f"problems measured of {c.get('problems')}")
@@ -204,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
               f'  OUTPUT_DIR={run} make query SQL="SELECT level, role, round(avg(correct::INT),3) AS acc, count(*) AS n FROM rollouts JOIN problems USING (problem_id) GROUP BY ALL ORDER BY ALL"']
     if any((run / "rollouts").glob("step-*.parquet")):  # on-policy steps ran: their metrics and rollout table exist
         lines += [f'  OUTPUT_DIR={run} make query SQL="SELECT step, round(\\"kl/sampled_mean\\",4) AS kl, \\"reward/mean\\" AS reward, \\"completions/clip_rate\\" AS clip FROM metrics ORDER BY step"',
-                  f'  OUTPUT_DIR={run} make query SQL="SELECT c.bucket, round(avg(c.pass_rate),3) AS curate_p, round(avg(t.reward),3) AS train_reward FROM curriculum c JOIN train_rollouts t USING (problem_id) GROUP BY ALL ORDER BY 1"']
+                  # stage one's difficulty against training's reward; under filter none there is no pass rate (null)
+                  # and one bucket: the teacher's solutions instead
+                  (f'  OUTPUT_DIR={run} make query SQL="SELECT c.teacher_solution IS NOT NULL AS solved_by_teacher, count(DISTINCT problem_id) AS problems, round(avg(t.reward),3) AS train_reward FROM curriculum c JOIN train_rollouts t USING (problem_id) GROUP BY ALL ORDER BY 1"'
+                   if unfiltered else
+                   f'  OUTPUT_DIR={run} make query SQL="SELECT c.bucket, round(avg(c.pass_rate),3) AS curate_p, round(avg(t.reward),3) AS train_reward FROM curriculum c JOIN train_rollouts t USING (problem_id) GROUP BY ALL ORDER BY 1"')]
     elif metrics and "loss/sft" in metrics[-1]:  # every step so far was off-policy SFT (the recipe's first phase): no rollouts, no reward
         lines += [f'  OUTPUT_DIR={run} make query SQL="SELECT step, round(\\"loss/sft\\",4) AS sft_loss, round(\\"sft/epoch\\",2) AS passes FROM metrics ORDER BY step"']
     write_json(report, out / "report.json")

@@ -195,7 +195,7 @@ def test_a_clock_that_ends_mid_way_measures_teacher_chunks_and_keeps_every_row_t
     assert {r["problem_id"]: (r["teacher_solution"], r["teacher_pass_rate"]) for r in cur} == {
         pid: want.get(pid, (None, None)) for pid in visit}
     assert m["counts"]["teacher_solutions"] == sum(s is not None for s, _ in want.values()) > 0
-    assert "9 not measured (the clock's budget ended first)" in capsys.readouterr().out
+    assert "9 not measured (stage one's time ended first)" in capsys.readouterr().out
 
     # run again on the same, spent clock: the chunks on disk are done (teacher parts alone), so no engine starts
     n_opened = len(opened)
@@ -295,6 +295,30 @@ def test_calls_are_forced_past_a_spent_budget_until_a_verified_solution_exists(t
     assert [r["problem_id"] for r in cur if r["teacher_solution"]] == [visit[2]["problem_id"]] and len(cur) == 12
     assert m["counts"]["teacher_solutions"] == 1
     assert "until a verified teacher solution exists, probes run past it, never past 100s" in capsys.readouterr().out
+
+
+def test_a_teacher_that_verifies_nothing_is_said_at_the_end(tmp_path, monkeypatch, capsys):
+    """Under filter none every problem is a row whatever the teacher solved: a stage one with no verified solution
+    says so in one line naming the curriculum (stage two's SFT phase has nothing), under the band filter nothing
+    extra (it has no row then)."""
+    monkeypatch.delenv("OPD_REHEARSAL_VERIFIED", raising=False)
+    calls, opened = [], []
+    data, out = _data(tmp_path, 6), tmp_path / "run"
+    m = _run(monkeypatch, _argv(data, out), _engine(None, calls, opened, only="no problem says this"))
+    said = capsys.readouterr().out
+    assert m["counts"]["teacher_solutions"] == 0 and m["counts"]["curriculum"] == 6
+    assert (f"[curate] WARNING: no verified teacher solution in {out / 'curate' / 'curriculum.parquet'} (filter none; "
+            "the teacher verified none of its 6 problems measured)") in said
+    _run(monkeypatch, _argv(data, tmp_path / "solved"), _engine(None, calls, opened))  # some solved: no warning
+    assert "WARNING: no verified teacher solution" not in capsys.readouterr().out
+
+
+def test_student_samples_may_be_0_under_filter_none_only():
+    from stages.curate import CurateConfig
+
+    assert CurateConfig(output_dir="/tmp/opd-test-filter-unused", filter="none", student_samples=0).roles == ("teacher",)
+    with pytest.raises(ValueError, match=r"^student_samples must be >= 1, got 0$"):
+        CurateConfig(output_dir="/tmp/opd-test-filter-unused", student_samples=0)
 
 
 def test_a_bad_filter_is_one_clear_error():

@@ -163,17 +163,20 @@ def test_off_policy_steps_train_on_solutions_only(tmp_path, tokenizer):  # noqa:
 
 def test_no_verified_solution_is_an_error(tmp_path, tokenizer):  # noqa: F811
     unsolved = solved_curriculum(tmp_path, solved=lambda i: False)
-    with pytest.raises(ValueError, match="'teacher_solution' column is empty in all 8 rows"):
+    with pytest.raises(ValueError, match="'teacher_solution' column is empty in all 8 rows") as e:
         make_trainer(tmp_path / "a", tokenizer, unsolved, w_sft=1.0)
+    assert "counts.teacher_solutions" in str(e.value) and "curriculum.parquet" in str(e.value)  # where to look
     with pytest.raises(ValueError, match="'teacher_solution' column is empty in all 8 rows"):  # a share for the whole clock
         make_trainer(tmp_path / "b", tokenizer, unsolved, sft_share_start=1.0, sft_share_end=1.0, sft_batch_size=4)
 
 
-def test_no_verified_solution_before_a_hand_over_means_on_policy_from_the_first_step(tmp_path, tokenizer):  # noqa: F811
+def test_no_verified_solution_before_a_hand_over_means_on_policy_from_the_first_step(tmp_path, tokenizer, capsys):  # noqa: F811
     """The formal recipe's order (SFT for sft_max_epochs passes, then on-policy) over a curriculum with no verified
     solution (a short first demo's stage one can leave one): zero passes, so every step is on-policy."""
     tr = make_trainer(tmp_path, tokenizer, solved_curriculum(tmp_path, solved=lambda i: False), sft_share_start=1.0,
                       sft_share_end=1.0, sft_max_epochs=2, sft_batch_size=4)
+    # said on the console, not only in the log: the recipe's first phase does not run
+    assert "over 0 verified teacher solutions (of 8 rows in" in capsys.readouterr().out
     assert tr.sft_phase_done()
     tr.train()
     recs = [json.loads(x) for x in (Path(tr.args.output_dir) / "metrics" / "train.jsonl").read_text().splitlines()]

@@ -46,8 +46,11 @@ def test_report_from_metrics_and_evals(tmp_path, capsys, monkeypatch):
         {"config": {"filter": "none"}, "counts": {"curriculum": 120, "teacher_solutions": 7, "problems_measured": 10,
                                                   "problems": 120}}))
     assert main(["--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
     assert ("stage one: 120 curriculum rows (filter none: every problem), 7 with a verified teacher solution from 10 "
-            "problems measured of 120") in capsys.readouterr().out
+            "problems measured of 120") in out
+    # no pass rate to group by (null, one bucket): the query offered groups by the teacher's solutions
+    assert "c.teacher_solution IS NOT NULL AS solved_by_teacher" in out and "avg(c.pass_rate)" not in out
 
 
 def test_report_of_a_run_still_in_its_sft_phase_offers_its_sft_query(tmp_path, capsys, monkeypatch):

@@ -149,6 +149,13 @@ def test_plan_formal_recipe_prints_every_config_and_budget(tmp_path):
         assert f in out
     assert "set-up + stage one     8460 s" in out and "training              33840 s" in out
     assert "final export            900 s" in out and "only if the time left covers" in out
+    assert "configs/curate_r1_distill_1p5b.yaml  (the student's pass-rate filter)" in out
+    # the unfiltered stage one: its filter and its share (a third of the formal one's seconds) in the plan
+    r = _run_sh("--plan", "r1_distill_1p5b", env={**env, "STUDENT_MODEL": s, "TEACHER_MODEL": s,
+                                                  "CURATE_CONFIG": "configs/curate_r1_distill_1p5b_all.yaml"})
+    assert r.returncode == 0, r.stderr
+    assert ("configs/curate_r1_distill_1p5b_all.yaml  (filter none: the teacher alone samples, every problem a row)"
+            in r.stdout) and "set-up + stage one     2961 s  (share 0.07" in r.stdout
 
 
 def test_plan_without_argument_picks_the_demo_and_says_why(tmp_path):

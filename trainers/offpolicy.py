@@ -25,6 +25,7 @@ arms of bench/learning.py are compared at equal training seconds.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import torch
@@ -139,8 +140,10 @@ class OffPolicySchedule:
         # other use of the solutions (a share for the whole clock, the w_sft term) has nothing to train on
         if not self.pool and a.needs_teacher_solutions:
             raise ValueError("w_sft / sft_share_* train on stage one's verified teacher solutions, but the curriculum's "
-                             f"'teacher_solution' column is empty in all {len(solutions)} rows (no teacher sample "
-                             "verified: run stage one with teacher_samples >= 1, or turn the off-policy terms off: "
+                             f"'teacher_solution' column is empty in all {len(solutions)} rows of {a.curriculum_path} (no teacher "
+                             "sample verified: stage one's teacher solved none of the problems it measured "
+                             "(curate/manifest.json, counts.teacher_solutions) or had teacher_samples 0; or turn "
+                             "the off-policy terms off: "
                              "--w_sft 0 --sft_share_start 0 --sft_share_end 0 --sft_learning_rate 0 --sft_max_epochs 0)")
         unit = world_size * a.gradient_accumulation_steps
         if a.sft_batch_size % unit:
@@ -149,8 +152,12 @@ class OffPolicySchedule:
                              f"gradient_accumulation_steps ({world_size} x {a.gradient_accumulation_steps} = {unit}): "
                              f"e.g. {lo} or {hi}")
         if a.sft_max_epochs and a.sft_batch_size > a.sft_max_epochs * len(self.pool):
-            log.warning("sft_max_epochs=%g over %d verified solutions is less than one batch of %d: no off-policy "
-                        "step will run, every step is on-policy", a.sft_max_epochs, len(self.pool), a.sft_batch_size)
+            # printed, not only logged: a recipe whose first phase is SFT runs without it (e.g. a stage one under
+            # filter none whose teacher verified nothing), which the run's console must say
+            if int(os.environ.get("RANK", "0")) == 0:  # once, from the first process
+                print(f"[train] sft_max_epochs={a.sft_max_epochs:g} over {len(self.pool)} verified teacher solutions (of "
+                      f"{len(solutions)} rows in {a.curriculum_path}) is less than one batch of {a.sft_batch_size}: no "
+                      "off-policy step will run, every step is on-policy", flush=True)
 
     def choose(self, fraction: float, step: int, agree: Callable[[bool], bool] | None = None) -> bool:
         """The kind of the optimizer step after ``step`` at time fraction ``fraction``: off-policy (teacher solutions
