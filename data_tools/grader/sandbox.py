@@ -293,7 +293,8 @@ def _mv_check(gold: str, pred: str, parse, verify, cfg, gold_cache) -> dict:  # 
             if scale != 0 and diff > REL_TOL * scale:
                 ok = False
                 res["veto"] = "relative tolerance"
-        # Exact set semantics: a proper subset of a "find all" answer is wrong (math-verify issue 47, see the docstring).
+        # Exact set semantics: a proper subset of a "find all" answer is wrong (math-verify alone accepts one; see the
+        # docstring).
         gn, pn = _set_size(gs), _set_size(ps)
         if ok and gn is not None and pn is not None and gn != pn and (gn > 1 or pn > 1):
             ok = False
