@@ -97,7 +97,10 @@ class CurateConfig(EngineSettings):
             raise ValueError(f"answer_filter {self.answer_filter!r} does not apply under grader_profile formal (the metric's "
                              "own rule decides): leave answer_filter at math")
         if self.filter not in FILTERS:
-            raise ValueError(f"filter must be one of {list(FILTERS)}, got {self.filter!r}")
+            # YAML reads a bare off / no / false as the boolean False (a config file's value reaches here as text)
+            hint = (" (YAML read a bare off / no / false as a boolean: write none)"
+                    if str(self.filter) in ("False", "True") else "")
+            raise ValueError(f"filter must be one of {list(FILTERS)}, got {self.filter!r}{hint}")
         # under filter none the student is not sampled: student_samples may be anything >= 0 (e.g. 0, to say so)
         for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",
                      "workers"):

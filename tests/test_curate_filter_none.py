@@ -331,6 +331,16 @@ def test_a_bad_filter_is_one_clear_error():
         parse_config([CurateConfig], ["--filter", "band", "--output_dir", "/tmp/opd-test-filter-unused"], env={})
 
 
+def test_a_yaml_filter_off_names_the_boolean_yaml_made_of_it(tmp_path):
+    from data_tools.config import parse_config
+    from stages.curate import CurateConfig
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("filter: off\noutput_dir: /tmp/opd-test-filter-unused\n")
+    with pytest.raises(ValueError, match=r"got 'False' \(YAML read a bare off / no / false as a boolean: write none\)$"):
+        parse_config([CurateConfig], ["--config", str(cfg)], env={})
+
+
 def test_a_changed_filter_is_another_curation(tmp_path, monkeypatch):
     from stages.curate import CurateConfig, _fingerprint
 

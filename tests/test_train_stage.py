@@ -296,3 +296,31 @@ def test_console_names_the_later_updates_of_a_rollout_batch(capsys):
     assert "reward=0.500 len=30.0" in lines[0] and "reward=0.500" in lines[4]
     assert lines[1].endswith("update 2/4 of step 1's rollouts step=1.0s") and "update 4/4 of step 1's" in lines[3]
     assert "update 2/4 of step 5's rollouts" in lines[5] and not any("nan" in x for x in lines)
+
+
+def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, curriculum_path, monkeypatch):  # noqa: F811
+    """A TRL user's --max_steps stops training after that many steps (transformers keeps its unbounded count, which
+    the time schedules need); a max_steps that disagrees with debug_max_steps is refused, naming both."""
+    from data_tools.config import parse_config
+    from stages.train import main
+    from trainers.opd_config import UNBOUNDED_STEPS, OPDConfig
+
+    env = {"OUTPUT_DIR": str(tmp_path / "o"), "STUDENT_MODEL": tiny_model_dir, "TRAIN_DATA": curriculum_path}
+    (a,) = parse_config([OPDConfig], [*TINY_FLAGS, "--max_steps", "3"], env=env)
+    assert (a.debug_max_steps, a.max_steps) == (3, UNBOUNDED_STEPS)
+    (b,) = parse_config([OPDConfig], [*TINY_FLAGS], env=env)
+    assert (b.debug_max_steps, b.max_steps) == (0, UNBOUNDED_STEPS)
+    with pytest.raises(ValueError, match="max_steps 3 and debug_max_steps 2 disagree"):
+        parse_config([OPDConfig], [*TINY_FLAGS, "--max_steps", "3", "--debug_max_steps", "2"], env=env)
+
+    for k, v in _env(tmp_path, tiny_model_dir, curriculum_path, MAX_WALL_TIME_SECONDS=100_000,
+                     DEADLINE_RESERVE_SECONDS=10).items():
+        if k in ("OUTPUT_DIR", "STUDENT_MODEL", "TRAIN_DATA"):
+            monkeypatch.setenv(k, v)
+    no_sft = ["--sft_share_start", "0", "--sft_share_end", "0", "--sft_learning_rate", "0", "--sft_max_epochs", "0"]
+    assert main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, *no_sft, "--max_steps", "2",
+                 "--ckpt_every_minutes", "0"]) == 0
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["global_step"] == 2 and "max_steps=2" in summary["stop_reason"], summary
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]

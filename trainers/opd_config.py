@@ -276,7 +276,8 @@ class OPDConfig(DistillationConfig):
     disable_tqdm: bool | None = field(default=True, metadata={
         "help": "No progress bar: its total would be the unbounded max_steps; metrics/train.jsonl has the progress."})
     max_steps: int = field(default=UNBOUNDED_STEPS, metadata={
-        "help": "Set by OPDConfig to an unbounded value; the wall clock ends training (use debug_max_steps in tests)."})
+        "help": "A cap on optimizer steps, as debug_max_steps (-1 = none); the wall clock still ends training. "
+                "transformers itself is given an unbounded count."})
 
     def __post_init__(self):
         from data_tools.runio import default_output_dir
@@ -321,6 +322,15 @@ class OPDConfig(DistillationConfig):
                      "k1_clamp"):
             if getattr(self, name) in ("", "none", "None", "null"):
                 setattr(self, name, None)
+        if 0 < self.max_steps != UNBOUNDED_STEPS:
+            # a TRL user stops a run with max_steps: it caps the optimizer steps as debug_max_steps does, while
+            # transformers keeps an unbounded count (its step-count schedules and progress would read it as the horizon)
+            if self.debug_max_steps and self.debug_max_steps != self.max_steps:
+                raise ValueError(f"max_steps {self.max_steps} and debug_max_steps {self.debug_max_steps} disagree: both cap "
+                                 "the optimizer steps, set one")
+            log.info("max_steps=%d: training stops after step %d (as debug_max_steps) or at the wall clock, whichever "
+                     "comes first", self.max_steps, self.max_steps)
+            self.debug_max_steps = self.max_steps
         self.max_steps = UNBOUNDED_STEPS
         # TrainingArguments only knows transformers' scheduler names: validate as constant, then keep ours.
         sched = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
