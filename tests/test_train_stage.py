@@ -300,7 +300,8 @@ def test_console_names_the_later_updates_of_a_rollout_batch(capsys):
 
 def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, curriculum_path, monkeypatch):  # noqa: F811
     """A TRL user's --max_steps stops training after that many steps (transformers keeps its unbounded count, which
-    the time schedules need); a max_steps that disagrees with debug_max_steps is refused, naming both."""
+    the time schedules need); a max_steps that disagrees with debug_max_steps is refused, naming both, and so is a
+    num_train_epochs, which would not stop a run that cycles over the curriculum."""
     from data_tools.config import parse_config
     from stages.train import main
     from trainers.opd_config import UNBOUNDED_STEPS, OPDConfig
@@ -312,6 +313,8 @@ def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, c
     assert (b.debug_max_steps, b.max_steps) == (0, UNBOUNDED_STEPS)
     with pytest.raises(ValueError, match="max_steps 3 and debug_max_steps 2 disagree"):
         parse_config([OPDConfig], [*TINY_FLAGS, "--max_steps", "3", "--debug_max_steps", "2"], env=env)
+    with pytest.raises(ValueError, match="num_train_epochs 1 would not stop training"):
+        parse_config([OPDConfig], [*TINY_FLAGS, "--num_train_epochs", "1"], env=env)
 
     for k, v in _env(tmp_path, tiny_model_dir, curriculum_path, MAX_WALL_TIME_SECONDS=100_000,
                      DEADLINE_RESERVE_SECONDS=10).items():

@@ -275,6 +275,9 @@ class OPDConfig(DistillationConfig):
     disable_dropout: bool = field(default=True, metadata={"help": "Dropout off: log-probs must be deterministic for k1 and the PPO ratio."})
     disable_tqdm: bool | None = field(default=True, metadata={
         "help": "No progress bar: its total would be the unbounded max_steps; metrics/train.jsonl has the progress."})
+    num_train_epochs: float = field(default=0.0, metadata={
+        "help": "Not a stopping rule here (refused if set): training cycles over the curriculum until the wall clock "
+                "or max_steps ends it; sft_max_epochs caps the SFT passes."})
     max_steps: int = field(default=UNBOUNDED_STEPS, metadata={
         "help": "A cap on optimizer steps, as debug_max_steps (-1 = none); the wall clock still ends training. "
                 "transformers itself is given an unbounded count."})
@@ -322,6 +325,11 @@ class OPDConfig(DistillationConfig):
                      "k1_clamp"):
             if getattr(self, name) in ("", "none", "None", "null"):
                 setattr(self, name, None)
+        if self.num_train_epochs:
+            raise ValueError(f"num_train_epochs {self.num_train_epochs:g} would not stop training: it cycles over the "
+                             "curriculum until the wall clock ends it (max_wall_time_seconds); cap the steps with "
+                             "max_steps, the SFT passes with sft_max_epochs")
+        self.num_train_epochs = 3.0  # transformers' default, unused beside a max_steps
         if 0 < self.max_steps != UNBOUNDED_STEPS:
             # a TRL user stops a run with max_steps: it caps the optimizer steps as debug_max_steps does, while
             # transformers keeps an unbounded count (its step-count schedules and progress would read it as the horizon)
