@@ -52,6 +52,7 @@ class LoadResult:
     ``columns``: role -> column name used (e.g. ``{"problem": "question", "answer": "answer (#### N)"}``).
     ``duplicates``: rows that repeat an earlier problem text with the same answer (rejected as duplicates).
     ``conflicts``: rows that repeat an earlier problem text with a different answer (rejected as conflicts).
+    A row whose id an earlier, different problem holds is kept under ``<id>@row<i>`` (``reused_ids``).
     Each repeated row is counted once, in one of the two: ``duplicates + conflicts`` rows repeated a problem.
     """
 
@@ -61,6 +62,9 @@ class LoadResult:
     columns: dict[str, str] = field(default_factory=dict)
     duplicates: int = 0
     conflicts: int = 0
+    #: rows whose id was already another problem's: kept under ``<id>@row<i>`` (the first few such ids)
+    reused_ids: int = 0
+    reused_id_rows: list[str] = field(default_factory=list)
     n_read: int = 0
     #: verl format only: rows whose DAPO wrapper was removed; rows whose user message was in no wrapper we
     #: recognise (kept verbatim), and the first few of those row indices.
@@ -76,6 +80,10 @@ class LoadResult:
         cols = ", ".join(f"{k}<-{v}" for k, v in self.columns.items())
         line = (f"{self.source}: read {self.n_read} rows, kept {len(self.rows)}, rejected {len(self.rejects)} "
                 f"({self.duplicates} duplicates, {self.conflicts} duplicates with a conflicting answer); columns: {cols}")
+        if self.reused_ids:
+            more = ", ..." if self.reused_ids > len(self.reused_id_rows) else ""
+            line += (f"; {self.reused_ids} rows reused the id of another problem (column {self.columns.get('id')!r}), "
+                     f"kept under ids of their own: {', '.join(self.reused_id_rows)}{more}")
         if self.wrapper_unrecognised:
             more = ", ..." if self.wrapper_unrecognised > len(self.unrecognised_rows) else ""
             line += f"; wrapper not recognised in rows {', '.join(map(str, self.unrecognised_rows))}{more}"
@@ -407,9 +415,14 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
                 res.duplicates += 1
                 reject(f"duplicate problem (first seen as {first_id})")
             continue
-        if pid in ids:
-            reject(f"duplicate problem_id {pid!r} (column {labels.get(ic, ic)!r}) for a different problem")
-            continue
+        if pid in ids:  # another problem under a used id: kept under an id of its own, never dropped
+            base, k = f"{pid}@row{i}", 1
+            pid = base
+            while pid in ids:
+                pid, k = f"{base}.{k}", k + 1
+            res.reused_ids += 1
+            if len(res.reused_id_rows) < 3:
+                res.reused_id_rows.append(pid)
         seen[key] = (pid, gold)
         ids.add(pid)
         res.rows.append({"problem_id": pid, "problem": problem, "answer": gold, "solution": solution or None,

@@ -165,7 +165,8 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
     write_parquet(pa.Table.from_pylist(load_rejects + filter_rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
 
     counts = {"input_rows": loaded.n_read, "problems": len(prep.rows), "load_rejects": len(load_rejects),
-              "duplicates": loaded.duplicates, "conflicts": loaded.conflicts, "filter_rejects": len(filter_rejects),
+              "duplicates": loaded.duplicates, "conflicts": loaded.conflicts, "reused_ids": loaded.reused_ids,
+              "filter_rejects": len(filter_rejects),
               "curriculum": len(curriculum), "rollouts": rollouts.num_rows,
               "teacher_solutions": sum(r["teacher_solution"] is not None for r in curriculum)}
     for role in ("teacher", "student"):  # a role this curation does not sample: None (no samples, not a rate of 0)

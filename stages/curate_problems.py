@@ -127,7 +127,9 @@ def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
     if parent:
         print(loaded.report(), flush=True)
         for rej in loaded.rejects[:5]:
-            print(f"  rejected row {rej['row_index']} (0-based; {rej['problem_id']}): {rej['reason']}", flush=True)
+            reason = str(rej["reason"])
+            where = "" if reason.startswith(f"row {rej['row_index']}:") else f"row {rej['row_index']} (0-based): "
+            print(f"  rejected problem_id {rej['problem_id']}: {where}{reason}", flush=True)
     if not loaded.rows:
         raise ValueError(f"no usable problems in {cfg.train_data} ({len(loaded.rejects)} rejected)")
     student = resolve_model(cfg.student_model)

@@ -34,15 +34,27 @@ def test_columns_rejects_and_duplicates(tmp_path):
     ])
     res = load_problems(f)
     assert res.columns["problem"] == "question" and res.columns["answer"] == "final_answer"
-    assert [r["problem_id"] for r in res.rows] == ["a"]
+    assert [r["problem_id"] for r in res.rows] == ["a", "a@row6"]  # a reused id: kept under an id of its own
     reasons = {r["problem_id"]: r["reason"] for r in res.rejects}
     assert "empty problem" in reasons["b"]
     assert "no answer" in reasons["c"]
     assert "duplicate problem (first seen as a)" in reasons["d"]
     assert "does not parse" in reasons["e"]
     assert any("line 5 is not valid JSON" in r["reason"] for r in res.rejects)
-    assert any("duplicate problem_id" in r["reason"] for r in res.rejects)
-    assert res.duplicates == 1 and len(res.rejects) == 6 and res.n_read == 7
+    assert res.reused_ids == 1 and res.reused_id_rows == ["a@row6"]
+    assert res.duplicates == 1 and len(res.rejects) == 5 and res.n_read == 7
+
+
+def test_a_reused_id_never_takes_an_id_in_use(tmp_path):
+    f = _jsonl(tmp_path / "ids.jsonl", [
+        {"question": "What is 1+1?", "final_answer": "2", "id": "x"},
+        {"question": "What is 1+2?", "final_answer": "3", "id": "x@row2"},
+        {"question": "What is 1+3?", "final_answer": "4", "id": "x"},       # x@row2 is taken: x@row2.1
+        {"question": "What is 1+4?", "final_answer": "5", "id": "x"},
+    ])
+    res = load_problems(f)
+    assert [r["problem_id"] for r in res.rows] == ["x", "x@row2", "x@row2.1", "x@row3"]
+    assert [r["answer"] for r in res.rows] == ["2", "3", "4", "5"] and not res.rejects and res.reused_ids == 2
 
 
 def test_gsm8k_answers_and_parquet(tmp_path):

@@ -80,14 +80,16 @@ def test_bad_verl_rows_are_rejected_naming_row_and_field(tmp_path):
         _row(WRAP.format(problem="What is 5 + 5?"), "10", 0),                            # index 0 again
     ])
     res = load_problems(f)
-    assert [r["problem_id"] for r in res.rows] == ["0"]
+    # a different problem under a used index is kept, under an id of its own
+    assert [r["problem_id"] for r in res.rows] == ["0", "0@row6"]
+    assert res.reused_ids == 1 and "1 rows reused the id of another problem (column 'extra_info.index'), kept under " \
+        "ids of their own: 0@row6" in res.report()
     assert {r["row_index"]: r["reason"] for r in res.rejects} == {
         1: "row 1: field 'prompt': expected one message with role 'user', found 0 (roles ['system'])",
         2: "row 2: no answer (column 'reward_model.ground_truth')",
         3: "row 3: empty problem (column 'prompt (the user message)')",
         4: "row 4: answer does not parse (column 'reward_model.ground_truth'): '\\\\frac{'",
         5: "row 5: field 'prompt': expected one message with role 'user', found 2 (roles ['user', 'user'])",
-        6: "row 6: duplicate problem_id '0' (column 'extra_info.index') for a different problem",
     }
     assert json.loads(res.rejects[0]["raw"])["__row__"]["prompt"] == [{"role": "system", "content": "Be brief."}]
 
