@@ -159,6 +159,13 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
     rollouts = pa.concat_tables(tables) if tables else ROLLOUT_SCHEMA.empty_table()
     write_parquet(rollouts, out / "rollouts.parquet")
     measured_rows, curriculum, filter_rejects = curriculum_of(cfg, prep.visit, rollouts)
+    # The band kept nothing (a short clock, a teacher that verified nothing): an empty curriculum would end the run
+    # with no step and no export, so training gets every usable problem instead, as filter none builds it. Only
+    # here: the probes' test (curriculum_has_row) keeps the band's answer, so stage one still probes for a row.
+    fallback = cfg.filter != "none" and not curriculum
+    if fallback:
+        curriculum = build_unfiltered(prep.visit, measured_problems(prep.visit, rollouts, 0), rollouts, cfg)
+        filter_rejects = []
     write_parquet(pa.Table.from_pylist(curriculum, schema=CURRICULUM_SCHEMA), out / "curriculum.parquet")
     loaded = prep.loaded
     load_rejects = [{**r, "stage": "load"} for r in loaded.rejects] + prep.context_rejects
@@ -166,7 +173,7 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
 
     counts = {"input_rows": loaded.n_read, "problems": len(prep.rows), "load_rejects": len(load_rejects),
               "duplicates": loaded.duplicates, "conflicts": loaded.conflicts, "reused_ids": loaded.reused_ids,
-              "filter_rejects": len(filter_rejects),
+              "filter_rejects": len(filter_rejects), "filter_fallback": fallback,
               "curriculum": len(curriculum), "rollouts": rollouts.num_rows,
               "teacher_solutions": sum(r["teacher_solution"] is not None for r in curriculum)}
     for role in ("teacher", "student"):  # a role this curation does not sample: None (no samples, not a rate of 0)
@@ -224,12 +231,18 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
     unvisited = counts["problems"] - counts["problems_measured"]
     accs = ", ".join(f"{r} acc {counts[f'{r}_accuracy']}" for r in roles)
     print(f"curate done in {timings['total_s']}s: {counts['problems']} problems -> {counts['curriculum']} in curriculum "
-          f"(filter {cfg.filter}), {counts['teacher_solutions']} with a verified teacher solution, "
+          f"(filter {cfg.filter}{'; it kept none: every problem instead' if fallback else ''}), "
+          f"{counts['teacher_solutions']} with a verified teacher solution, "
           f"{counts['load_rejects'] + counts['filter_rejects']} rejects"
           + (f", {unvisited} not measured (stage one's time ended first)" if unvisited else "")
           + f"; {accs}; tables in {out}", flush=True)
-    if cfg.filter == "none" and not counts["teacher_solutions"]:
-        print(f"[curate] WARNING: no verified teacher solution in {out / 'curriculum.parquet'} (filter none; the teacher "
-              f"verified none of its {counts['problems_measured']} problems measured): stage two's SFT phase has nothing "
+    if fallback:
+        print(f"[curate] WARNING: the pass-rate filter kept none of the {counts['problems_measured']} problems measured: "
+              f"{out / 'curriculum.parquet'} is every usable problem instead ({counts['curriculum']}, unfiltered, as "
+              f"filter none builds it; {counts['teacher_solutions']} with a verified teacher solution), so that "
+              "training has problems to go on policy over", flush=True)
+    if (cfg.filter == "none" or fallback) and not counts["teacher_solutions"]:
+        print(f"[curate] WARNING: no verified teacher solution in {out / 'curriculum.parquet'} (filter "
+              f"{'none' if cfg.filter == 'none' else 'pass_rate, fallen back to every problem'}; the teacher verified none of its {counts['problems_measured']} problems measured): stage two's SFT phase has nothing "
               "to train on (sft_max_epochs alone: every step on-policy; a share or w_sft: refused)", flush=True)
     return manifest

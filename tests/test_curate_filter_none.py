@@ -313,6 +313,29 @@ def test_a_teacher_that_verifies_nothing_is_said_at_the_end(tmp_path, monkeypatc
     assert "WARNING: no verified teacher solution" not in capsys.readouterr().out
 
 
+def test_a_band_that_keeps_nothing_falls_back_to_every_problem(tmp_path, monkeypatch, capsys):
+    """The band filter over problems nobody solves keeps none: the curriculum is then every usable problem (as filter
+    none builds it, said in one line and in the manifest), never an empty table that ends the run with no export; a
+    band that keeps rows is unchanged."""
+    monkeypatch.delenv("OPD_REHEARSAL_VERIFIED", raising=False)
+    calls, opened = [], []
+    data, out = _data(tmp_path, 6), tmp_path / "run"
+    m = _run(monkeypatch, [*_argv(data, out), "--filter", "pass_rate"],
+             _engine(None, calls, opened, only="no problem says this"))
+    said = capsys.readouterr().out
+    assert m["config"]["filter"] == "pass_rate" and {"teacher", "student"} <= {c.split()[0] for c in calls}
+    assert m["counts"]["filter_fallback"] is True and m["counts"]["filter_rejects"] == 0
+    assert m["counts"]["curriculum"] == 6 and m["counts"]["teacher_solutions"] == 0
+    cur = pq.read_table(out / "curate" / "curriculum.parquet").to_pylist()
+    assert [r["problem_id"] for r in cur] == _visit(out) and {r["pass_rate"] for r in cur} == {None}
+    assert ("[curate] WARNING: the pass-rate filter kept none of the 6 problems measured: "
+            f"{out / 'curate' / 'curriculum.parquet'} is every usable problem instead (6, unfiltered") in said
+    assert "(filter pass_rate; it kept none: every problem instead)" in said
+    m2 = _run(monkeypatch, [*_argv(data, tmp_path / "solved"), "--filter", "pass_rate"], _engine(None, calls, opened))
+    assert m2["counts"]["filter_fallback"] is False and 0 < m2["counts"]["curriculum"] < 6
+    assert "kept none" not in capsys.readouterr().out
+
+
 def test_student_samples_may_be_0_under_filter_none_only():
     from stages.curate import CurateConfig
 
