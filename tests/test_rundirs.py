@@ -207,6 +207,27 @@ def test_exports_are_never_visible_half_written_or_half_deleted(tmp_path, monkey
     assert all((ck / f"checkpoint-{s}" / "model.safetensors").stat().st_size == 1000 for s in (2, 3, 4))
 
 
+def test_rotation_never_removes_another_runs_exports_and_they_are_named(tmp_path):
+    """In a shared exports directory (the formal layout's /out/checkpoints) rotation counts and removes only the
+    exports of the run that writes (their opd_checkpoint.json's owner); another run's, and exports that name no
+    run, stay, and foreign_exports names them for the trainer's warning."""
+    from trainers import callbacks
+
+    ck = tmp_path / "checkpoints"
+    (ck / "checkpoint-999").mkdir(parents=True)  # something else's: no opd_checkpoint.json
+    callbacks.export_checkpoint(_FakeModel(), _FakeTokenizer(), ck, 500, keep=3, owner="/runs/other")
+    for step in (10, 20, 30, 40):
+        callbacks.export_checkpoint(_FakeModel(), _FakeTokenizer(), ck, step, keep=3, owner="/runs/me")
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint-20", "checkpoint-30", "checkpoint-40",
+                                                    "checkpoint-500", "checkpoint-999"]
+    assert callbacks.export_owner(ck / "checkpoint-40") == "/runs/me" and callbacks.export_owner(ck / "checkpoint-999") is None
+    assert [p.name for p in callbacks.foreign_exports(ck, "/runs/me")] == ["checkpoint-500", "checkpoint-999"]
+    assert [p.name for p in callbacks.foreign_exports(ck, "/runs/other")] == [
+        "checkpoint-20", "checkpoint-30", "checkpoint-40", "checkpoint-999"]
+    callbacks.rotate_exports(ck, 1)  # no owner: every export counts (the behaviour for callers that name none)
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint-999"]
+
+
 # ------------------------------------------------------------------------------------------- .ci/small_tmp.sh
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),

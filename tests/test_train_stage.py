@@ -298,7 +298,8 @@ def test_console_names_the_later_updates_of_a_rollout_batch(capsys):
     assert "update 2/4 of step 5's rollouts" in lines[5] and not any("nan" in x for x in lines)
 
 
-def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, curriculum_path, monkeypatch):  # noqa: F811
+def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, curriculum_path, monkeypatch,  # noqa: F811
+                                                     capsys):
     """A TRL user's --max_steps stops training after that many steps (transformers keeps its unbounded count, which
     the time schedules need); a max_steps that disagrees with debug_max_steps is refused, naming both, and so is a
     num_train_epochs, which would not stop a run that cycles over the curriculum."""
@@ -321,8 +322,14 @@ def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, c
         if k in ("OUTPUT_DIR", "STUDENT_MODEL", "TRAIN_DATA"):
             monkeypatch.setenv(k, v)
     no_sft = ["--sft_share_start", "0", "--sft_share_end", "0", "--sft_learning_rate", "0", "--sft_max_epochs", "0"]
+    stale = tmp_path / "run" / "checkpoints" / "checkpoint-999"  # another run's export in this run's directory
+    stale.mkdir(parents=True)
     assert main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, *no_sft, "--max_steps", "2",
                  "--ckpt_every_minutes", "0"]) == 0
+    assert (f"[train] WARNING: {tmp_path / 'run' / 'checkpoints'} holds 1 export(s) this run did not write "
+            "(checkpoint-999)") in capsys.readouterr().out
+    assert stale.is_dir() and json.loads((tmp_path / "run" / "checkpoints" / "checkpoint-2" / "opd_checkpoint.json")
+                                         .read_text())["owner"] == str((tmp_path / "run").resolve())
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["global_step"] == 2 and "max_steps=2" in summary["stop_reason"], summary
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]

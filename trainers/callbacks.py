@@ -68,10 +68,26 @@ def find_resume_checkpoint(resume_dir: Path) -> str | None:
     return None
 
 
-def rotate_exports(ckpt_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` highest-step exports in ``ckpt_dir`` (and stale temp dirs); returns the removed."""
+def export_owner(path: Path) -> str | None:
+    """The run directory that wrote export ``path`` (its ``opd_checkpoint.json``'s ``owner``), or None (not ours,
+    or written before exports named their run)."""
+    try:
+        return json.loads((Path(path) / "opd_checkpoint.json").read_text()).get("owner")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def foreign_exports(ckpt_dir: Path, owner: str) -> list[Path]:
+    """The ``checkpoint-*`` exports in ``ckpt_dir`` that another run (or anything else) wrote, ascending by step."""
+    return [p for _, p in checkpoint_steps(ckpt_dir) if export_owner(p) != owner]
+
+
+def rotate_exports(ckpt_dir: Path, keep: int, owner: str | None = None) -> list[Path]:
+    """Delete all but the ``keep`` highest-step exports in ``ckpt_dir`` (and stale temp dirs); returns the removed.
+    ``owner``: only that run's exports count and go (another run's in a shared directory are never deleted)."""
     removed = []
-    for _, path in checkpoint_steps(ckpt_dir)[:-keep] if keep > 0 else []:
+    mine = [(s, p) for s, p in checkpoint_steps(ckpt_dir) if owner is None or export_owner(p) == owner]
+    for _, path in mine[:-keep] if keep > 0 else []:
         _remove_export(path)
         removed.append(path)
     for tmp in Path(ckpt_dir).glob(".tmp-checkpoint-*"):
@@ -107,7 +123,7 @@ def share_file_modes(directory: Path) -> None:
 
 
 def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict: dict | None = None,
-                      dtype: Any = None, keep: int = 3, extra: dict | None = None) -> Path:
+                      dtype: Any = None, keep: int = 3, extra: dict | None = None, owner: str | None = None) -> Path:
     """Write a complete HF export ``ckpt_dir/checkpoint-<step>/`` atomically and rotate to ``keep``.
 
     Contents: safetensors weights, ``config.json``, ``generation_config.json``, tokenizer files and
@@ -120,6 +136,8 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
         model: an unwrapped ``PreTrainedModel``.
         state_dict: full state dict to save (pass ``accelerator.get_state_dict(model)`` under FSDP / ZeRO-3).
         dtype: cast floating weights to this torch dtype (e.g. bfloat16 exports of an fp32 run).
+        owner: the run directory, recorded in ``opd_checkpoint.json``; rotation then counts and removes only the
+            exports that name it.
     """
     import torch
 
@@ -141,7 +159,8 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
             cfg["dtype"] = str(dtype).replace("torch.", "")
             cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
-        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {})}
+        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {}),
+                **({"owner": owner} if owner else {})}
         (tmp / "opd_checkpoint.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
         share_file_modes(tmp)
         if dest.exists():  # an export of this step already: renamed aside first (see _remove_export), deleted after
@@ -158,7 +177,7 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    rotate_exports(ckpt_dir, keep)
+    rotate_exports(ckpt_dir, keep, owner)
     return dest
 
 

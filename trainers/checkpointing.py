@@ -101,7 +101,7 @@ class SaveAndResume:
             unwrapped = self.accelerator.unwrap_model(self.model)
             t0 = time.perf_counter()
             dest = export_checkpoint(unwrapped, self.processing_class, Path(a.ckpt_dir), self.state.global_step,
-                                     state_dict=state_dict, dtype=dtype, keep=a.ckpt_keep,
+                                     state_dict=state_dict, dtype=dtype, keep=a.ckpt_keep, owner=a.export_owner,
                                      extra={"experiment_name": a.experiment_name, "student_model": a.student_model,
                                             "teacher_model": a.teacher_model, "kl_mode": a.kl_mode,
                                             "teacher_context": a.teacher_context, "engine": self.rollouts.name})

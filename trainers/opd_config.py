@@ -475,6 +475,11 @@ class OPDConfig(DistillationConfig):
         return Path(self.output_dir) / "resume"
 
     @property
+    def export_owner(self) -> str:
+        """What this run's exports name as their writer (``opd_checkpoint.json``): its run directory, resolved."""
+        return str(Path(self.output_dir).resolve())
+
+    @property
     def metrics_path(self) -> Path:
         return Path(self.output_dir) / "metrics" / "train.jsonl"
 
