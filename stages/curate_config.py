@@ -99,7 +99,8 @@ class CurateConfig(EngineSettings):
         if self.filter not in FILTERS:
             # YAML reads a bare off / no / false as the boolean False (a config file's value reaches here as text)
             hint = (" (YAML read a bare off / no / false as a boolean: write none)"
-                    if str(self.filter) in ("False", "True") else "")
+                    if str(self.filter) in ("False", "True") else
+                    " (filter names are lowercase: write none)" if str(self.filter).lower() == "none" else "")
             raise ValueError(f"filter must be one of {list(FILTERS)}, got {self.filter!r}{hint}")
         # under filter none the student is not sampled: student_samples may be anything >= 0 (e.g. 0, to say so)
         for name in ("teacher_samples", "student_samples", "max_tokens", "chunk_size", "n_buckets", "max_model_len",

@@ -362,6 +362,10 @@ def test_a_yaml_filter_off_names_the_boolean_yaml_made_of_it(tmp_path):
     cfg.write_text("filter: off\noutput_dir: /tmp/opd-test-filter-unused\n")
     with pytest.raises(ValueError, match=r"got 'False' \(YAML read a bare off / no / false as a boolean: write none\)$"):
         parse_config([CurateConfig], ["--config", str(cfg)], env={})
+    for value in ("None", "NONE"):  # (a YAML null is refused by the config reader: a key that needs a value)
+        cfg.write_text(f"filter: {value}\noutput_dir: /tmp/opd-test-filter-unused\n")
+        with pytest.raises(ValueError, match=r"\(filter names are lowercase: write none\)$"):
+            parse_config([CurateConfig], ["--config", str(cfg)], env={})
 
 
 def test_a_changed_filter_is_another_curation(tmp_path, monkeypatch):

@@ -314,6 +314,9 @@ def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, c
     assert (b.debug_max_steps, b.max_steps) == (0, UNBOUNDED_STEPS)
     with pytest.raises(ValueError, match="max_steps 3 and debug_max_steps 2 disagree"):
         parse_config([OPDConfig], [*TINY_FLAGS, "--max_steps", "3", "--debug_max_steps", "2"], env=env)
+    for bad in ("0", "-5"):
+        with pytest.raises(ValueError, match=f"max_steps must be a cap of >= 1 optimizer steps, or -1 for none; got {bad}"):
+            parse_config([OPDConfig], [*TINY_FLAGS, "--max_steps", bad], env=env)
     with pytest.raises(ValueError, match="num_train_epochs 1 would not stop training"):
         parse_config([OPDConfig], [*TINY_FLAGS, "--num_train_epochs", "1"], env=env)
 
@@ -331,6 +334,6 @@ def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, c
     assert stale.is_dir() and json.loads((tmp_path / "run" / "checkpoints" / "checkpoint-2" / "opd_checkpoint.json")
                                          .read_text())["owner"] == str((tmp_path / "run").resolve())
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
-    assert summary["global_step"] == 2 and "max_steps=2" in summary["stop_reason"], summary
+    assert summary["global_step"] == 2 and summary["stop_reason"] == "max_steps=2 (the step cap)", summary
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]
     assert steps == [1, 2]

@@ -287,7 +287,7 @@ class DeadlineCallback(TrainerCallback):
         if self._sigterm:
             reason = self._sigterm
         elif self.max_steps and state.global_step >= self.max_steps:
-            reason = f"debug_max_steps={self.max_steps}"
+            reason = f"max_steps={self.max_steps} (the step cap)"
         elif self.elapsed() + est > self.horizon_s:
             reason = f"deadline (elapsed {self.elapsed():.0f}s + next step ~{est:.0f}s > horizon {self.horizon_s:.0f}s)"
         if self.sync is not None and self.sync(reason is not None) and reason is None:

@@ -330,6 +330,8 @@ class OPDConfig(DistillationConfig):
                              "curriculum until the wall clock ends it (max_wall_time_seconds); cap the steps with "
                              "max_steps, the SFT passes with sft_max_epochs")
         self.num_train_epochs = 3.0  # transformers' default, unused beside a max_steps
+        if self.max_steps == 0 or self.max_steps < -1:  # transformers reads these as "use the epochs": never here
+            raise ValueError(f"max_steps must be a cap of >= 1 optimizer steps, or -1 for none; got {self.max_steps}")
         if 0 < self.max_steps != UNBOUNDED_STEPS:
             # a TRL user stops a run with max_steps: it caps the optimizer steps as debug_max_steps does, while
             # transformers keeps an unbounded count (its step-count schedules and progress would read it as the horizon)
