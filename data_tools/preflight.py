@@ -411,8 +411,8 @@ def check_data(rep: Report, what: str, spec: str | None) -> None:
 
         why = header_refusal(p)  # the format and the fields every row needs, from the header alone
         if why:
-            rep.refuse(f"{what} data {why} (set {var} to problems as .jsonl / .parquet rows or a datasets directory: "
-                       "problem + answer columns, or verl's prompt + reward_model.ground_truth)")
+            rep.refuse(f"{what} data {why} (set {var} to problems as .jsonl / .parquet rows, a folder of them or a "
+                       "datasets directory: problem + answer columns, or verl's prompt + reward_model.ground_truth)")
 
 
 def _existing_ancestor(p: Path) -> Path:

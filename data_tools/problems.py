@@ -93,7 +93,31 @@ class LoadResult:
         return line
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
+#: the files ``datasets.save_to_disk`` writes: a directory with one of them is a saved dataset, else a folder of shards
+_SAVED_DATASET = ("dataset_info.json", "state.json", "dataset_dict.json")
+_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+
+
+def data_shards(path: Path, split: str = "train") -> list[Path]:
+    """The data files of a folder of shards (a hub download: ``data/train-00000-of-00002.parquet``, ...): its
+    ``.parquet`` and ``.jsonl`` files at any depth, in name order; where the names (or folders) carry splits, those of
+    ``split`` only (never test problems in the training data). Empty for a file or a saved ``datasets`` directory."""
+    if not path.is_dir() or any((path / m).exists() for m in _SAVED_DATASET):
+        return []
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in (".parquet", ".jsonl"))
+    split_of = lambda p: next((s for s in _SPLITS if p.name.lower().startswith(s) or p.parent.name.lower() == s), None)  # noqa: E731
+    if any(split_of(p) for p in files):
+        files = [p for p in files if split_of(p) == split]
+    return files
+
+
+def _read_records(path: Path, split: str = "train") -> list[dict[str, Any]]:
+    if path.is_dir() and not any((path / m).exists() for m in _SAVED_DATASET):
+        shards = data_shards(path, split)
+        if not shards:
+            raise ValueError(f"{path}: a directory with no .parquet or .jsonl file (of the {split} split, where names "
+                             f"carry splits), and not a saved datasets directory (no {' / '.join(_SAVED_DATASET)})")
+        return [rec for f in shards for rec in _read_records(f)]
     if path.is_dir():
         from datasets import load_from_disk  # heavy (seconds), for a datasets directory only
 
@@ -225,7 +249,7 @@ def _pick(columns: set[str], candidates: tuple[str, ...]) -> str | None:
 
 #: The files ``load_problems`` reads (besides a ``datasets`` directory and ``synth:``).
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-UNSUPPORTED = "unsupported data file (use .jsonl, .parquet or a datasets directory)"
+UNSUPPORTED = "unsupported data file (use .jsonl, .parquet, a folder of them or a datasets directory)"
 
 
 def _json_fields(rec: dict[str, Any]) -> dict[str, set[str] | None]:
@@ -253,6 +277,11 @@ def read_header(path: Path) -> dict[str, set[str] | None] | None:
     Raises:
         ValueError: an unsupported file type, or a JSON file whose first lines are not JSON objects.
     """
+    if shards := data_shards(path):  # a folder of shards: its first file's header
+        return read_header(shards[0])
+    if path.is_dir() and not any((path / m).exists() for m in _SAVED_DATASET):
+        raise ValueError(f"{path}: a directory with no .parquet or .jsonl file (of the train split, where names carry "
+                         f"splits), and not a saved datasets directory (no {' / '.join(_SAVED_DATASET)})")
     if path.is_dir():
         split = path
         if (path / "dataset_dict.json").is_file():  # a DatasetDict: "train" or the only split, as the loader takes
@@ -322,7 +351,7 @@ def _text(v: Any) -> str:
     return "" if v is None else str(v).strip()
 
 
-def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0) -> LoadResult:
+def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0, split: str = "train") -> LoadResult:
     """Read problems from ``source``: a file / ``datasets`` dir, or ``synth:<split>:<n>`` (e.g. ``synth:train:200``;
     ``synth-hard:<split>:<n>`` for the hard ladder, ``data_tools.synth``).
 
@@ -348,7 +377,9 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
     path = Path(src).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"data source {src} does not exist")
-    records = _read_records(path)
+    records = _read_records(path, split)
+    if shards := data_shards(path, split):  # the load line names the files read
+        src = f"{src} ({len(shards)} file(s): {', '.join(str(f.relative_to(path)) for f in shards[:3])}{', ...' if len(shards) > 3 else ''})"
     if not records:
         raise ValueError(f"{src}: no rows (the file is empty)")
     if limit is not None:

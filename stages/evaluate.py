@@ -584,7 +584,7 @@ def eval_shard(cfg: EvalConfig, shard: int, shards: int) -> None:
     targets, _ = discover_models(cfg.model)
     if len(targets) != 1 or not cfg.label or not cfg.output_dir:
         raise EvalError("--shard is for the worker processes evaluate starts itself (one model, --label, --output_dir)")
-    loaded = load_problems(eff["eval_data"])
+    loaded = load_problems(eff["eval_data"], split="test")
     rows = list(loaded.rows)[: cfg.limit] if cfg.limit else list(loaded.rows)
     prompts, max_model_len = _prompts(targets[0], rows, eff, cfg)
     res_dir = Path(cfg.output_dir) / "eval" / cfg.label
@@ -727,7 +727,7 @@ def run(cfg: EvalConfig) -> list[dict]:
         raise EvalError(str(e)) from None
 
     try:
-        loaded = load_problems(eff["eval_data"])
+        loaded = load_problems(eff["eval_data"], split="test")
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(f"cannot load questions from {eff['eval_data']}: {e}") from None
     all_rows = list(loaded.rows)

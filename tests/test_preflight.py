@@ -265,8 +265,9 @@ def test_the_data_files_header_is_read_and_a_wrong_format_or_field_refused_with_
 
     csv = tmp_path / "train.csv"
     csv.write_text("problem,answer\nWhat is 1 + 1?,2\n")
-    assert refusals(csv) == [f"training data {csv}: unsupported data file (use .jsonl, .parquet or a datasets "
-                             "directory) (set TRAIN_DATA to problems as .jsonl / .parquet rows or a datasets directory: "
+    assert refusals(csv) == [f"training data {csv}: unsupported data file (use .jsonl, .parquet, a folder of "
+                             "them or a datasets directory) (set TRAIN_DATA to problems as .jsonl / .parquet rows, a "
+                             "folder of them or a datasets directory: "
                              "problem + answer columns, or verl's prompt + reward_model.ground_truth)"]
     no_answer = tmp_path / "q.jsonl"
     no_answer.write_text(json.dumps({"question": "What is 1 + 1?", "solution": "2"}) + "\n")

@@ -187,3 +187,34 @@ def test_real_math_train12k_rejects_only_what_is_not_an_answer():
     res = load_problems(MATH_TRAIN)
     assert (res.n_read, len(res.rows), res.duplicates, res.conflicts) == (12000, 11996, 2, 0)
     assert sorted(r["reason"].split(" (")[0] for r in res.rejects) == ["duplicate problem"] * 2 + ["no answer"] * 2
+
+
+def test_a_folder_of_shards_reads_its_train_split_in_name_order(tmp_path):
+    """A hub download's layout (data/train-0000i-of-0000n.parquet beside a test split): the train shards in name
+    order, never the test split's rows; the evaluation's split="test" reads the test shard; the header check reads
+    the first shard; a folder with no data file is one clear error."""
+    from data_tools.problems import data_shards, read_header
+
+    d = tmp_path / "hub" / "data"
+    d.mkdir(parents=True)
+    for name, rows in {"train-00001-of-00002.parquet": [("What is 3+3?", "6")],
+                       "train-00000-of-00002.parquet": [("What is 1+1?", "2"), ("What is 2+2?", "4")],
+                       "test-00000-of-00001.parquet": [("What is 9+9?", "18")]}.items():
+        pq.write_table(pa.Table.from_pylist([{"problem": p, "answer": a} for p, a in rows]), d / name)
+    res = load_problems(tmp_path / "hub")
+    assert [r["answer"] for r in res.rows] == ["2", "4", "6"] and res.n_read == 3 and not res.rejects
+    assert res.source == (f"{tmp_path / 'hub'} (2 file(s): data/train-00000-of-00002.parquet, "
+                          "data/train-00001-of-00002.parquet)")
+    assert [r["answer"] for r in load_problems(tmp_path / "hub", split="test").rows] == ["18"]
+    assert [p.name for p in data_shards(tmp_path / "hub")] == ["train-00000-of-00002.parquet",
+                                                               "train-00001-of-00002.parquet"]
+    assert read_header(tmp_path / "hub") == {"problem": None, "answer": None}
+    flat = tmp_path / "flat"  # no split in the names: every file
+    flat.mkdir()
+    _jsonl(flat / "a.jsonl", [{"question": "What is 5+5?", "final_answer": "10"}])
+    pq.write_table(pa.Table.from_pylist([{"question": "What is 6+6?", "final_answer": "12"}]), flat / "b.parquet")
+    assert [r["answer"] for r in load_problems(flat).rows] == ["10", "12"]
+    (tmp_path / "empty").mkdir()
+    for call in (lambda: load_problems(tmp_path / "empty"), lambda: read_header(tmp_path / "empty")):
+        with pytest.raises(ValueError, match="a directory with no .parquet or .jsonl file"):
+            call()
