@@ -47,7 +47,7 @@ def build_data(cfg: LearningConfig) -> dict[str, Path]:
         print(f"[learning] {loaded.report()}", flush=True)
         rows = loaded.rows
         if cfg.test_data:
-            held = load_problems(cfg.test_data)
+            held = load_problems(cfg.test_data, split="test")
             print(f"[learning] {held.report()}", flush=True)
             pool, test, need = rows[:n_pool], held.rows[:cfg.n_test], {cfg.train_data: n_pool, cfg.test_data: cfg.n_test}
             have = {cfg.train_data: len(rows), cfg.test_data: len(held.rows)}

@@ -409,7 +409,8 @@ def check_data(rep: Report, what: str, spec: str | None) -> None:
     else:
         from data_tools.problems import header_refusal  # here: it imports pyarrow (see _spec)
 
-        why = header_refusal(p)  # the format and the fields every row needs, from the header alone
+        # the format and the fields every row needs, from the header alone (a folder: the split the stage reads)
+        why = header_refusal(p, "train" if what == "training" else "test")
         if why:
             rep.refuse(f"{what} data {why} (set {var} to problems as .jsonl / .parquet rows, a folder of them or a "
                        "datasets directory: problem + answer columns, or verl's prompt + reward_model.ground_truth)")

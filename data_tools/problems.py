@@ -105,10 +105,17 @@ def data_shards(path: Path, split: str = "train") -> list[Path]:
     if not path.is_dir() or any((path / m).exists() for m in _SAVED_DATASET):
         return []
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in (".parquet", ".jsonl"))
-    split_of = lambda p: next((s for s in _SPLITS if p.name.lower().startswith(s) or p.parent.name.lower() == s), None)  # noqa: E731
-    if any(split_of(p) for p in files):
-        files = [p for p in files if split_of(p) == split]
-    return files
+
+    def split_of(p: Path) -> str | None:  # a whole word of the name or of a folder under ``path``: math_test.jsonl
+        words = set(re.split(r"[-_.\s]+", p.stem.lower())) | {x.lower() for x in p.relative_to(path).parts[:-1]}
+        return next((s for s in _SPLITS if s in words), None)
+
+    named = [split_of(p) for p in files]
+    if any(named) and not all(named):
+        raise ValueError(f"{path}: some files name a split ({', '.join(p.name for p, s in zip(files, named) if s)}) and "
+                         f"others do not ({', '.join(p.name for p, s in zip(files, named) if not s)}): which are "
+                         "training data is unclear; point at one file, or a folder of one split")
+    return [p for p, s in zip(files, named) if s == split] if any(named) else files
 
 
 def _read_records(path: Path, split: str = "train") -> list[dict[str, Any]]:
@@ -268,7 +275,7 @@ def _features_fields(features: dict[str, Any]) -> dict[str, set[str] | None]:
     return {k: set(v) if isinstance(v, dict) and "_type" not in v else None for k, v in features.items()}
 
 
-def read_header(path: Path) -> dict[str, set[str] | None] | None:
+def read_header(path: Path, split: str = "train") -> dict[str, set[str] | None] | None:
     """The fields of a data file's rows, read without its rows (the preflight's check, in well under a second):
     a parquet file's schema, the first JSON object of a ``.jsonl`` / ``.json`` file, a ``datasets`` directory's
     features. Each field maps to its sub-fields when it is a struct (verl's ``reward_model``), else None. None when
@@ -277,10 +284,10 @@ def read_header(path: Path) -> dict[str, set[str] | None] | None:
     Raises:
         ValueError: an unsupported file type, or a JSON file whose first lines are not JSON objects.
     """
-    if shards := data_shards(path):  # a folder of shards: its first file's header
+    if shards := data_shards(path, split):  # a folder of shards: its first file's header
         return read_header(shards[0])
     if path.is_dir() and not any((path / m).exists() for m in _SAVED_DATASET):
-        raise ValueError(f"{path}: a directory with no .parquet or .jsonl file (of the train split, where names carry "
+        raise ValueError(f"{path}: a directory with no .parquet or .jsonl file (of the {split} split, where names carry "
                          f"splits), and not a saved datasets directory (no {' / '.join(_SAVED_DATASET)})")
     if path.is_dir():
         split = path
@@ -319,12 +326,12 @@ def read_header(path: Path) -> dict[str, set[str] | None] | None:
     return None
 
 
-def header_refusal(path: Path) -> str | None:
-    """Why the rows of ``path`` cannot be read as problems, from its header alone (:func:`read_header`): the file
-    named, then the missing field and the accepted shapes; None when the header is usable. Rows may still be
-    rejected one by one when the run loads them."""
+def header_refusal(path: Path, split: str = "train") -> str | None:
+    """Why the rows of ``path`` cannot be read as problems, from its header alone (:func:`read_header`; ``split``: a
+    folder's split, as the loader reads it): the file named, then the missing field and the accepted shapes; None when
+    the header is usable. Rows may still be rejected one by one when the run loads them."""
     try:
-        fields = read_header(path)
+        fields = read_header(path, split)
     except (ValueError, OSError) as e:
         return str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
     if fields is None:

@@ -296,6 +296,22 @@ def test_the_data_files_header_is_read_and_a_wrong_format_or_field_refused_with_
     with pytest.raises(ValueError, match="unsupported data file"):
         load_problems(csv)  # the loader's own refusal, the same words
 
+
+def test_a_folder_is_checked_in_the_split_its_stage_reads(tmp_path):
+    """A folder of files: training data is checked in its train split, evaluation data in its test split, as the
+    stages read them (a MATH-500 download holds test.jsonl alone: fine for evaluation, refused for training)."""
+    from data_tools.preflight import Report, check_data
+
+    d = tmp_path / "math500"
+    d.mkdir()
+    (d / "test.jsonl").write_text(json.dumps({"problem": "What is 1 + 1?", "answer": "2"}) + "\n")
+    ev, tr = Report(), Report()
+    check_data(ev, "evaluation (math500_pass_at_1)", str(d))
+    check_data(tr, "training", str(d))
+    assert ev.refusals == []
+    (r,) = tr.refusals
+    assert r.startswith(f"training data {d}: a directory with no .parquet or .jsonl file (of the train split, ")
+
 # ------------------------------------------------------------------------------------------- GPUs and disk
 
 def test_model_size_from_safetensors_headers_and_the_disk_estimate(tmp_path):

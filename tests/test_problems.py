@@ -214,6 +214,17 @@ def test_a_folder_of_shards_reads_its_train_split_in_name_order(tmp_path):
     _jsonl(flat / "a.jsonl", [{"question": "What is 5+5?", "final_answer": "10"}])
     pq.write_table(pa.Table.from_pylist([{"question": "What is 6+6?", "final_answer": "12"}]), flat / "b.parquet")
     assert [r["answer"] for r in load_problems(flat).rows] == ["10", "12"]
+    words = tmp_path / "words"  # a split is a whole word of the name: math_train / math_test
+    words.mkdir()
+    _jsonl(words / "math_test.jsonl", [{"question": "What is 7+7?", "final_answer": "14"}])
+    _jsonl(words / "math_train.jsonl", [{"question": "What is 8+8?", "final_answer": "16"}])
+    assert [r["answer"] for r in load_problems(words).rows] == ["16"]
+    assert [r["answer"] for r in load_problems(words, split="test").rows] == ["14"]
+    assert read_header(words, "test") == {"question": None, "final_answer": None}
+    _jsonl(words / "extra.jsonl", [{"question": "What is 9+1?", "final_answer": "10"}])  # names no split: unclear
+    with pytest.raises(ValueError, match=r"some files name a split \(math_test.jsonl, math_train.jsonl\) and others "
+                                         r"do not \(extra.jsonl\)"):
+        load_problems(words)
     (tmp_path / "empty").mkdir()
     for call in (lambda: load_problems(tmp_path / "empty"), lambda: read_header(tmp_path / "empty")):
         with pytest.raises(ValueError, match="a directory with no .parquet or .jsonl file"):
