@@ -218,6 +218,7 @@ def stage_one_phases(run: Path) -> tuple[list[Phase], dict]:
     rates["solutions"] = int(man["counts"].get("teacher_solutions", rates["rows"]))
     rates["all_problems"] = int(man["counts"].get("problems", 0))
     rates["rehearsal"] = man.get("rehearsal")
+    rates["fallback"] = bool(man["counts"].get("filter_fallback"))  # the band kept none: every problem instead
     return out, rates
 
 
@@ -379,7 +380,7 @@ def project(rates: dict, med: dict, ex: dict, curate: dict, train: dict, real_t:
     per_problem = (rates.get("teacher") or 0.0) + (rates.get("student") or 0.0)
     startup = rates.get("startup_s") or 0.0
     problems = max(0, int((budget - setup_s - startup) / per_problem)) if per_problem else 0
-    unfiltered = rates.get("filter") == "none"
+    unfiltered = rates.get("filter") == "none" or bool(rates.get("fallback"))
     if unfiltered:  # every usable problem is a row; solutions where the teacher verified one, of the problems measured
         problems = min(problems, rates.get("all_problems") or problems)
     n_sols = rates.get("solutions", rates["rows"])  # the band filter's rows all have a solution
@@ -387,13 +388,14 @@ def project(rates: dict, med: dict, ex: dict, curate: dict, train: dict, real_t:
     sols = int(share_of(n_sols))
     rows = rates.get("all_problems", 0) if unfiltered else int(share_of(rates["rows"]))
     window = real_t - real_r - real_e - budget
-    who = "the teacher alone (filter none)" if unfiltered else "teacher + student"
+    who = "the teacher alone (filter none)" if rates.get("filter") == "none" else "teacher + student"
     rows_out = [("stage one budget", f"{budget:.0f} s (time_share {share:g} of {real_t - real_r - real_e:.0f} s)"),
                 ("stage one problems measured",
                  f"~{problems:,} ({per_problem:.2f} s a problem, {who}, all workers; set-up {setup_s:.0f} s, "
                  f"engine start-up {startup:.0f} s)")]
     if unfiltered:
-        rows_out += [("curriculum rows", f"{rows:,} (filter none: every usable problem)"),
+        why = "filter none" if rates.get("filter") == "none" else "the band kept none"
+        rows_out += [("curriculum rows", f"{rows:,} ({why}: every usable problem)"),
                      ("verified teacher solutions", f"~{sols:,} (the rehearsal's share {n_sols}/"
                                                     f"{rates['problems']} of the problems measured: forced by its "
                                                     "verified share, a real teacher's differs)")]
@@ -448,8 +450,11 @@ def build_report(run: Path, curate_cfg: str, train_cfg: str, real_t: float, real
         need = rates["solutions"] if _sft_phase(train) else rates["rows"]
         what = (f"{rates['rows']} rows (filter none: every problem), {rates['solutions']} with a verified teacher "
                 f"solution from {rates['problems']} problems measured" if rates["filter"] == "none"
+                else f"the pass-rate band kept none of {rates['problems']} problems measured: {rates['rows']} rows, every "
+                f"problem instead ({rates['solutions']} with a verified teacher solution)" if rates.get("fallback")
                 else f"{rates['rows']} rows from {rates['problems']} problems")
-        rep.phases.append(Phase("curriculum", ok=need > 0, detail=what
+        # a band that kept nothing fails the rehearsal: the run would go on (unfiltered), not as the recipe says
+        rep.phases.append(Phase("curriculum", ok=need > 0 and not rates.get("fallback"), detail=what
                                 + (f"; rehearsal verified share {rates['rehearsal'].get('value')}"
                                    if rates.get("rehearsal") else "")))
     summ = json.loads((run / "train_summary.json").read_text()) if (run / "train_summary.json").exists() else {}

@@ -167,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     unfiltered = False  # stage one under filter none: no pass rates, one bucket
     if manifest.exists():  # how much stage one gave training: a short clock can leave a tiny curriculum
         man = json.loads(manifest.read_text())
-        unfiltered = (man.get("config") or {}).get("filter") == "none"
         c = man.get("counts", {})
+        unfiltered = (man.get("config") or {}).get("filter") == "none" or bool(c.get("filter_fallback"))
         report["curriculum_rows"] = c.get("curriculum")
         if unfiltered:  # every problem a row; the teacher's solutions from those measured
-            lines.append(f"stage one: {c.get('curriculum')} curriculum rows (filter none: every problem), "
+            why = "the pass-rate band kept none" if c.get("filter_fallback") else "filter none"
+            lines.append(f"stage one: {c.get('curriculum')} curriculum rows ({why}: every problem), "
                          f"{c.get('teacher_solutions')} with a verified teacher solution from {c.get('problems_measured')} "
                          f"problems measured of {c.get('problems')}")
         else:

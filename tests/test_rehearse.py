@@ -227,6 +227,24 @@ def test_a_rehearsal_of_stage_one_without_its_filter_projects_every_row_and_its_
     assert not {p.name: p for p in rep.phases}["curriculum"].ok
 
 
+def test_a_band_that_kept_nothing_fails_the_rehearsal_and_projects_every_row(tmp_path):
+    """Stage one's fallback (the pass-rate band kept none, so the curriculum is every problem): the run would go on,
+    but not as its recipe says, so the rehearsal's curriculum phase fails, naming it; the projection counts every row."""
+    run = tmp_path / "run"
+    _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves={5: [0.8], 6: [0.9]})
+    (run / "curate" / "manifest.json").write_text(json.dumps(
+        {"config": {"filter": "pass_rate"}, "timings": {"engine_startup_s": 15.0},
+         "counts": {"problems_measured": 20, "curriculum": 15285, "teacher_solutions": 0, "problems": 15285,
+                    "filter_fallback": True}}))
+    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    cur = {p.name: p for p in rep.phases}["curriculum"]
+    assert not cur.ok and cur.detail == ("the pass-rate band kept none of 20 problems measured: 15285 rows, every "
+                                         "problem instead (0 with a verified teacher solution)")
+    proj = dict(rep.projection)
+    assert proj["curriculum rows"] == "15,285 (the band kept none: every usable problem)"
+    assert "teacher + student" in proj["stage one problems measured"]
+
+
 def test_load_back_loads_and_generates_each_export(tmp_path, tiny_model_dir):  # noqa: F811
     import shutil
 

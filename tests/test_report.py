@@ -51,6 +51,14 @@ def test_report_from_metrics_and_evals(tmp_path, capsys, monkeypatch):
             "problems measured of 120") in out
     # no pass rate to group by (null, one bucket): the query offered groups by the teacher's solutions
     assert "c.teacher_solution IS NOT NULL AS solved_by_teacher" in out and "avg(c.pass_rate)" not in out
+    # the band filter's fallback (it kept none): the same rows, said as such
+    (tmp_path / "curate" / "manifest.json").write_text(json.dumps(
+        {"config": {"filter": "pass_rate"}, "counts": {"curriculum": 120, "teacher_solutions": 0, "problems_measured": 10,
+                                                       "problems": 120, "filter_fallback": True}}))
+    assert main(["--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stage one: 120 curriculum rows (the pass-rate band kept none: every problem), 0 with a verified" in out
+    assert "c.teacher_solution IS NOT NULL AS solved_by_teacher" in out
 
 
 def test_report_of_a_run_still_in_its_sft_phase_offers_its_sft_query(tmp_path, capsys, monkeypatch):
