@@ -50,7 +50,7 @@ def run(args, on_trainer=None) -> dict:
 
     from data_tools.runio import write_json
     from trainers.callbacks import (HardStopCallback, HorizonReached, find_resume_checkpoint, foreign_exports,
-                                    process_start_time)
+                                    process_start_time, set_aside, start_owner)
     from trainers.data import build_train_dataset, load_curriculum
     from trainers.model_utils import load_models
     from trainers.opd_trainer import OPDTrainer
@@ -60,12 +60,16 @@ def run(args, on_trainer=None) -> dict:
     say = (lambda *a: print(*a, flush=True)) if main_process else (lambda *a: None)  # noqa: E731
     if main_process:
         remove_partial_state(args.resume_dir, args.ckpt_dir)
-        if foreign := foreign_exports(args.ckpt_dir, args.export_owner):
-            # a scorer of the highest checkpoint-<step> exports (the formal run's) would read these as this run's
-            names = ", ".join(p.name for p in foreign[-3:])
-            say(f"[train] WARNING: {args.ckpt_dir} holds {len(foreign)} export(s) this run did not write "
-                f"({'..., ' if len(foreign) > 3 else ''}{names}): they are kept and never rotated out, but whoever "
-                "scores the highest checkpoint-<step> there may read them as this run's; move them away")
+        resuming = bool(args.resume and find_resume_checkpoint(args.resume_dir))
+        owner, adopted = start_owner(args.output_dir, resuming=resuming)
+        if foreign := foreign_exports(args.ckpt_dir, owner, unnamed_are_mine=adopted):
+            # a scorer of the highest checkpoint-<step> exports (the formal run's) would read these as this run's, and
+            # an export of the same step would replace one: they leave the checkpoint-* names, their files kept
+            moved = set_aside(foreign)
+            say(f"[train] WARNING: {args.ckpt_dir} held {len(foreign)} export(s) this training did not write "
+                f"({', '.join(p.name for p in foreign[:3])}{', ...' if len(foreign) > 3 else ''}): renamed to "
+                f"{', '.join(p.name for p in moved[:3])}{', ...' if len(moved) > 3 else ''}, files kept, so that "
+                "whoever scores the highest checkpoint-<step> there reads this training's")
     table = load_curriculum(args.curriculum_path)
     if args.needs_teacher_solutions and "teacher_solution" not in table.column_names:
         # before the models load (minutes at 1.5B): the off-policy terms need stage one's verified solutions (a

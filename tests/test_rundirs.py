@@ -228,6 +228,32 @@ def test_rotation_never_removes_another_runs_exports_and_they_are_named(tmp_path
     assert sorted(p.name for p in ck.iterdir()) == ["checkpoint-999"]
 
 
+def test_a_fresh_training_gets_a_new_owner_a_resumed_one_keeps_it_and_stale_exports_are_set_aside(tmp_path):
+    """The id a training's exports name: new on each fresh start in the same run directory (the exports a former
+    training left there are then not its own), the same on resume; a resumed run with no id yet adopts the exports
+    that name no run. set_aside renames exports out of checkpoint-* to a free stale- name, files kept."""
+    from trainers import callbacks
+
+    run, ck = tmp_path / "run", tmp_path / "checkpoints"
+    a, adopted = callbacks.start_owner(run, resuming=False)
+    assert a.startswith(f"{run.resolve()}#") and not adopted
+    assert callbacks.start_owner(run, resuming=True) == (a, False)
+    b, _ = callbacks.start_owner(run, resuming=False)
+    assert b != a and callbacks.owner_file(run).read_text().strip() == b
+    callbacks.export_checkpoint(_FakeModel(), _FakeTokenizer(), ck, 50, keep=3, owner=a)  # the former training's
+    (ck / "checkpoint-7").mkdir()                                                        # an export naming no run
+    assert [p.name for p in callbacks.foreign_exports(ck, b)] == ["checkpoint-7", "checkpoint-50"]
+    assert [p.name for p in callbacks.foreign_exports(ck, b, unnamed_are_mine=True)] == ["checkpoint-50"]
+    (ck / "stale-checkpoint-50").mkdir()
+    moved = callbacks.set_aside(callbacks.foreign_exports(ck, b))
+    assert [p.name for p in moved] == ["stale-checkpoint-7", "stale-checkpoint-50.1"]
+    assert sorted(p.name for p in ck.iterdir()) == ["stale-checkpoint-50", "stale-checkpoint-50.1", "stale-checkpoint-7"]
+    assert (ck / "stale-checkpoint-50.1" / "model.safetensors").stat().st_size == 1000
+    callbacks.owner_file(run).unlink()  # a run from before exports named it, resumed: adopts the unnamed ones
+    c, adopted = callbacks.start_owner(run, resuming=True)
+    assert adopted and c not in (a, b)
+
+
 # ------------------------------------------------------------------------------------------- .ci/small_tmp.sh
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),

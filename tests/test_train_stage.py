@@ -302,7 +302,8 @@ def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, c
                                                      capsys):
     """A TRL user's --max_steps stops training after that many steps (transformers keeps its unbounded count, which
     the time schedules need); a max_steps that disagrees with debug_max_steps is refused, naming both, and so is a
-    num_train_epochs, which would not stop a run that cycles over the curriculum."""
+    num_train_epochs, which would not stop a run that cycles over the curriculum. An export another training left in
+    the exports directory is renamed out of checkpoint-* (files kept), and this run's name their training."""
     from data_tools.config import parse_config
     from stages.train import main
     from trainers.opd_config import UNBOUNDED_STEPS, OPDConfig
@@ -329,10 +330,12 @@ def test_max_steps_caps_the_steps_as_debug_max_steps(tmp_path, tiny_model_dir, c
     stale.mkdir(parents=True)
     assert main(["--config", str(REPO / "configs" / "demo_cpu.yaml"), *TINY_FLAGS, *no_sft, "--max_steps", "2",
                  "--ckpt_every_minutes", "0"]) == 0
-    assert (f"[train] WARNING: {tmp_path / 'run' / 'checkpoints'} holds 1 export(s) this run did not write "
-            "(checkpoint-999)") in capsys.readouterr().out
-    assert stale.is_dir() and json.loads((tmp_path / "run" / "checkpoints" / "checkpoint-2" / "opd_checkpoint.json")
-                                         .read_text())["owner"] == str((tmp_path / "run").resolve())
+    assert (f"[train] WARNING: {tmp_path / 'run' / 'checkpoints'} held 1 export(s) this training did not write "
+            "(checkpoint-999): renamed to stale-checkpoint-999, files kept") in capsys.readouterr().out
+    assert not stale.exists() and stale.with_name("stale-checkpoint-999").is_dir()
+    owner = json.loads((tmp_path / "run" / "checkpoints" / "checkpoint-2" / "opd_checkpoint.json").read_text())["owner"]
+    assert owner.startswith(f"{(tmp_path / 'run').resolve()}#") and owner == (
+        tmp_path / "run" / "metrics" / "export_owner").read_text().strip()
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["global_step"] == 2 and summary["stop_reason"] == "max_steps=2 (the step cap)", summary
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]

@@ -77,9 +77,42 @@ def export_owner(path: Path) -> str | None:
         return None
 
 
-def foreign_exports(ckpt_dir: Path, owner: str) -> list[Path]:
-    """The ``checkpoint-*`` exports in ``ckpt_dir`` that another run (or anything else) wrote, ascending by step."""
-    return [p for _, p in checkpoint_steps(ckpt_dir) if export_owner(p) != owner]
+def foreign_exports(ckpt_dir: Path, owner: str, *, unnamed_are_mine: bool = False) -> list[Path]:
+    """The ``checkpoint-*`` exports in ``ckpt_dir`` that another run (or anything else) wrote, ascending by step.
+    ``unnamed_are_mine``: exports that name no run count as ``owner``'s (a run resumed from before exports named it)."""
+    return [p for _, p in checkpoint_steps(ckpt_dir)
+            if (o := export_owner(p)) != owner and not (o is None and unnamed_are_mine)]
+
+
+def owner_file(output_dir: Path) -> Path:
+    """Where a run directory keeps the id its exports name (``OPDConfig.export_owner``)."""
+    return Path(output_dir) / "metrics" / "export_owner"
+
+
+def start_owner(output_dir: Path, *, resuming: bool) -> tuple[str, bool]:
+    """The id this training's exports name: the same as before when it resumes, a new one when it starts afresh (so
+    the exports a former training in the same directories left are not taken for its own). Returns ``(id, adopted)``:
+    ``adopted`` when a resumed run had no id yet (its exports, written before exports named a run, count as its own)."""
+    f = owner_file(output_dir)
+    if resuming and f.is_file() and f.read_text().strip():
+        return f.read_text().strip(), False
+    owner = f"{Path(output_dir).resolve()}#{os.urandom(6).hex()}"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(owner + "\n")
+    return owner, resuming
+
+
+def set_aside(paths: list[Path]) -> list[Path]:
+    """Rename each export out of ``checkpoint-*`` to ``stale-checkpoint-<step>`` (a free name), keeping its files:
+    whoever scores the highest ``checkpoint-<step>`` of the directory then reads this run's only. Returns the names."""
+    moved = []
+    for p in paths:
+        dest, k = p.with_name(f"stale-{p.name}"), 1
+        while dest.exists():
+            dest, k = p.with_name(f"stale-{p.name}.{k}"), k + 1
+        os.replace(p, dest)
+        moved.append(dest)
+    return moved
 
 
 def rotate_exports(ckpt_dir: Path, keep: int, owner: str | None = None) -> list[Path]:

@@ -478,8 +478,13 @@ class OPDConfig(DistillationConfig):
 
     @property
     def export_owner(self) -> str:
-        """What this run's exports name as their writer (``opd_checkpoint.json``): its run directory, resolved."""
-        return str(Path(self.output_dir).resolve())
+        """What this run's exports name as their writer (``opd_checkpoint.json``): the id ``stages.train`` keeps in the
+        run directory (``trainers.callbacks.start_owner``: new on a fresh start, the same on resume), else the run
+        directory itself."""
+        from trainers.callbacks import owner_file
+
+        f = owner_file(self.output_dir)
+        return (f.read_text().strip() if f.is_file() else "") or str(Path(self.output_dir).resolve())
 
     @property
     def metrics_path(self) -> Path:
