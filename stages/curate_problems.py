@@ -140,15 +140,23 @@ def prepare(cfg: CurateConfig, *, parent: bool = True) -> Prepared:
                          f"max_tokens={cfg.max_tokens} ({context_rejects[0]['reason']})")
     models = {"student": _model_fingerprint(student), "teacher": _model_fingerprint(teacher)}
     fp = _fingerprint(cfg, models)
+    # chunk i is the i-th slice of the visiting order of these problems: the same file read otherwise (rows added to
+    # a folder, ids read another way) would map the chunks on disk to other problems, so the ids are part of the state
+    ids_sha = hashlib.sha256("\n".join(r["problem_id"] for r in rows).encode()).hexdigest()[:16]
     state = out / "state.json"
     if parent:
         # refuse before writing anything: a refused curation leaves another curation's tables as they were
-        if (state.exists() and json.loads(state.read_text()).get("fingerprint") != fp and parts.exists()
-                and any(parts.iterdir())):
-            raise ValueError(f"{out} holds chunks of a different curation (data, models, sampling or filter changed); "
-                             f"use another OUTPUT_DIR or delete {parts}")
+        old = json.loads(state.read_text()) if state.exists() else {}
+        if old and parts.exists() and any(parts.iterdir()):
+            if old.get("fingerprint") != fp:
+                raise ValueError(f"{out} holds chunks of a different curation (data, models, sampling or filter "
+                                 f"changed); use another OUTPUT_DIR or delete {parts}")
+            if old.get("problems_sha", ids_sha) != ids_sha:  # a state from before it was recorded: cannot tell
+                raise ValueError(f"{out} holds chunks of other problems: {cfg.train_data} now reads {len(rows)} usable "
+                                 "problems whose ids differ from those its chunks were measured on (rows added or "
+                                 f"changed); use another OUTPUT_DIR or delete {parts}")
         write_parquet(rows, out / "problems.parquet")
-        write_json({"fingerprint": fp}, state)
+        write_json({"fingerprint": fp, "problems_sha": ids_sha}, state)
         parts.mkdir(parents=True, exist_ok=True)
     elif not state.exists() or json.loads(state.read_text()).get("fingerprint") != fp or not parts.is_dir():
         raise ValueError(f"{out}/state.json is not this worker's curation (fingerprint {fp}): start stage one "

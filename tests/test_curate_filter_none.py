@@ -336,6 +336,24 @@ def test_a_band_that_keeps_nothing_falls_back_to_every_problem(tmp_path, monkeyp
     assert "kept none" not in capsys.readouterr().out
 
 
+def test_a_resume_over_other_problems_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Chunk i is the i-th slice of the visiting order of the problems read: the same data path read into other
+    problems (a row added) would map the chunks on disk to other problems, so that resume is refused, naming it, and
+    the state stays; the same problems resume."""
+    monkeypatch.delenv("OPD_REHEARSAL_VERIFIED", raising=False)
+    calls, opened = [], []
+    data, out = _data(tmp_path, 6), tmp_path / "run"
+    _run(monkeypatch, _argv(data, out), _engine(None, calls, opened))
+    state = json.loads((out / "curate" / "state.json").read_text())
+    assert len(state["problems_sha"]) == 16
+    _run(monkeypatch, _argv(data, out), _engine(None, calls, opened))  # the same problems: resumes
+    data.write_text(data.read_text() + json.dumps({"id": "q99", "problem": "What is 99 + 1?", "answer": "100"}) + "\n")
+    with pytest.raises(ValueError, match=r"holds chunks of other problems: .*problems.jsonl now reads 7 usable problems "
+                                         r"whose ids differ"):
+        _run(monkeypatch, _argv(data, out), _engine(None, calls, opened))
+    assert json.loads((out / "curate" / "state.json").read_text()) == state
+
+
 def test_student_samples_may_be_0_under_filter_none_only():
     from stages.curate import CurateConfig
 
