@@ -144,7 +144,9 @@ def test_curate_records_the_share_in_its_manifest_and_fingerprint(tmp_path, monk
     with pytest.raises(ValueError, match="different curation"):
         C.curate(C.CurateConfig(**cfg))
     m2 = C.curate(C.CurateConfig(**{**cfg, "output_dir": str(tmp_path / "real")}))
-    assert m2["rehearsal"] is None and m2["counts"]["curriculum"] == 0  # nothing verifies without it
+    # nothing verifies without it: the band keeps none, so the curriculum falls back to every problem, none solved
+    assert m2["rehearsal"] is None and m2["counts"]["teacher_solutions"] == 0
+    assert m2["counts"]["filter_fallback"] is True and m2["counts"]["curriculum"] == 24
 
 
 @pytest.mark.parametrize("when", ["start", "mid-chunk"])
