@@ -101,7 +101,8 @@ _SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 def data_shards(path: Path, split: str = "train") -> list[Path]:
     """The data files of a folder of shards (a hub download: ``data/train-00000-of-00002.parquet``, ...): its
     ``.parquet`` and ``.jsonl`` files at any depth, in name order; where the names (or folders) carry splits, those of
-    ``split`` only (never test problems in the training data). Empty for a file or a saved ``datasets`` directory."""
+    ``split`` only (never test problems in the training data). Empty for a file or a saved ``datasets`` directory;
+    a folder with no such file (of ``split``) is an error."""
     if not path.is_dir() or any((path / m).exists() for m in _SAVED_DATASET):
         return []
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in (".parquet", ".jsonl"))
@@ -112,19 +113,17 @@ def data_shards(path: Path, split: str = "train") -> list[Path]:
 
     named = [split_of(p) for p in files]
     if any(named) and not all(named):
-        raise ValueError(f"{path}: some files name a split ({', '.join(p.name for p, s in zip(files, named) if s)}) and "
-                         f"others do not ({', '.join(p.name for p, s in zip(files, named) if not s)}): which are "
-                         "training data is unclear; point at one file, or a folder of one split")
-    return [p for p, s in zip(files, named) if s == split] if any(named) else files
+        some, others = ([p.name for p, s in zip(files, named) if bool(s) == want] for want in (True, False))
+        raise ValueError(f"{path}: some files name a split ({', '.join(some)}) and others do not ({', '.join(others)}): "
+                         "which are training data is unclear; point at one file, or a folder of one split")
+    shards = [p for p, s in zip(files, named) if s == split] if any(named) else files
+    if not shards:
+        raise ValueError(f"{path}: a directory with no .parquet or .jsonl file (of the {split} split, where names "
+                         f"carry splits), and not a saved datasets directory (no {' / '.join(_SAVED_DATASET)})")
+    return shards
 
 
-def _read_records(path: Path, split: str = "train") -> list[dict[str, Any]]:
-    if path.is_dir() and not any((path / m).exists() for m in _SAVED_DATASET):
-        shards = data_shards(path, split)
-        if not shards:
-            raise ValueError(f"{path}: a directory with no .parquet or .jsonl file (of the {split} split, where names "
-                             f"carry splits), and not a saved datasets directory (no {' / '.join(_SAVED_DATASET)})")
-        return [rec for f in shards for rec in _read_records(f)]
+def _read_records(path: Path) -> list[dict[str, Any]]:
     if path.is_dir():
         from datasets import load_from_disk  # heavy (seconds), for a datasets directory only
 
@@ -286,15 +285,12 @@ def read_header(path: Path, split: str = "train") -> dict[str, set[str] | None] 
     """
     if shards := data_shards(path, split):  # a folder of shards: its first file's header
         return read_header(shards[0])
-    if path.is_dir() and not any((path / m).exists() for m in _SAVED_DATASET):
-        raise ValueError(f"{path}: a directory with no .parquet or .jsonl file (of the {split} split, where names carry "
-                         f"splits), and not a saved datasets directory (no {' / '.join(_SAVED_DATASET)})")
     if path.is_dir():
-        split = path
+        d = path
         if (path / "dataset_dict.json").is_file():  # a DatasetDict: "train" or the only split, as the loader takes
             splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
-            split = path / ("train" if "train" in splits else (splits or [""])[0])
-        info = split / "dataset_info.json"
+            d = path / ("train" if "train" in splits else (splits or [""])[0])
+        info = d / "dataset_info.json"
         if not info.is_file():
             return None
         return _features_fields(json.loads(info.read_text()).get("features") or {})
@@ -384,9 +380,12 @@ def load_problems(source: str | Path, *, limit: int | None = None, seed: int = 0
     path = Path(src).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"data source {src} does not exist")
-    records = _read_records(path, split)
-    if shards := data_shards(path, split):  # the load line names the files read
-        src = f"{src} ({len(shards)} file(s): {', '.join(str(f.relative_to(path)) for f in shards[:3])}{', ...' if len(shards) > 3 else ''})"
+    if shards := data_shards(path, split):  # a folder of files: read in name order, named in the load line
+        records = [rec for f in shards for rec in _read_records(f)]
+        names = ", ".join(str(f.relative_to(path)) for f in shards[:3]) + (", ..." if len(shards) > 3 else "")
+        src = f"{src} ({len(shards)} file(s): {names})"
+    else:
+        records = _read_records(path)
     if not records:
         raise ValueError(f"{src}: no rows (the file is empty)")
     if limit is not None:

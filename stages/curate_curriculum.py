@@ -242,7 +242,8 @@ def merge(cfg: CurateConfig, prep: Prepared, records: list[dict], *, t_start: fl
               f"filter none builds it; {counts['teacher_solutions']} with a verified teacher solution), so that "
               "training has problems to go on policy over", flush=True)
     if (cfg.filter == "none" or fallback) and not counts["teacher_solutions"]:
-        print(f"[curate] WARNING: no verified teacher solution in {out / 'curriculum.parquet'} (filter "
-              f"{'none' if cfg.filter == 'none' else 'pass_rate, fallen back to every problem'}; the teacher verified none of its {counts['problems_measured']} problems measured): stage two's SFT phase has nothing "
-              "to train on (sft_max_epochs alone: every step on-policy; a share or w_sft: refused)", flush=True)
+        which = "none" if cfg.filter == "none" else "pass_rate, fallen back to every problem"
+        print(f"[curate] WARNING: no verified teacher solution in {out / 'curriculum.parquet'} (filter {which}; the "
+              f"teacher verified none of its {counts['problems_measured']} problems measured): stage two's SFT phase "
+              "has nothing to train on (sft_max_epochs alone: every step on-policy; a share or w_sft: refused)", flush=True)
     return manifest

@@ -69,8 +69,8 @@ def find_resume_checkpoint(resume_dir: Path) -> str | None:
 
 
 def export_owner(path: Path) -> str | None:
-    """The run directory that wrote export ``path`` (its ``opd_checkpoint.json``'s ``owner``), or None (not ours,
-    or written before exports named their run)."""
+    """The id of the training that wrote export ``path`` (its ``opd_checkpoint.json``'s ``owner``), or None (not
+    ours, or written before exports named their training)."""
     try:
         return json.loads((Path(path) / "opd_checkpoint.json").read_text()).get("owner")
     except (OSError, ValueError, AttributeError):
@@ -169,8 +169,8 @@ def export_checkpoint(model, tokenizer, ckpt_dir: Path, step: int, *, state_dict
         model: an unwrapped ``PreTrainedModel``.
         state_dict: full state dict to save (pass ``accelerator.get_state_dict(model)`` under FSDP / ZeRO-3).
         dtype: cast floating weights to this torch dtype (e.g. bfloat16 exports of an fp32 run).
-        owner: the run directory, recorded in ``opd_checkpoint.json``; rotation then counts and removes only the
-            exports that name it.
+        owner: the training's id (``OPDConfig.export_owner``), recorded in ``opd_checkpoint.json``; rotation then
+            counts and removes only the exports that name it.
     """
     import torch
 
