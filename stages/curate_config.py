@@ -39,7 +39,7 @@ class CurateConfig(EngineSettings):
     (``engine``, ``dtype``, ``gpu_memory_utilization``, ``tensor_parallel_size``, ``vllm_request_seeds``) are
     ``EngineSettings``', shared with evaluation."""
 
-    train_data: str = field(default="synth:train:200", metadata={"help": "Problems: .jsonl / .parquet / datasets dir, or synth:<split>:<n> (env TRAIN_DATA)."})
+    train_data: str = field(default="synth:train:200", metadata={"help": "Problems: .jsonl / .parquet, a folder of them (its train split's files where names carry splits), a datasets dir, or synth:<split>:<n> (env TRAIN_DATA)."})
     limit: int | None = field(default=None, metadata={"help": "Use only the first N input rows."})
     student_model: str = field(default="smollm2-135m", metadata={"help": "Local HF dir of the student, or smollm2-135m (env STUDENT_MODEL)."})
     teacher_model: str = field(default="", metadata={"help": "Local HF dir of the teacher; empty with teacher_context=privileged (env TEACHER_MODEL)."})
@@ -64,7 +64,8 @@ class CurateConfig(EngineSettings):
     probe_size: int = field(default=0, metadata={"help": "Under a clock: problems in a probe, the first engine call before a rate is measured; probes go on past a spent budget until the measured problems give a curriculum row (filter none: a verified teacher solution), never past half the training window. 0 = chunk_size / 8, rounded up."})
     filter: str = field(default="pass_rate", metadata={
         "help": "What stage one keeps: pass_rate (the student's pass rate over student_samples picks the rows: band_low, "
-                "band_high, zero_pass_share, ordered by difficulty into n_buckets) or none (no student samples: the "
+                "band_high, zero_pass_share, ordered by difficulty into n_buckets; a band that keeps none falls back "
+                "to every problem, with a warning) or none (no student samples: the "
                 "teacher alone samples, the curriculum is every usable problem in the seeded visiting order, one "
                 "bucket, teacher_solution where the teacher verified one; the band, order and bucket settings are unused)."})
     band_low: float = field(default=0.0, metadata={"help": "Keep problems with pass rate p > band_low (exclusive) ..."})

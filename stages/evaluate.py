@@ -116,7 +116,8 @@ class EvalConfig(EngineSettings):
                 "'smollm2-135m'. Unset: env STUDENT_MODEL if set (the run contract's student), else the embedded "
                 "SmolLM2-135M-Instruct."})
     eval_data: str | None = field(default=None, metadata={
-        "help": "Question file (jsonl / parquet / datasets dir) or synth:<split>:<n>; env EVAL_DATA. "
+        "help": "Questions: jsonl / parquet, a folder of them (its test split's files where names carry splits), a "
+                "datasets dir, or synth:<split>:<n>; env EVAL_DATA. "
                 "Defaults to the protocol's own question set when it declares one."})
     limit: int | None = field(default=None, metadata={
         "help": "Score only the first N problems (CPU smoke runs); labelled NOT the declared protocol."})

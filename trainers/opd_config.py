@@ -30,7 +30,8 @@ def cpu_bf16_native() -> bool:
     except (AttributeError, RuntimeError):  # a torch without the probe: assume native, as before
         return True
 
-#: ``max_steps`` given to transformers: the wall clock ends training, never a step count (docs/design.md section 6).
+#: ``max_steps`` given to transformers: the wall clock ends a formal run, never a step count (a user's max_steps becomes
+#: the trainer's own step cap, debug_max_steps; docs/design.md section 6).
 UNBOUNDED_STEPS = 10**9
 KL_MODES = ("sampled", "full")
 TEACHER_CONTEXTS = ("teacher", "privileged")
@@ -279,8 +280,8 @@ class OPDConfig(DistillationConfig):
         "help": "Not a stopping rule here (refused if set): training cycles over the curriculum until the wall clock "
                 "or max_steps ends it; sft_max_epochs caps the SFT passes."})
     max_steps: int = field(default=UNBOUNDED_STEPS, metadata={
-        "help": "A cap on optimizer steps, as debug_max_steps (-1 = none); the wall clock still ends training. "
-                "transformers itself is given an unbounded count."})
+        "help": "Stop after this many optimizer steps (-1 = no cap), with a final export; the wall clock still ends "
+                "training if it comes first. The same cap as debug_max_steps."})
 
     def __post_init__(self):
         from data_tools.runio import default_output_dir
