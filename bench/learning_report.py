@@ -712,3 +712,54 @@ def plot(res: dict, cfg: LearningConfig, path: Path) -> list[tuple[str, str, flo
     return drawn
 
 
+
+
+def welch_line(x_name: str, x: list[float], y_name: str, y: list[float], level: float = 0.95) -> str:
+    """Rule 1's test over seeds as one line: mean(x) − mean(y) with its Welch standard error, t-interval and
+    degrees of freedom, from one score per seed (each run's avg@k at the last mark). Raises ValueError with fewer
+    than 2 scores on a side or none of them spread (no Welch interval exists then)."""
+    w = welch(x, y)
+    if w is None:
+        raise ValueError(f"a Welch interval needs >= 2 scores on each side and some spread between them; got "
+                         f"{len(x)} for {x_name} and {len(y)} for {y_name}")
+    se, df = w
+    d = statistics.fmean(x) - statistics.fmean(y)
+    lo, hi = t_interval(d, se, df, level)
+    verdict = "ahead" if lo > 0 else "behind" if hi < 0 else "level"
+    return (f"{x_name} − {y_name} over seeds: {d:+.4f} ± {se:.4f} ({level:.0%} Welch t-interval {lo:+.4f} to "
+            f"{hi:+.4f}, df {df:.1f}; {x_name} {statistics.fmean(x):.4f} over {len(x)} seeds, {y_name} "
+            f"{statistics.fmean(y):.4f} over {len(y)}): {x_name} {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.learning_report welch X=0.383,0.384 Y=0.365,0.363``: rule 1's Welch test over seeds from each
+    run's score at the last mark, as each lease's results.md lists them ("Between seeds"). For seeds whose tables
+    are on no one machine (each lease reports its own; the scores are in the run logs under bench/learning/)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.learning_report", description=main.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("welch", help="mean(X) − mean(Y) over seeds with its Welch t-interval and degrees of freedom")
+    w.add_argument("x", help="NAME=score,score,...: one arm's score per seed (avg@k at the last mark)")
+    w.add_argument("y", help="NAME=score,score,...: the arm it is compared with")
+    args = p.parse_args(argv)
+
+    def side(spec: str) -> tuple[str, list[float]]:
+        name, sep, vals = spec.partition("=")
+        try:
+            scores = [float(v) for v in vals.split(",")]
+        except ValueError:
+            scores = None
+        if not sep or not name or not scores or not all(0 <= s <= 1 for s in scores):
+            p.error(f"{spec!r}: expected NAME=score,score,... with scores between 0 and 1")
+        return name, scores
+
+    try:
+        print(welch_line(*side(args.x), *side(args.y)))
+    except ValueError as e:
+        p.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

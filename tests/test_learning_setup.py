@@ -539,6 +539,30 @@ def test_t_quantile_and_welch_match_plain_formulas():
         t_quantile(0.4, 3)
 
 
+def test_welch_command_gives_rule_ones_interval_over_seeds(capsys):
+    """``python -m bench.learning_report welch``: the mean difference, Welch's error and df and the t-interval
+    against plain formulas, the verdict from the interval, and a refusal (exit 2) where no interval exists."""
+    from bench.learning_report import main
+
+    x, y = [0.80, 0.76, 0.78], [0.70, 0.74]
+    a, b = (0.02**2 + 0.02**2) / 2 / 3, (0.02**2 + 0.02**2) / 1 / 2
+    se, df = math.sqrt(a + b), (a + b) ** 2 / (a * a / 2 + b * b / 1)
+    h = _t_quantile_plain(0.975, df) * se
+    assert main(["welch", "A=0.80,0.76,0.78", "B=0.70,0.74"]) == 0
+    out = capsys.readouterr().out
+    assert f"A − B over seeds: +0.0600 ± {se:.4f}" in out
+    assert f"t-interval {0.06 - h:+.4f} to {0.06 + h:+.4f}, df {df:.1f}" in out
+    assert out.strip().endswith("A level")  # df 1.6: the interval is wide enough to hold 0
+    assert main(["welch", "N=0.383,0.384,0.382", "F=0.365,0.363,0.362"]) == 0
+    assert capsys.readouterr().out.strip().endswith("N ahead")
+    for bad in (["welch", "A=0.8", "B=0.7,0.74"], ["welch", "A=0.8,0.8", "B=0.7,0.7"], ["welch", "0.8,0.7", "B=0.7,0.74"],
+                ["welch", "A=0.8,1.5", "B=0.7,0.74"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2, bad
+    assert "Welch interval needs >= 2 scores" in capsys.readouterr().err
+
+
 def test_setup_lines_give_the_gate_and_the_kl(tmp_path):
     """The setup's measurement against plain formulas: teacher − start paired over problems, the teacher on the
     problems where none of the start's samples is right, and the probe's KL."""
