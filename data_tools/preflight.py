@@ -529,6 +529,29 @@ def check_small_tmp(rep: Report, plan: Plan, env: Mapping[str, str]) -> None:
                  "resume states and exports will not fit there; set OUTPUT_DIR to a directory on a disk")
 
 
+#: Seconds below which DEADLINE_RESERVE_SECONDS is warned: the final save of a 1.5B-shaped student took 21 s at the
+#: formal shape (3.2 s export + 18.0 s resume state, bench/results/2026-12-06-formal-shape-rehearsal.md), ~1.5x that.
+MIN_RESERVE_S = 30.0
+
+
+def check_reserve(rep: Report, train: str | None, env: Mapping[str, str]) -> None:
+    """A warning when the deadline reserve is too short for the final save: training stops by
+    MAX_WALL_TIME_SECONDS - DEADLINE_RESERVE_SECONDS and its final export and resume state are written after that, so
+    with a reserve under :data:`MIN_RESERVE_S` they may end past the clock (the exports written before, the hedges,
+    stand). A clock the run cannot use is ``data_tools.clock``'s refusal, not repeated here."""
+    from data_tools.clock import DEFAULT_RESERVE_S, resolve_clock
+
+    try:
+        r = resolve_clock(train, env)[1] if train else float(env.get("DEADLINE_RESERVE_SECONDS") or DEFAULT_RESERVE_S)
+    except ValueError:
+        return
+    if r < MIN_RESERVE_S:
+        rep.warn(f"DEADLINE_RESERVE_SECONDS={r:g}: training stops {r:g} s before the clock's end and its final export "
+                 f"and resume state are written after that (~21 s for a 1.5B model), so they may end past "
+                 f"MAX_WALL_TIME_SECONDS; the exports written before (the hedges) stand. {MIN_RESERVE_S:g} s or more "
+                 "keeps the final one inside the clock")
+
+
 # ------------------------------------------------------------------------------------------------ all of it
 
 def run_checks(args: argparse.Namespace, env: Mapping[str, str], versions: Mapping[str, str] | None = None,
@@ -574,6 +597,7 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str], versions: Mappi
     check_writable(rep, "OUTPUT_DIR", plan.output_dir, create=not args.plan)
     check_writable(rep, "CKPT_DIR", plan.ckpt_dir, create=not args.plan)
     check_small_tmp(rep, plan, env)
+    check_reserve(rep, args.train, env)
     size = model_params(student) if student else None
     if size is None and plan.student == EMBEDDED:
         size = (134_515_008, "float32")  # SmolLM2-135M-Instruct, before its one-time conversion

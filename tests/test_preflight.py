@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+import yaml
 
 from data_tools import preflight
 from data_tools.preflight import PACKAGES, Report, check_packages, normalize, run_checks
@@ -653,6 +654,27 @@ def test_one_eval_data_for_several_protocols_is_said(tmp_path):
                     "one protocol, or leave EVAL_DATA unset and name eval_data in each protocol's config"]
     one = run_checks(_args(plan=True, protocols="math500_pass_at_1"), env)
     assert not [w for w in one.warnings if w.startswith("EVAL_DATA=")]
+
+
+def test_a_reserve_too_short_for_the_final_save_is_warned(tmp_path):
+    """DEADLINE_RESERVE_SECONDS under 30 s (a 1.5B final save takes ~21 s) is one warning; the run goes on. The
+    env wins over the recipe's YAML, as in the clock; the formal stack's 60 s and the default 600 s pass quietly."""
+    env = {"OUTPUT_DIR": str(tmp_path / "out"), "TRAIN_DATA": "synth:train:4"}
+    train = "configs/opd_r1_distill_1p5b.yaml"
+
+    def said(extra, **kw):
+        rep = run_checks(_args(plan=True, **kw), {**env, **extra})
+        assert rep.refusals == []
+        return [w for w in rep.warnings if w.startswith("DEADLINE_RESERVE_SECONDS=")]
+
+    (w,) = said({"MAX_WALL_TIME_SECONDS": "3600", "DEADLINE_RESERVE_SECONDS": "0"}, train=train)
+    assert w.startswith("DEADLINE_RESERVE_SECONDS=0: training stops 0 s before the clock's end") and "hedges" in w
+    assert len(said({"DEADLINE_RESERVE_SECONDS": "29"})) == 1
+    assert said({"DEADLINE_RESERVE_SECONDS": "60"}, train=train) == []
+    assert said({}, train=train) == [] and said({}) == []
+    short = tmp_path / "t.yaml"
+    short.write_text(yaml.safe_dump({"max_wall_time_seconds": 600, "deadline_reserve_seconds": 10}))
+    assert len(said({}, train=str(short))) == 1
 
 
 def test_question_file_is_eval_data_else_the_protocols_own(tmp_path):
