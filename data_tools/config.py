@@ -56,7 +56,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> tuple:
+                 env: dict[str, str] | None = None, description: str | None = None) -> tuple:
     """Parse ``--config`` YAML, contract environment variables and CLI flags into dataclasses.
 
     Precedence (lowest first): dataclass defaults, YAML values, environment (``ENV_CONTRACT``),
@@ -72,7 +72,10 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     args = list(sys.argv[1:] if args is None else args)
     env = os.environ if env is None else env
     # allow_abbrev off: a truncated flag ("--temp") would otherwise set whichever field it prefixes, silently
-    parser = TrlParser(dataclass_types=list(dataclass_types), allow_abbrev=False)
+    # description: the stage's usage lines as written (its module docstring's head), so --help names --config and the
+    # stage's own switches, which are not dataclass fields
+    parser = TrlParser(dataclass_types=list(dataclass_types), allow_abbrev=False, description=description,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def one_line_error(message: str):
         raise ValueError(f"command line: {message}")

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = pop_shard_flag(argv)
         if shard is not None:
             worker_init()
-        (cfg,) = parse_config([CurateConfig], argv)
+        (cfg,) = parse_config([CurateConfig], argv, description="\n\n".join(__doc__.split("\n\n")[:2]))
         node_layout()  # a bad NNODES / NODE_RANK: one line, before the lock
         with run_lock(Path(cfg.output_dir)):  # a worker runs under its parent's (OPD_LOCK_OWNER); node > 0 under node 0's
             if shard is not None:

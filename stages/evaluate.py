@@ -787,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = pop_shard_flag(argv)  # hidden: set by evaluate_model for its worker processes
         if shard is not None:
             worker_init()
-        (cfg,) = parse_config([EvalConfig], args=argv)
+        (cfg,) = parse_config([EvalConfig], args=argv, description="\n\n".join(__doc__.split("\n\n")[:2]))
         if cfg.model is None and os.environ.get("STUDENT_MODEL"):
             cfg.model = os.environ["STUDENT_MODEL"]
             print(f"evaluate: --model not given: evaluating STUDENT_MODEL={cfg.model}", flush=True)

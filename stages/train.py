@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():  # checking a GPU recipe on a CPU machine (run.sh --plan): not its hardware
             argv += ["--use_cpu", "true"]
     try:
-        (args,) = parse_config([OPDConfig], argv)
+        (args,) = parse_config([OPDConfig], argv, description=__doc__)
         check_outside_repo(args.output_dir, "OUTPUT_DIR")
         check_outside_repo(args.ckpt_dir, "CKPT_DIR")
     except (ValueError, FileNotFoundError) as e:

@@ -27,3 +27,17 @@ def test_help_prints_usage_and_exits_0(module, monkeypatch, capsys):
     out = capsys.readouterr()
     assert exc.value.code in (0, None), f"{module} --help exited {exc.value.code}: {out.err[-800:]}"
     assert "usage" in (out.out + out.err).lower(), f"{module} --help printed no usage: {(out.out + out.err)[:400]}"
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("module, names", [("stages.train", ("--config", "--check_config", "Precedence")),
+                                           ("stages.curate", ("--config",)), ("stages.evaluate", ("--config",))])
+def test_stage_help_names_its_switches_that_are_not_fields(module, names, monkeypatch, capsys):
+    """``--config`` (and train's ``--check_config``) are read before argparse sees the fields, so --help shows them only
+    through the stage's usage lines: those must be on the page."""
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_module(module, run_name="__main__", alter_sys=False)
+    out = capsys.readouterr().out
+    for name in names:
+        assert name in out, f"{module} --help does not name {name}"
