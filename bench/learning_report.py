@@ -590,7 +590,7 @@ def _seed_lines(col: dict, cfg: LearningConfig) -> list[str]:
                            ("late mean", late.get(arm, {}).get("by_run", {}))):
             if len(vals) >= 2:
                 v = [vals[n] for n in a["runs"] if n in vals]
-                parts.append(f"{what} " + " / ".join(f"{x:.3f}" for x in v)
+                parts.append(f"{what} " + " / ".join(f"{x:.4f}" for x in v)  # four decimals: rule 1's Welch reads them
                              + f" (standard deviation {statistics.stdev(v):.4f})")
         if parts:
             out.append(f"- {arm}, runs {', '.join(a['runs'])}: " + "; ".join(parts))
@@ -718,10 +718,13 @@ def welch_line(x_name: str, x: list[float], y_name: str, y: list[float], level: 
     """Rule 1's test over seeds as one line: mean(x) − mean(y) with its Welch standard error, t-interval and
     degrees of freedom, from one score per seed (each run's avg@k at the last mark). Raises ValueError with fewer
     than 2 scores on a side or none of them spread (no Welch interval exists then)."""
+    few = [f"{n} has {len(v)}" for n, v in ((x_name, x), (y_name, y)) if len(v) < 2]
+    if few:
+        raise ValueError(f"a Welch interval needs >= 2 scores (seeds) on each side: {', '.join(few)}")
     w = welch(x, y)
     if w is None:
-        raise ValueError(f"a Welch interval needs >= 2 scores on each side and some spread between them; got "
-                         f"{len(x)} for {x_name} and {len(y)} for {y_name}")
+        raise ValueError(f"the scores of {x_name} and of {y_name} are each all equal: no spread between seeds, "
+                         "so no Welch interval (their difference is exact, or the scores were rounded too far)")
     se, df = w
     d = statistics.fmean(x) - statistics.fmean(y)
     lo, hi = t_interval(d, se, df, level)
@@ -745,19 +748,30 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def side(spec: str) -> tuple[str, list[float]]:
-        name, sep, vals = spec.partition("=")
+        name, sep, vals = spec.rpartition("=")  # a score never holds "=", a name may
+        name = name.strip()
+        if not sep or not name:
+            p.error(f"{spec!r}: expected NAME=score,score,... (an arm's name, then its scores)")
+        items = [v.strip() for v in vals.split(",")]
+        if "" in items:
+            p.error(f"{spec!r}: an empty score (a comma too many?)")
         try:
-            scores = [float(v) for v in vals.split(",")]
+            scores = [float(v) for v in items]
         except ValueError:
-            scores = None
-        if not sep or not name or not scores or not all(0 <= s <= 1 for s in scores):
-            p.error(f"{spec!r}: expected NAME=score,score,... with scores between 0 and 1")
+            p.error(f"{spec!r}: not a number among the scores")
+        bad = [v for v, f in zip(items, scores) if not 0 <= f <= 1]  # NaN fails this too
+        if bad:
+            p.error(f"{spec!r}: {', '.join(bad)} not between 0 and 1 (scores are avg@k)")
         return name, scores
 
+    (xn, xs), (yn, ys) = side(args.x), side(args.y)
+    if xn == yn:
+        p.error(f"both sides are named {xn!r}: compare two arms")
     try:
-        print(welch_line(*side(args.x), *side(args.y)))
+        line = welch_line(xn, xs, yn, ys)
     except ValueError as e:
         p.error(str(e))
+    print(line)
     return 0
 
 

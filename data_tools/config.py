@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 import warnings
 from typing import Any, Iterable
@@ -55,8 +56,28 @@ def _load_yaml(path: str) -> dict[str, Any]:
     return cfg
 
 
+def stage_help(doc: str | None, paragraphs: int | None = None) -> dict[str, str]:
+    """``parse_config``'s ``usage`` and ``description`` from a stage's module docstring: its ``python -m ...`` lines
+    are the usage (argparse's own lists every field, a page long), its first ``paragraphs`` paragraphs (all when
+    None) the description, where ``--config`` and the stage's switches that are not fields are explained. ``{}``
+    without a docstring (``python -OO``)."""
+    if not doc:
+        return {}
+    is_usage = lambda ln: ln.strip().startswith("python -m ")  # noqa: E731
+    usage = [ln.strip() for ln in doc.splitlines() if is_usage(ln)]
+    head = "\n".join(ln for ln in "\n\n".join(doc.split("\n\n")[:paragraphs]).splitlines() if not is_usage(ln))
+    head = re.sub(r"\n{3,}", "\n\n", head).strip()
+    if "Precedence" not in head:
+        head += ("\n\nEach option below is a --flag and a key of the --config YAML. Precedence (lowest first):\n"
+                 "the defaults, the YAML, the run contract's environment (STUDENT_MODEL, TRAIN_DATA, ...), the flags.")
+    out = {"description": head}
+    if usage:
+        out["usage"] = "\n       ".join(usage)
+    return out
+
+
 def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
-                 env: dict[str, str] | None = None, description: str | None = None) -> tuple:
+                 env: dict[str, str] | None = None, description: str | None = None, usage: str | None = None) -> tuple:
     """Parse ``--config`` YAML, contract environment variables and CLI flags into dataclasses.
 
     Precedence (lowest first): dataclass defaults, YAML values, environment (``ENV_CONTRACT``),
@@ -74,7 +95,7 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     # allow_abbrev off: a truncated flag ("--temp") would otherwise set whichever field it prefixes, silently
     # description: the stage's usage lines as written (its module docstring's head), so --help names --config and the
     # stage's own switches, which are not dataclass fields
-    parser = TrlParser(dataclass_types=list(dataclass_types), allow_abbrev=False, description=description,
+    parser = TrlParser(dataclass_types=list(dataclass_types), allow_abbrev=False, description=description, usage=usage,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def one_line_error(message: str):

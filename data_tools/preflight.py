@@ -529,27 +529,33 @@ def check_small_tmp(rep: Report, plan: Plan, env: Mapping[str, str]) -> None:
                  "resume states and exports will not fit there; set OUTPUT_DIR to a directory on a disk")
 
 
-#: Seconds below which DEADLINE_RESERVE_SECONDS is warned: the final save of a 1.5B-shaped student took 21 s at the
-#: formal shape (3.2 s export + 18.0 s resume state, bench/results/2026-12-06-formal-shape-rehearsal.md), ~1.5x that.
-MIN_RESERVE_S = 30.0
+#: The final save's seconds per billion parameters (export + resume state): 33.6 s (5.0 + 28.6) and 21.2 s (3.2 +
+#: 18.0) for a 1.78B student at the formal shape (bench/results/2026-12-06-formal-shape-rehearsal.md); the slower.
+SAVE_S_PER_B = 33.6 / 1.78
+#: The reserve warned below: 1.5x the final save the student's size predicts, and never less than this floor.
+RESERVE_FLOOR_S = 10.0
 
 
-def check_reserve(rep: Report, train: str | None, env: Mapping[str, str]) -> None:
-    """A warning when the deadline reserve is too short for the final save: training stops by
-    MAX_WALL_TIME_SECONDS - DEADLINE_RESERVE_SECONDS and its final export and resume state are written after that, so
-    with a reserve under :data:`MIN_RESERVE_S` they may end past the clock (the exports written before, the hedges,
-    stand). A clock the run cannot use is ``data_tools.clock``'s refusal, not repeated here."""
+def check_reserve(rep: Report, train: str | None, env: Mapping[str, str], params: int | None) -> None:
+    """A warning when the deadline reserve is shorter than 1.5x the final save the student's size predicts
+    (:data:`SAVE_S_PER_B`; 1.5B when the size is unknown): training stops by MAX_WALL_TIME_SECONDS -
+    DEADLINE_RESERVE_SECONDS and its final export and resume state are written after that, so they would run into
+    the evaluation's time or past the clock (the exports written before, the hedges, stand). A clock the run
+    cannot use is ``data_tools.clock``'s refusal (run.sh), not repeated here."""
     from data_tools.clock import DEFAULT_RESERVE_S, resolve_clock
 
     try:
         r = resolve_clock(train, env)[1] if train else float(env.get("DEADLINE_RESERVE_SECONDS") or DEFAULT_RESERVE_S)
-    except ValueError:
+    except Exception:  # noqa: BLE001 - a config the clock cannot read is refused elsewhere; the other checks go on
         return
-    if r < MIN_RESERVE_S:
+    billions = (params or 1.5e9) / 1e9
+    save = SAVE_S_PER_B * billions
+    need = max(RESERVE_FLOOR_S, 1.5 * save)
+    if r < need:
         rep.warn(f"DEADLINE_RESERVE_SECONDS={r:g}: training stops {r:g} s before the clock's end and its final export "
-                 f"and resume state are written after that (~21 s for a 1.5B model), so they may end past "
-                 f"MAX_WALL_TIME_SECONDS; the exports written before (the hedges) stand. {MIN_RESERVE_S:g} s or more "
-                 "keeps the final one inside the clock")
+                 f"and resume state are written after that (~{save:.0f} s for a {billions:.2g}B student), so they may "
+                 f"run into the evaluation's time or past MAX_WALL_TIME_SECONDS; the exports written before (the "
+                 f"hedges) stand. {need:.0f} s or more keeps the final save inside the training window")
 
 
 # ------------------------------------------------------------------------------------------------ all of it
@@ -597,10 +603,10 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str], versions: Mappi
     check_writable(rep, "OUTPUT_DIR", plan.output_dir, create=not args.plan)
     check_writable(rep, "CKPT_DIR", plan.ckpt_dir, create=not args.plan)
     check_small_tmp(rep, plan, env)
-    check_reserve(rep, args.train, env)
     size = model_params(student) if student else None
     if size is None and plan.student == EMBEDDED:
         size = (134_515_008, "float32")  # SmolLM2-135M-Instruct, before its one-time conversion
+    check_reserve(rep, args.train, env, size[0] if size else None)
     if size:
         try:
             check_disk(rep, plan, size[0])

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 from data_tools.clock import RUN_START_ENV
-from data_tools.config import parse_config
+from data_tools.config import parse_config, stage_help
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
 from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, io_failure, run_lock, write_json
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = pop_shard_flag(argv)
         if shard is not None:
             worker_init()
-        (cfg,) = parse_config([CurateConfig], argv, description="\n\n".join(__doc__.split("\n\n")[:2]))
+        (cfg,) = parse_config([CurateConfig], argv, **stage_help(__doc__, 2))
         node_layout()  # a bad NNODES / NODE_RANK: one line, before the lock
         with run_lock(Path(cfg.output_dir)):  # a worker runs under its parent's (OPD_LOCK_OWNER); node > 0 under node 0's
             if shard is not None:

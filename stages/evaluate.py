@@ -69,7 +69,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from data_tools import evalstats
-from data_tools.config import parse_config
+from data_tools.config import parse_config, stage_help
 from data_tools.generation.engines import EngineSettings, derive_seed, make_engine
 # at top level: vLLM's spawned engine processes re-import this module, and so this one (die with parent)
 from data_tools.generation.processes import EngineDead, exit_on_sigterm
@@ -787,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = pop_shard_flag(argv)  # hidden: set by evaluate_model for its worker processes
         if shard is not None:
             worker_init()
-        (cfg,) = parse_config([EvalConfig], args=argv, description="\n\n".join(__doc__.split("\n\n")[:2]))
+        (cfg,) = parse_config([EvalConfig], args=argv, **stage_help(__doc__, 3))
         if cfg.model is None and os.environ.get("STUDENT_MODEL"):
             cfg.model = os.environ["STUDENT_MODEL"]
             print(f"evaluate: --model not given: evaluating STUDENT_MODEL={cfg.model}", flush=True)

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     # under a launcher the other ranks log errors only: their info and warnings repeat rank 0's
     level = os.environ.get("OPD_LOG_LEVEL", "INFO") if int(os.environ.get("RANK") or 0) == 0 else "ERROR"
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from data_tools.config import parse_config
+    from data_tools.config import parse_config, stage_help
     from data_tools.runio import EXIT_IO, EXIT_LOCKED, LockHeld, check_outside_repo, io_failure, run_lock
     from trainers.opd_config import OPDConfig
     from trainers.opd_trainer import NonFiniteError
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():  # checking a GPU recipe on a CPU machine (run.sh --plan): not its hardware
             argv += ["--use_cpu", "true"]
     try:
-        (args,) = parse_config([OPDConfig], argv, description=__doc__)
+        (args,) = parse_config([OPDConfig], argv, **stage_help(__doc__))
         check_outside_repo(args.output_dir, "OUTPUT_DIR")
         check_outside_repo(args.ckpt_dir, "CKPT_DIR")
     except (ValueError, FileNotFoundError) as e:

@@ -31,13 +31,27 @@ def test_help_prints_usage_and_exits_0(module, monkeypatch, capsys):
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
 @pytest.mark.parametrize("module, names", [("stages.train", ("--config", "--check_config", "Precedence")),
-                                           ("stages.curate", ("--config",)), ("stages.evaluate", ("--config",))])
+                                           ("stages.curate", ("--config", "Precedence")),
+                                           ("stages.evaluate", ("--config", "--protocol", "Precedence"))])
 def test_stage_help_names_its_switches_that_are_not_fields(module, names, monkeypatch, capsys):
     """``--config`` (and train's ``--check_config``) are read before argparse sees the fields, so --help shows them only
-    through the stage's usage lines: those must be on the page."""
+    through the stage's usage lines (``data_tools.config.stage_help``): at the top of the page, not after argparse's
+    usage of every field, and how the YAML and the flags combine."""
     monkeypatch.setattr(sys, "argv", [module, "--help"])
     with pytest.raises(SystemExit):
         runpy.run_module(module, run_name="__main__", alter_sys=False)
-    out = capsys.readouterr().out
+    top = "\n".join(capsys.readouterr().out.splitlines()[:16])
+    assert top.startswith(f"usage: python -m {module} "), top[:200]
     for name in names:
-        assert name in out, f"{module} --help does not name {name}"
+        assert name in top, f"{module} --help does not name {name} near its top"
+
+
+def test_stage_help_from_a_docstring_and_without_one():
+    from data_tools.config import stage_help
+
+    doc = "Stage x: does y.\n\n    python -m stages.x --config C.yaml\n    python -m stages.x --other\n\nMore.\n\nLater."
+    h = stage_help(doc, 3)
+    assert h["usage"] == "python -m stages.x --config C.yaml\n       python -m stages.x --other"
+    assert h["description"].startswith("Stage x: does y.\n\nMore.\n\nEach option below is a --flag")
+    assert "Later." not in h["description"] and "Later." in stage_help(doc)["description"]
+    assert stage_help(None) == {} and stage_help("") == {}  # python -OO strips docstrings

@@ -635,7 +635,7 @@ def test_seed_stderr_is_welch_over_runs_and_reaches_the_late_mean(tmp_path):
     assert "between runs ± 0.280 from 2 and 2 seeds" in md
     # each run alone: c-s2 has its 10 s mark only, so it is in neither list (no 20 s mark, no late mean)
     sd = math.sqrt(2 * 0.25**2)  # of 0.75 and 0.25
-    assert (f"- c, runs c, c-s1, c-s2: at 20 s 0.750 / 0.250 (standard deviation {sd:.4f}); late mean 0.750 / 0.250 "
+    assert (f"- c, runs c, c-s1, c-s2: at 20 s 0.7500 / 0.2500 (standard deviation {sd:.4f}); late mean 0.7500 / 0.2500 "
             f"(standard deviation {sd:.4f})") in md
 
 

@@ -555,12 +555,18 @@ def test_welch_command_gives_rule_ones_interval_over_seeds(capsys):
     assert out.strip().endswith("A level")  # df 1.6: the interval is wide enough to hold 0
     assert main(["welch", "N=0.383,0.384,0.382", "F=0.365,0.363,0.362"]) == 0
     assert capsys.readouterr().out.strip().endswith("N ahead")
-    for bad in (["welch", "A=0.8", "B=0.7,0.74"], ["welch", "A=0.8,0.8", "B=0.7,0.7"], ["welch", "0.8,0.7", "B=0.7,0.74"],
-                ["welch", "A=0.8,1.5", "B=0.7,0.74"]):
+    assert main(["welch", "N = 0.383, 0.384,0.382", "F=0.365,0.363,0.362"]) == 0  # spaces around names and scores
+    assert capsys.readouterr().out.startswith("N − F over seeds: +0.0197")
+    for bad, why in ((["A=0.8", "B=0.7,0.74"], "needs >= 2 scores (seeds) on each side: A has 1"),
+                     (["A=0.8,0.8", "B=0.7,0.7"], "each all equal: no spread between seeds"),
+                     (["0.8,0.7", "B=0.7,0.74"], "expected NAME=score,score"),
+                     (["A=0.8,0.7,", "B=0.7,0.74"], "an empty score (a comma too many?)"),
+                     (["A=0.8,x", "B=0.7,0.74"], "not a number among the scores"),
+                     (["A=0.8,1.5", "B=0.7,nan"], "1.5 not between 0 and 1"),
+                     (["A=0.8,0.7", "A=0.7,0.74"], "both sides are named 'A'")):
         with pytest.raises(SystemExit) as e:
-            main(bad)
-        assert e.value.code == 2, bad
-    assert "Welch interval needs >= 2 scores" in capsys.readouterr().err
+            main(["welch", *bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err, bad
 
 
 def test_setup_lines_give_the_gate_and_the_kl(tmp_path):
