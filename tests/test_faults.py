@@ -69,6 +69,7 @@ def test_watchdog_turns_a_dead_engine_into_an_error(fault):
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # an engine at work
     idle = subprocess.Popen(SLEEPER)
+    dog = None
     try:
         procs = [psutil.Process(busy.pid)] if fault == "process dies" else [psutil.Process(idle.pid)]
         dog = Watchdog(procs, stall_s=2.0, poll_s=0.2)
@@ -77,13 +78,47 @@ def test_watchdog_turns_a_dead_engine_into_an_error(fault):
         t0 = time.time()
         with pytest.raises(EngineDead) as e:
             threading.Event().wait(30)  # the main thread blocked, as in LLM.generate's wait for outputs
-        dog.stop()
         assert time.time() - t0 < 10
         assert ("died" if fault == "process dies" else "no progress") in str(e.value)
     finally:
+        if dog is not None:  # stopped before the processes go, or their end would be signalled after the test
+            dog.stop()
         for p in (busy, idle):
             p.kill()
             p.wait()
+
+
+def test_watchdog_does_not_count_its_own_polling_as_progress(monkeypatch):
+    """This process's CPU time counts as engine progress, minus the watchdog thread's own: at a short poll its
+    /proc reads alone (~1-3 ms a poll) passed the progress threshold (1% of the poll) and a stalled engine was
+    never reported. Here each poll's reads are made to cost 5 ms of this thread's CPU."""
+    import psutil
+
+    from data_tools.generation import processes
+    from data_tools.generation.processes import EngineDead, Watchdog
+
+    real = processes.Watchdog._cpu
+
+    def costly(self):
+        t = time.thread_time()
+        while time.thread_time() - t < 0.005:  # the polling thread spends CPU itself
+            pass
+        return real(self)
+
+    monkeypatch.setattr(processes.Watchdog, "_cpu", costly)
+    idle = subprocess.Popen(SLEEPER)
+    dog = None
+    try:
+        dog = Watchdog([psutil.Process(idle.pid)], stall_s=1.0, poll_s=0.2)
+        t0 = time.time()
+        with pytest.raises(EngineDead, match="no progress"):
+            threading.Event().wait(20)
+        assert time.time() - t0 < 8
+    finally:
+        if dog is not None:
+            dog.stop()
+        idle.kill()
+        idle.wait()
 
 
 CHILD = {

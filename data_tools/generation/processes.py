@@ -162,7 +162,10 @@ class Watchdog:
         raise EngineDead(self.reason)
 
     def _cpu(self) -> float:
-        total = 0.0
+        # This process's CPU time includes the watchdog's own polling (psutil reads /proc), which is not the engine
+        # progressing: without it subtracted, a short poll_s could count its own reads as progress and never fire.
+        # Called in the watchdog's thread, so thread_time() is that thread's CPU time.
+        total = -time.thread_time()
         for p in self.procs:
             try:
                 if p.status() == psutil.STATUS_ZOMBIE:
@@ -185,12 +188,18 @@ class Watchdog:
                 continue
             if now >= 0:
                 self.reason = f"vLLM engine made no progress for {time.time() - since:.0f}s (its processes are idle)"
+            if self._stop.is_set():  # stopped while this poll ran: the main thread is done with the engine
+                return
             log.error("%s", self.reason)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
             return
 
     def stop(self) -> None:
+        # the thread first, then the handler: a signal sent after the previous handler (SIGUSR1's default ends the
+        # process) were back would kill the run
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self.poll_s))
         signal.signal(signal.SIGUSR1, self._prev)
 
 
