@@ -93,8 +93,8 @@ def parse_config(dataclass_types: Iterable[type], args: list[str] | None = None,
     args = list(sys.argv[1:] if args is None else args)
     env = os.environ if env is None else env
     # allow_abbrev off: a truncated flag ("--temp") would otherwise set whichever field it prefixes, silently
-    # description: the stage's usage lines as written (its module docstring's head), so --help names --config and the
-    # stage's own switches, which are not dataclass fields
+    # usage / description (stage_help): the stage's python -m lines and its docstring's head, so --help names --config
+    # and the stage's own switches, which are not dataclass fields
     parser = TrlParser(dataclass_types=list(dataclass_types), allow_abbrev=False, description=description, usage=usage,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
 
