@@ -1,8 +1,8 @@
 """Stage one of bench/learning.py's off-policy arms (d, f, h, i, j): the teacher's samples of the arms' problems
 through ``stages.curate`` (once a run), the seconds each arm is charged for them, and the curriculum each arm reads.
 
-Under ``stage_one_filter formal`` stage one is the formal recipe's (``configs/curate_r1_distill_1p5b.yaml``'s
-pass-rate filter and order): an off-policy arm trains on its kept rows, in its order, and is charged the start's
+Under ``stage_one_filter formal`` stage one is the formal machine's filtered one
+(``configs/curate_r1_distill_1p5b_filtered.yaml``'s pass-rate filter and order): an off-policy arm trains on its kept rows, in its order, and is charged the start's
 pass-rate sampling too; a run's ``+all`` (run 4's arm N) trains on every arm problem instead
 (``bench/learning/run-4-plan.md``).
 """
@@ -70,7 +70,7 @@ def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict
         if not rows:
             raise NothingToTrain(f"stage one's filter (stage_one_filter formal) kept none of its {meta.get('measured', '?')} "
                                  "problems: it keeps only problems the teacher solved at least once (configs/"
-                                 "curate_r1_distill_1p5b.yaml); a teacher that solves some, or '+all' / "
+                                 "curate_r1_distill_1p5b_filtered.yaml); a teacher that solves some, or '+all' / "
                                  "--stage_one_filter none")
     if spec.off_policy:
         best: dict[str, str] = {}
@@ -146,10 +146,10 @@ def stage_one_cached(cfg: LearningConfig) -> list[dict]:
 
 
 def formal_stage_one_filter() -> dict:
-    """The formal recipe's stage-one filter (``configs/curate_r1_distill_1p5b.yaml``): the start's samples per problem
+    """The formal machine's stage-one filter (``configs/curate_r1_distill_1p5b_filtered.yaml``): the start's samples per problem
     for its pass rate, the pass-rate band, the share of teacher-solved problems the start never solves kept anyway,
     the order, and the sampling temperature the pass rates are measured at."""
     import yaml
 
-    recipe = yaml.safe_load((ROOT / "configs" / "curate_r1_distill_1p5b.yaml").read_text())
+    recipe = yaml.safe_load((ROOT / "configs" / "curate_r1_distill_1p5b_filtered.yaml").read_text())
     return {k: recipe[k] for k in ("student_samples", "band_low", "band_high", "zero_pass_share", "order", "temperature")}

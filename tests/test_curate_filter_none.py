@@ -442,9 +442,9 @@ def test_stage_two_trains_on_an_unfiltered_curriculum(tmp_path, tiny_model_dir, 
     assert trained and trained <= {r["problem_id"] for r in cur}
 
 
-def test_the_unfiltered_formal_config_is_the_formal_one_with_filter_none():
-    """configs/curate_r1_distill_1p5b_all.yaml differs from the formal stage one by its filter alone (and the settings
-    only the filter reads), and by the seconds the student's samples took there."""
+def test_the_formal_stage_one_is_the_filtered_one_with_filter_none():
+    """configs/curate_r1_distill_1p5b.yaml (the formal stage one) differs from configs/curate_r1_distill_1p5b_filtered.yaml
+    by its filter alone (and the settings only the filter reads), and by the seconds the student's samples took there."""
     from dataclasses import asdict
 
     from data_tools.config import parse_config
@@ -452,17 +452,18 @@ def test_the_unfiltered_formal_config_is_the_formal_one_with_filter_none():
 
     env = {"STUDENT_MODEL": "/models/student", "TEACHER_MODEL": "/models/teacher", "TRAIN_DATA": "/data/train.parquet",
            "OUTPUT_DIR": "/tmp/opd-test-filter-unused"}
-    (formal,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b.yaml")], env=env)
-    (unfiltered,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b_all.yaml")],
+    (filtered,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b_filtered.yaml")],
+                               env=env)
+    (unfiltered,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b.yaml")],
                                  env=env)
-    assert (formal.filter, unfiltered.filter) == ("pass_rate", "none")
+    assert (filtered.filter, unfiltered.filter) == ("pass_rate", "none")
     only_filter = {"filter", "student_samples", "band_low", "band_high", "zero_pass_share", "n_buckets", "order",
                    "time_share"}
     # the student's samples' share of stage one's seconds goes to training: the teacher's 4 of 12 samples a problem
-    share = formal.time_share * formal.teacher_samples / (formal.teacher_samples + formal.student_samples)
+    share = filtered.time_share * filtered.teacher_samples / (filtered.teacher_samples + filtered.student_samples)
     assert unfiltered.time_share == pytest.approx(round(share, 2)) == 0.07
     assert {k: v for k, v in asdict(unfiltered).items() if k not in only_filter} == {
-        k: v for k, v in asdict(formal).items() if k not in only_filter}
+        k: v for k, v in asdict(filtered).items() if k not in only_filter}
 
 
 @pytest.mark.slow

@@ -152,7 +152,7 @@ def test_formal_recipe_configs_set_style_and_profile():
     import yaml
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    for name in ("curate_r1_distill_1p5b.yaml", "opd_r1_distill_1p5b.yaml"):
+    for name in ("curate_r1_distill_1p5b.yaml", "curate_r1_distill_1p5b_filtered.yaml", "opd_r1_distill_1p5b.yaml"):
         cfg = yaml.safe_load((root / name).read_text())
         assert (cfg["prompt_style"], cfg["grader_profile"], cfg.get("answer_filter", "math")) == ("formal", "formal", "math")
 

@@ -14,7 +14,8 @@ import pytest
 from stages import rehearse
 
 REPO = Path(__file__).resolve().parents[1]
-FORMAL_CURATE = REPO / "configs" / "curate_r1_distill_1p5b.yaml"
+FORMAL_CURATE = REPO / "configs" / "curate_r1_distill_1p5b.yaml"  # filter none: the teacher alone samples
+FILTERED_CURATE = REPO / "configs" / "curate_r1_distill_1p5b_filtered.yaml"  # the student's pass-rate filter
 FORMAL_TRAIN = REPO / "configs" / "opd_r1_distill_1p5b.yaml"
 
 
@@ -23,7 +24,7 @@ def test_plan_of_the_formal_recipe():
     # two SFT steps of 64 at 8 passes need 16 solutions; 16 / 0.75 kept -> 22 problems
     assert p["R_CHUNK"] == math.ceil(2 * 64 / 8 / 0.75) == 22
     assert p["R_RESERVE"] == 120  # a tenth of the clock, under the recipe's 900
-    assert p["R_WARMUP"] == pytest.approx(600 / (0.8 * 42300), abs=1e-6)  # the same share of the real window
+    assert p["R_WARMUP"] == pytest.approx(600 / ((1 - 0.07) * 42300), abs=1e-6)  # the same share of the real window
     assert rehearse.plan(FORMAL_CURATE, FORMAL_TRAIN, 1200, workers=8)["R_CHUNK"] == 8  # 8 a worker at least
     assert rehearse.plan(FORMAL_CURATE, REPO / "configs" / "demo_cpu.yaml", 300)["R_RESERVE"] == 60
 
@@ -52,7 +53,7 @@ def test_a_recipe_that_leaves_trainer_settings_out_gets_the_trainers_defaults(tm
     proj = [rehearse.project(rates, med, ex, curate, t, 43200, 900, 0.0, 10.0) for t in (silent, spelled)]
     assert proj[0] == proj[1]
     every, hedges = trainer.ckpt_every_minutes * 60, trainer.ckpt_hedge_fractions
-    window = 43200 - 900 - 0.2 * (43200 - 900)
+    window = 43200 - 900 - curate["time_share"] * (43200 - 900)
     assert dict(proj[0])["saves"].startswith(f"{int(hedges[0] * window / every) + len(hedges) + 1} x ")
 
 
@@ -96,7 +97,7 @@ def test_report_passes_a_complete_rehearsal_and_projects_the_real_clock(tmp_path
     run = tmp_path / "run"
     # hedges at 100 + 0.8 x 440 = 452 s (step 5 ends past it) and 496 s (step 6, the last)
     _write_run(run, ends=[150, 200, 300, 420, 460, 510], saves={5: [0.8], 6: [0.9]})
-    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    rep = rehearse.build_report(run, FILTERED_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
     by = {p.name: p for p in rep.phases}
     assert by["set-up"].seconds == 10
     assert by["stage one: teacher"].seconds == 10 and by["stage one: teacher"].tokens_per_s == 20 * 4 * 100 / 10
@@ -213,10 +214,11 @@ def test_a_rehearsal_of_stage_one_without_its_filter_projects_every_row_and_its_
     assert by["curriculum"].ok and by["curriculum"].detail.startswith(
         "15285 rows (filter none: every problem), 15 with a verified teacher solution from 20 problems measured")
     proj = dict(rep.projection)
-    # 0.5 s a problem, the teacher's alone: (8,460 - 10 - 15) / 0.5 = 16,870, more than the 15,285 there are
-    assert proj["stage one problems measured"].startswith("~15,285 (0.50 s a problem, the teacher alone (filter none)")
+    # 0.07 x 42,300 = 2,961 s; 0.5 s a problem, the teacher's alone: (2,961 - 10 - 15) / 0.5 = 5,872 problems
+    assert proj["stage one budget"].startswith("2961 s")
+    assert proj["stage one problems measured"].startswith("~5,872 (0.50 s a problem, the teacher alone (filter none)")
     assert proj["curriculum rows"] == "15,285 (filter none: every usable problem)"
-    sols = int(15285 * 15 / 20)
+    sols = int(5872 * 15 / 20)
     assert proj["verified teacher solutions"].startswith(f"~{sols:,} (the rehearsal's share 15/20")
     assert proj["SFT steps"].startswith(f"~{int(8 * sols / 64):,} x 8.0 s") and f"over ~{sols:,} solutions" in proj["SFT steps"]
     # no verified solution at all: the SFT phase has nothing to train on
@@ -236,7 +238,7 @@ def test_a_band_that_kept_nothing_fails_the_rehearsal_and_projects_every_row(tmp
         {"config": {"filter": "pass_rate"}, "timings": {"engine_startup_s": 15.0},
          "counts": {"problems_measured": 20, "curriculum": 15285, "teacher_solutions": 0, "problems": 15285,
                     "filter_fallback": True}}))
-    rep = rehearse.build_report(run, FORMAL_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
+    rep = rehearse.build_report(run, FILTERED_CURATE, FORMAL_TRAIN, 43200, 900, 0.0, vllm_on=False)
     cur = {p.name: p for p in rep.phases}["curriculum"]
     assert not cur.ok and cur.detail == ("the pass-rate band kept none of 20 problems measured: 15285 rows, every "
                                          "problem instead (0 with a verified teacher solution)")
@@ -285,13 +287,14 @@ def test_cpu_miniature_of_the_formal_rehearsal(tmp_path):
     rep = json.loads((rdir / "rehearsal.json").read_text())
     assert rep["ok"] and all(p["ok"] for p in rep["phases"])
     names = [p["name"] for p in rep["phases"]]
-    assert {"stage one: teacher", "stage one: student", "SFT steps", "hand-over", "on-policy steps",
-            "exports"} <= set(names)
+    assert {"stage one: teacher", "curriculum", "SFT steps", "hand-over", "on-policy steps", "exports"} <= set(names)
+    assert "stage one: student" not in names  # filter none: the teacher alone samples
     kept = sorted(p.name for p in (rdir / "checkpoints").glob("checkpoint-*"))
     assert kept and [n for n in names if n.endswith("(transformers)")] == [f"load {k} (transformers)" for k in
                                                                           sorted(kept, key=lambda k: int(k[11:]))]
     man = json.loads((rdir / "curate" / "manifest.json").read_text())
     assert man["rehearsal"]["value"] == "0.5" and man["config"]["max_tokens"] == 8192  # the formal lengths
+    assert man["config"]["filter"] == "none" and man["counts"]["curriculum"] == 200  # every problem a row
     first = json.loads((rdir / "metrics" / "train.jsonl").read_text().splitlines()[0])
     assert first["engine"] == "hf-generate-fast"  # use_vllm's fallback where vLLM cannot run
     assert ("projected for the real clock on one engine worker, the formal machine's layout (one GPU)"

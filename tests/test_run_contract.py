@@ -147,15 +147,16 @@ def test_plan_formal_recipe_prints_every_config_and_budget(tmp_path):
     for f in ("configs/curate_r1_distill_1p5b.yaml", "configs/opd_r1_distill_1p5b.yaml",
               "configs/eval/math500_pass_at_1.yaml", "configs/eval/aime24_25_at32.yaml"):
         assert f in out
-    assert "set-up + stage one     8460 s" in out and "training              33840 s" in out
+    # the formal stage one is unfiltered: the teacher alone samples, on a third of the filtered one's seconds
+    assert "set-up + stage one     2961 s  (share 0.07" in out and "training              39339 s" in out
     assert "final export            900 s" in out and "only if the time left covers" in out
-    assert "configs/curate_r1_distill_1p5b.yaml  (the student's pass-rate filter)" in out
-    # the unfiltered stage one: its filter and its share (a third of the formal one's seconds) in the plan
+    assert "configs/curate_r1_distill_1p5b.yaml  (filter none: the teacher alone samples, every problem a row)" in out
+    # the filtered stage one: its filter and its share in the plan
     r = _run_sh("--plan", "r1_distill_1p5b", env={**env, "STUDENT_MODEL": s, "TEACHER_MODEL": s,
-                                                  "CURATE_CONFIG": "configs/curate_r1_distill_1p5b_all.yaml"})
+                                                  "CURATE_CONFIG": "configs/curate_r1_distill_1p5b_filtered.yaml"})
     assert r.returncode == 0, r.stderr
-    assert ("configs/curate_r1_distill_1p5b_all.yaml  (filter none: the teacher alone samples, every problem a row)"
-            in r.stdout) and "set-up + stage one     2961 s  (share 0.07" in r.stdout
+    assert ("configs/curate_r1_distill_1p5b_filtered.yaml  (the student's pass-rate filter)" in r.stdout
+            and "set-up + stage one     8460 s  (share 0.2" in r.stdout and "training              33840 s" in r.stdout)
 
 
 def test_plan_without_argument_picks_the_demo_and_says_why(tmp_path):
