@@ -409,7 +409,7 @@ def arm_recipe(cfg: LearningConfig, name: str) -> dict:
     offset = stage_one_seconds(cfg, name)
     recipe = train_recipe(cfg, arm, student=student, curriculum=cur, out_dir=cfg.dir / "arms" / name,
                           learning_rate=lr, seed=seed, options=cfg.run_options(name), window_s=cfg.budget_s - offset)
-    if stage_one_filtered(cfg, name):  # the formal recipe's order over stage one's kept rows (curriculum: ordered)
+    if stage_one_filtered(cfg, name):  # the filtered stage one's order over its kept rows (curriculum: ordered)
         recipe["curriculum"] = "ordered"
     return recipe
 

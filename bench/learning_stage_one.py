@@ -63,7 +63,7 @@ def arm_curriculum(cfg: LearningConfig, arm: str, name: str, verified: list[dict
     if not (spec.off_policy or spec.stated_answer):
         return base
     rows = read_rows(base)
-    if stage_one_filtered(cfg, name):  # the formal recipe's stage one: its kept rows, in its order
+    if stage_one_filtered(cfg, name):  # the pass-rate-filtered stage one: its kept rows, in its order
         meta = stage_one_meta(cfg) or {}
         by_id = {r["problem_id"]: r for r in rows}
         rows = [{**by_id[pid], "curriculum_index": i} for i, pid in enumerate(meta.get("kept") or []) if pid in by_id]

@@ -1,4 +1,4 @@
-"""Stage one: curate a difficulty-ordered curriculum with vLLM.
+"""Stage one: verified teacher solutions and the curriculum built from them (vLLM where it runs, else the hf engine).
 
     python -m stages.curate --config configs/curate_demo_cpu.yaml [--field value ...]
 
