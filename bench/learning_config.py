@@ -258,8 +258,8 @@ class LearningConfig:
     stage_one_problems: int = field(default=6000, metadata={"help": "Stage one (arms d, f, h, i, j): training problems the teacher samples."})
     stage_one_samples: int = field(default=1, metadata={"help": "Stage one (arms d, f, h, i, j): teacher samples per problem."})
     stage_one_filter: str = field(default="none", metadata={
-        "help": "formal: the pass-rate-filtered stage one (configs/curate_r1_distill_1p5b_filtered.yaml's student_samples, "
-                "band_low / band_high, zero_pass_share, order): the start sampled for its pass rate, the band filter, the "
+        "help": "formal: the pass-rate-filtered stage one (configs/curate_r1_distill_1p5b_filtered.yaml's "
+                "student_samples, band_low / band_high, zero_pass_share, order): the start sampled for its pass rate, the band filter, the "
                 "easy-to-hard order; the off-policy arms train on its kept rows in that order and are charged its "
                 "teacher and student seconds ('+all' on a run name: every arm problem instead, the teacher's seconds "
                 "only). none: every arm problem, shuffled, the teacher's seconds only."})

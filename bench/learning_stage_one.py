@@ -1,10 +1,10 @@
 """Stage one of bench/learning.py's off-policy arms (d, f, h, i, j): the teacher's samples of the arms' problems
 through ``stages.curate`` (once a run), the seconds each arm is charged for them, and the curriculum each arm reads.
 
-Under ``stage_one_filter formal`` stage one is the formal machine's filtered one
-(``configs/curate_r1_distill_1p5b_filtered.yaml``'s pass-rate filter and order): an off-policy arm trains on its kept rows, in its order, and is charged the start's
-pass-rate sampling too; a run's ``+all`` (run 4's arm N) trains on every arm problem instead
-(``bench/learning/run-4-plan.md``).
+Under ``stage_one_filter formal`` stage one is the pass-rate-filtered one
+(``configs/curate_r1_distill_1p5b_filtered.yaml``'s filter and order): an off-policy arm trains on its kept rows, in
+its order, and is charged the start's pass-rate sampling too; a run's ``+all`` (run 4's arm N) trains on every arm
+problem instead (``bench/learning/run-4-plan.md``).
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def stage_one_cached(cfg: LearningConfig) -> list[dict]:
 
 
 def formal_stage_one_filter() -> dict:
-    """The formal machine's stage-one filter (``configs/curate_r1_distill_1p5b_filtered.yaml``): the start's samples per problem
-    for its pass rate, the pass-rate band, the share of teacher-solved problems the start never solves kept anyway,
+    """The pass-rate filter of ``configs/curate_r1_distill_1p5b_filtered.yaml``: the start's samples per problem for its
+    pass rate, the pass-rate band, the share of teacher-solved problems the start never solves kept anyway,
     the order, and the sampling temperature the pass rates are measured at."""
     import yaml
 

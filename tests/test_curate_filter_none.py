@@ -443,8 +443,9 @@ def test_stage_two_trains_on_an_unfiltered_curriculum(tmp_path, tiny_model_dir, 
 
 
 def test_the_formal_stage_one_is_the_filtered_one_with_filter_none():
-    """configs/curate_r1_distill_1p5b.yaml (the formal stage one) differs from configs/curate_r1_distill_1p5b_filtered.yaml
-    by its filter alone (and the settings only the filter reads), and by the seconds the student's samples took there."""
+    """configs/curate_r1_distill_1p5b.yaml (the formal stage one) differs from
+    configs/curate_r1_distill_1p5b_filtered.yaml by its filter alone (and the settings only the filter reads), and by
+    the seconds the student's samples took there."""
     from dataclasses import asdict
 
     from data_tools.config import parse_config
@@ -452,10 +453,9 @@ def test_the_formal_stage_one_is_the_filtered_one_with_filter_none():
 
     env = {"STUDENT_MODEL": "/models/student", "TEACHER_MODEL": "/models/teacher", "TRAIN_DATA": "/data/train.parquet",
            "OUTPUT_DIR": "/tmp/opd-test-filter-unused"}
-    (filtered,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b_filtered.yaml")],
-                               env=env)
-    (unfiltered,) = parse_config([CurateConfig], ["--config", str(REPO / "configs" / "curate_r1_distill_1p5b.yaml")],
-                                 env=env)
+    configs = REPO / "configs"
+    (filtered,) = parse_config([CurateConfig], ["--config", str(configs / "curate_r1_distill_1p5b_filtered.yaml")], env=env)
+    (unfiltered,) = parse_config([CurateConfig], ["--config", str(configs / "curate_r1_distill_1p5b.yaml")], env=env)
     assert (filtered.filter, unfiltered.filter) == ("pass_rate", "none")
     only_filter = {"filter", "student_samples", "band_low", "band_high", "zero_pass_share", "n_buckets", "order",
                    "time_share"}

@@ -443,8 +443,9 @@ def test_stage_one_filter_formal_keeps_its_rows_in_order_and_charges_the_student
     assert stage_one_filtered(cfg, "d") and not stage_one_filtered(cfg, "d+all") and not stage_one_filtered(cfg, "c")
     assert arm_recipe(cfg, "j")["curriculum"] == "ordered" and arm_recipe(cfg, "j+all")["curriculum"] == "shuffled"
     assert cfg.label("j+all").endswith("every arm problem (no stage-one filter)")
+    # configs/curate_r1_distill_1p5b_filtered.yaml's
     assert formal_stage_one_filter() == dict(student_samples=8, band_low=0.0, band_high=1.0, zero_pass_share=0.25,
-                                             order="easy_to_hard", temperature=1.0)  # curate_r1_distill_1p5b_filtered.yaml's
+                                             order="easy_to_hard", temperature=1.0)
     (cfg.dir / "data" / "stage_one.json").write_text(json.dumps(
         {"seconds": 1.0, "student_seconds": 1.0, "filter": "formal", "kept": [], "measured": 5}))
     with pytest.raises(NothingToTrain, match="kept none of its 5 problems: it keeps only problems the teacher solved"):
