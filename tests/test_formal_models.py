@@ -233,3 +233,22 @@ def test_building_the_tokenizer_leaves_nothing_in_the_temporary_directory(tmp_pa
     monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
     fm.build_tokenizer(ranks=1000)
     assert list(tmp_path.iterdir()) == [] and "TIKTOKEN_CACHE_DIR" not in __import__("os").environ
+
+
+def test_help_and_shapes_need_no_training_stack():
+    """``--help`` and the shape tables import nothing heavy: a machine without torch (the orchestrator's, a login node)
+    can read how to write the formal pair before it has the stack that writes it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('torch', 'transformers', 'tokenizers', "
+            "'safetensors')]; sys.argv = ['formal_models', '--help']; import runpy; "
+            "runpy.run_module('data_tools.formal_models', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-800:]
+    assert out.stdout.startswith("usage: formal_models") and "--which" in out.stdout
+    shapes = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
+                             "from data_tools.formal_models import SHAPES, shape_kwargs; "
+                             "print(shape_kwargs(SHAPES['teacher'])['hidden_size'])"],
+                            capture_output=True, text=True, timeout=60)
+    assert shapes.returncode == 0 and shapes.stdout.strip() == "1536", shapes.stderr[-800:]
