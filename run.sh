@@ -87,7 +87,9 @@ if [ "$name" = r1_distill_1p5b ]; then  # without them its configs would fall ba
   unset_vars=$(for v in STUDENT_MODEL TEACHER_MODEL; do [ -n "${!v:-}" ] || printf '%s ' "$v"; done)
   if [ -n "$unset_vars" ]; then
     echo "run.sh: recipe r1_distill_1p5b needs STUDENT_MODEL and TEACHER_MODEL, local model directories (unset: ${unset_vars% });" \
-         "the CPU demo is: bash run.sh demo_cpu" >&2
+         "the CPU demo is: bash run.sh demo_cpu; to see this recipe's plan without the real models:" \
+         ".venv/bin/python -m data_tools.formal_models --out DIR --tiny, then STUDENT_MODEL=DIR/student" \
+         "TEACHER_MODEL=DIR/teacher bash run.sh r1_distill_1p5b --plan" >&2
     exit 2
   fi
 fi

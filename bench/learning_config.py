@@ -258,7 +258,8 @@ class LearningConfig:
     stage_one_problems: int = field(default=6000, metadata={"help": "Stage one (arms d, f, h, i, j): training problems the teacher samples."})
     stage_one_samples: int = field(default=1, metadata={"help": "Stage one (arms d, f, h, i, j): teacher samples per problem."})
     stage_one_filter: str = field(default="none", metadata={
-        "help": "formal: the pass-rate-filtered stage one (configs/curate_r1_distill_1p5b_filtered.yaml's "
+        "help": "filtered (or formal, its first name, which the logged commands use: the formal stage one was "
+                "filtered then): the pass-rate-filtered stage one (configs/curate_r1_distill_1p5b_filtered.yaml's "
                 "student_samples, band_low / band_high, zero_pass_share, order): the start sampled for its pass rate, the band filter, the "
                 "easy-to-hard order; the off-policy arms train on its kept rows in that order and are charged its "
                 "teacher and student seconds ('+all' on a run name: every arm problem instead, the teacher's seconds "
@@ -311,6 +312,8 @@ class LearningConfig:
         for name, value in PRESETS[self.preset].items():
             if getattr(self, name) == defaults[name]:  # a flag given on the command line wins over the preset
                 setattr(self, name, value)
+        if self.stage_one_filter == "filtered":  # one value within: run names and saved configs keep 'formal'
+            self.stage_one_filter = "formal"
         if not self.out:
             raise ValueError("--out is required (a run directory outside the repo)")
         if self.task not in TASKS:
@@ -432,7 +435,7 @@ class LearningConfig:
                     step = opts.get("batch", self.per_device_train_batch_size) // opts.get("spg", 1)
                     self.accumulation_steps(step, with_sft=bool(spec.off_policy), name=a)
         if self.stage_one_filter not in ("none", "formal"):
-            raise ValueError(f"stage_one_filter must be 'none' or 'formal', got {self.stage_one_filter!r}")
+            raise ValueError(f"stage_one_filter must be 'none', 'filtered' or 'formal', got {self.stage_one_filter!r}")
         if self.sft_filter not in ("verified", "none"):
             raise ValueError(f"sft_filter must be 'verified' or 'none', got {self.sft_filter!r}")
         if self.eval_temperature <= 0 or self.temperature <= 0:

@@ -376,10 +376,15 @@ def main(argv: list[str] | None = None) -> int:
             dest = write_model(cfg, tok, Path(a.out) / w, seed=a.seed + (1000 if w.startswith("teacher") else 0),
                                dtype=a.dtype, shard_gib=a.shard_gib,
                                source={"shape_of": NAMES[w], "tiny": a.tiny, "parameters": n})
-            print(f"{w}: {NAMES[w]}{' (tiny)' if a.tiny else ''} shape, {n / 1e9:.3f}B parameters, "
+            count = f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+            print(f"{w}: {NAMES[w]}{' (tiny)' if a.tiny else ''} shape, {count} parameters, "
                   f"random {a.dtype} weights -> {dest}", flush=True)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"formal_models: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # the system python of a machine without the stack: say which, not a traceback
+        print(f"formal_models: error: {e}: writing models needs torch, transformers, tokenizers and safetensors "
+              "(make setup's .venv: .venv/bin/python -m data_tools.formal_models ...)", file=sys.stderr)
         return 2
     return 0
 

@@ -235,7 +235,7 @@ def test_building_the_tokenizer_leaves_nothing_in_the_temporary_directory(tmp_pa
     assert list(tmp_path.iterdir()) == [] and "TIKTOKEN_CACHE_DIR" not in __import__("os").environ
 
 
-def test_help_and_shapes_need_no_training_stack():
+def test_help_and_shapes_need_no_training_stack(tmp_path):
     """``--help`` and the shape tables import nothing heavy: a machine without torch (the orchestrator's, a login node)
     can read how to write the formal pair before it has the stack that writes it."""
     import subprocess
@@ -252,3 +252,10 @@ def test_help_and_shapes_need_no_training_stack():
                              "print(shape_kwargs(SHAPES['teacher'])['hidden_size'])"],
                             capture_output=True, text=True, timeout=60)
     assert shapes.returncode == 0 and shapes.stdout.strip() == "1536", shapes.stderr[-800:]
+    # writing models without the stack: one line that names what is missing, exit 2, nothing written
+    argv = f"'--out', {str(tmp_path / 'fm')!r}, '--tiny'"
+    write = subprocess.run([sys.executable, "-c", code.replace("'--help'", argv)], capture_output=True, text=True,
+                           timeout=60)
+    assert write.returncode == 2 and "Traceback" not in write.stderr, write.stderr[-800:]
+    assert "writing models needs torch, transformers, tokenizers and safetensors" in write.stderr
+    assert not (tmp_path / "fm").exists()

@@ -455,6 +455,8 @@ def test_stage_one_filter_formal_keeps_its_rows_in_order_and_charges_the_student
         LearningConfig(out=str(tmp_path / "n"), arms="j+all")  # the filter off: +all would be the arm itself
     with pytest.raises(ValueError, match=r"\+all"):
         LearningConfig(out=str(tmp_path / "n2"), stage_one_filter="formal", arms="c+all")  # no stage one
+    # 'filtered' names the same stage one (the formal stage one no longer filters); 'formal' stays for logged commands
+    assert LearningConfig(out=str(tmp_path / "f2"), stage_one_filter="filtered", arms="j").stage_one_filter == "formal"
     with pytest.raises(ValueError, match="stage_one_filter must be"):
         LearningConfig(out=str(tmp_path / "n3"), stage_one_filter="band")
 
